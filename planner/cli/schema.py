@@ -1,0 +1,30 @@
+"""``plan schema``: print the JSON Schema of the planner's documents."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training
+
+DOCUMENTS = {
+    "plan": Plan,
+    "model": ModelSpec,
+    "cluster": Cluster,
+    "training": Training,
+    "strategy": Strategy,
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("schema", help="print the JSON Schema of a document type")
+    parser.add_argument(
+        "document", nargs="?", default="plan", choices=sorted(DOCUMENTS),
+        help="which document (default: plan)",
+    )  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(json.dumps(DOCUMENTS[args.document].model_json_schema(), indent=2))
+    return 0

@@ -1,0 +1,135 @@
+"""The operator graph: what :mod:`planner.trace` produces and the cost model reads.
+
+Plain frozen dataclasses with no torch objects, so the cost model and the solvers can
+be tested without torch. A model is a sequence of *segments* in execution order
+(embedding, block 0, block 1, ..., head); segments with the same structure share one
+*segment type*, so a 96-layer GPT holds one block type whose operators are stored
+once. Units: FLOPs are floating-point operations (a multiply-add is 2), sizes are
+bytes, shapes are per micro-batch as traced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = ["OpKind", "OpNode", "SegmentType", "Segment", "OpGraph"]
+
+
+class OpKind(StrEnum):
+    MATMUL = "matmul"  # linear layers, bmm, einsum-like contractions
+    CONV = "conv"
+    ATTENTION = "attention"  # fused scaled-dot-product attention (QK^T, softmax, PV)
+    SOFTMAX = "softmax"
+    NORM = "norm"  # layer norm, rms norm and their pieces
+    ELEMENTWISE = "elementwise"  # activations, adds, multiplies, casts
+    EMBEDDING = "embedding"
+    LOSS = "loss"
+    REDUCTION = "reduction"  # sum, mean, pooling
+    VIEW = "view"  # reshape, transpose, slicing: no FLOPs, no traffic
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One operator of one micro-batch's forward pass.
+
+    ``gemm`` is ``(batch, m, n, k)`` for matmuls and attention (per head group, the
+    product counted in FLOPs). ``saved_bytes`` is what autograd keeps for backward.
+    ``inputs`` names producer nodes in the same segment type (edges).
+    """
+
+    name: str
+    kind: OpKind
+    target: str  # the aten/torch op or module class, for people and for matching traces
+    module: str  # FQN relative to the segment root ("attention.wq"); "" for the root
+    inputs: tuple[str, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shape: tuple[int, ...]
+    dtype: str
+    flops_fwd: float
+    flops_bwd: float
+    bytes_read: float
+    bytes_written: float
+    param_count: int = 0
+    param_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    gemm: tuple[int, int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class SegmentType:
+    """The operators shared by every segment of one structure."""
+
+    type_id: str  # structural hash
+    kind: str  # "embedding", "block" or "head" (or "other" for user models)
+    nodes: tuple[OpNode, ...]
+
+    @property
+    def flops_fwd(self) -> float:
+        return sum(n.flops_fwd for n in self.nodes)
+
+    @property
+    def flops_bwd(self) -> float:
+        return sum(n.flops_bwd for n in self.nodes)
+
+    @property
+    def param_count(self) -> int:
+        return sum(n.param_count for n in self.nodes)
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(n.param_bytes for n in self.nodes)
+
+    @property
+    def saved_bytes(self) -> float:
+        return sum(n.saved_bytes for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One occurrence of a segment type at module path ``fqn`` (e.g. ``layers.3``).
+
+    ``modules`` lists the top-level module FQNs it covers, the unit a pipeline stage
+    split names.
+    """
+
+    fqn: str
+    type_id: str
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A traced model: segments in execution order and their shared types."""
+
+    model_name: str
+    batch_size: int
+    seq_len: int
+    dtype: str
+    tracer: str  # "fx", "export" or "make_fx": which front end produced the graph
+    segments: tuple[Segment, ...]
+    types: dict[str, SegmentType] = field(hash=False)
+
+    def segment_type(self, segment: Segment) -> SegmentType:
+        return self.types[segment.type_id]
+
+    @property
+    def blocks(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if self.types[s.type_id].kind == "block")
+
+    def total(self, attribute: str) -> float:
+        """Sum of a numeric :class:`SegmentType` property over every segment."""
+        return sum(getattr(self.types[s.type_id], attribute) for s in self.segments)
+
+    @property
+    def flops_fwd(self) -> float:
+        return self.total("flops_fwd")
+
+    @property
+    def flops_bwd(self) -> float:
+        return self.total("flops_bwd")
+
+    @property
+    def param_count(self) -> int:
+        return int(self.total("param_count"))

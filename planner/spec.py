@@ -1,0 +1,479 @@
+"""Typed documents the planner reads and writes (pydantic v2).
+
+Inputs: :class:`ModelSpec` (a transformer preset), :class:`Cluster`, :class:`Training`,
+:class:`Strategy`. Output: :class:`Plan`. Every document is frozen, rejects unknown
+fields, carries ``schema_version`` and round-trips through JSON. Units are in field
+names: ``_GBps`` is 10^9 bytes per second in one direction per GPU, ``_us``
+microseconds, ``_s`` seconds, ``_bytes`` bytes, ``_gib`` 2^30 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import SpecError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Axis",
+    "Family",
+    "Activation",
+    "DType",
+    "Optimizer",
+    "RecomputeMode",
+    "Schedule",
+    "CompressionKind",
+    "TPStyle",
+    "ModelSpec",
+    "LinkTier",
+    "Cluster",
+    "Training",
+    "Compression",
+    "Strategy",
+    "MeshAxis",
+    "Prediction",
+    "Candidate",
+    "SolverStats",
+    "Plan",
+    "load_document",
+    "format_validation_error",
+]
+
+SCHEMA_VERSION = 1
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Axis(StrEnum):
+    """Device-mesh axis names ("axis" is a mesh axis; "dim" is a tensor dimension)."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+
+
+class Family(StrEnum):
+    GPT = "gpt"
+    LLAMA = "llama"
+    ENCODER = "encoder"
+
+
+class Activation(StrEnum):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class DType(StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"  # fp8 matmuls, bf16 everything else (as torchao Float8 training)
+
+
+class Optimizer(StrEnum):
+    ADAM = "adam"
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """fp32 optimizer state bytes per parameter (Adam: two moments; SGD: momentum)."""
+        return 4 if self is Optimizer.SGD else 8
+
+
+class RecomputeMode(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"  # attention core recomputed (Korthikanti et al. 2022)
+    FULL = "full"  # whole block recomputed, only its input is kept
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZERO_BUBBLE = "zero-bubble"
+
+
+class CompressionKind(StrEnum):
+    NONE = "none"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWERSGD = "powersgd"
+
+
+class TPStyle(StrEnum):
+    """Module-level tensor-parallel layouts the runtime can apply."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    SEQUENCE_PARALLEL = "sequence_parallel"
+    VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on the vocabulary dim
+    REPLICATE = "replicate"
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return cls.model_validate_json(text)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+class ModelSpec(_Doc):
+    """A decoder (gpt, llama) or encoder transformer, enough to build and cost it."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    name: str = "custom"
+    family: Family
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt | None = None  # None: same as num_heads (no GQA)
+    ffn_hidden_size: PositiveInt | None = None  # None: 4 * hidden (gelu), Llama rule (swiglu)
+    vocab_size: PositiveInt
+    seq_len: PositiveInt
+    activation: Activation | None = None  # None: swiglu for llama, gelu otherwise
+    tied_embeddings: bool = False
+    norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> Self:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})"
+            )
+        if self.family is Family.LLAMA and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def act(self) -> Activation:
+        if self.activation is not None:
+            return self.activation
+        return Activation.SWIGLU if self.family is Family.LLAMA else Activation.GELU
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.act is Activation.SWIGLU:  # Llama: 2/3 of 4h, rounded up to a multiple of 256
+            return 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+        return 4 * self.hidden_size
+
+    @property
+    def causal(self) -> bool:
+        return self.family is not Family.ENCODER
+
+    def with_seq_len(self, seq_len: int) -> ModelSpec:
+        return self.model_copy(update={"seq_len": seq_len})
+
+    def num_params(self) -> int:
+        """Parameter count of the model :func:`planner.models.build` makes from this spec."""
+        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
+        kv = self.kv_heads * self.head_dim
+        bias = self.family is not Family.LLAMA
+        attn = h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
+        mlp_mats = 3 if self.act is Activation.SWIGLU else 2
+        mlp = mlp_mats * h * f + ((f + h) if bias else 0)
+        norms = 2 * h * (2 if bias else 1)
+        block = attn + mlp + norms
+        embed = v * h + (0 if self.family is Family.LLAMA else self.seq_len * h)
+        head = 0 if self.tied_embeddings else v * h
+        final_norm = h * (2 if bias else 1)
+        return self.num_layers * block + embed + head + final_norm
+
+
+class LinkTier(_Doc):
+    """One level of the network: GPUs within ``domain_size`` talk at this speed."""
+
+    name: str
+    domain_size: PositiveInt  # GPUs reachable over this tier (8 for a DGX node)
+    bandwidth_GBps: float = Field(gt=0)  # per GPU, one direction
+    latency_us: float = Field(ge=0)
+
+
+class Cluster(_Doc):
+    """GPUs of one profile, ``gpus_per_node`` to a node.
+
+    Link bandwidths and latencies default to the GPU profile's; the ``*_GBps`` and
+    ``*_us`` fields override them for this cluster.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    gpu: str
+    num_gpus: PositiveInt
+    gpus_per_node: PositiveInt = 8
+    intra_node_GBps: float | None = Field(default=None, gt=0)
+    inter_node_GBps: float | None = Field(default=None, gt=0)
+    intra_node_latency_us: float | None = Field(default=None, ge=0)
+    inter_node_latency_us: float | None = Field(default=None, ge=0)
+    extra_tiers: tuple[LinkTier, ...] = ()  # slower tiers above the node network (sites)
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> Self:
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(
+                f"num_gpus ({self.num_gpus}) must be a multiple of gpus_per_node "
+                f"({self.gpus_per_node}) when it spans several nodes"
+            )
+        return self
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+
+class Training(_Doc):
+    """What is trained per optimizer step and in which precision."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    global_batch_size: PositiveInt  # sequences per optimizer step
+    micro_batch_size: PositiveInt | None = None  # None: the search chooses
+    seq_len: PositiveInt | None = None  # None: the model's seq_len
+    dtype: DType = DType.BF16
+    optimizer: Optimizer = Optimizer.ADAMW
+    grad_clip: bool = True
+
+
+class Compression(_Doc):
+    """Gradient compression applied to the data-parallel reduction."""
+
+    kind: CompressionKind = CompressionKind.NONE
+    rank: PositiveInt | None = None  # PowerSGD matrix rank
+    warmup_steps: int = Field(default=0, ge=0)  # PowerSGD: uncompressed steps first
+
+    @model_validator(mode="after")
+    def _check_rank(self) -> Self:
+        if self.kind is CompressionKind.POWERSGD and self.rank is None:
+            raise ValueError("compression kind 'powersgd' needs a rank (e.g. rank: 4)")
+        if self.kind is not CompressionKind.POWERSGD and self.rank is not None:
+            raise ValueError(f"rank only applies to powersgd, not {self.kind.value!r}")
+        return self
+
+
+class Strategy(_Doc):
+    """How one training step is split over GPUs.
+
+    ``dp = dp_replicate * dp_shard``. ZeRO stages shard over ``dp_shard``: 1 optimizer
+    states, 2 plus gradients, 3 plus weights (FSDP, weights gathered per block).
+    Hybrid sharding is ``zero >= 1`` with ``1 < dp_shard < dp``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    dp: PositiveInt = 1
+    dp_shard: PositiveInt | None = None  # None: dp when zero >= 1, else 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    cp: PositiveInt = 1
+    zero: Literal[0, 1, 2, 3] = 0
+    sequence_parallel: bool = False
+    recompute: RecomputeMode = RecomputeMode.NONE
+    recompute_per_stage: tuple[RecomputeMode, ...] | None = None  # overrides per pp stage
+    recompute_blocks: int | None = Field(default=None, ge=0)  # recompute first k blocks per stage
+    micro_batch_size: PositiveInt = 1
+    num_microbatches: PositiveInt = 1  # per optimizer step per data-parallel rank
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: PositiveInt = 1  # model chunks per pp rank (interleaved 1F1B)
+    compression: Compression = Compression()
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.dp % self.shard_degree:
+            raise ValueError(f"dp_shard ({self.shard_degree}) must divide dp ({self.dp})")
+        if self.zero == 0 and self.shard_degree > 1:
+            raise ValueError(f"dp_shard ({self.shard_degree}) > 1 needs zero >= 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
+            raise ValueError(
+                f"virtual_stages ({self.virtual_stages}) > 1 needs schedule 'interleaved-1f1b'"
+            )
+        if self.recompute_per_stage is not None and len(self.recompute_per_stage) != self.pp:
+            raise ValueError(
+                f"recompute_per_stage has {len(self.recompute_per_stage)} entries, pp is {self.pp}"
+            )
+        return self
+
+    @property
+    def shard_degree(self) -> int:
+        """Size of the dp_shard mesh axis."""
+        if self.dp_shard is not None:
+            return self.dp_shard
+        return self.dp if self.zero >= 1 else 1
+
+    @property
+    def replicate_degree(self) -> int:
+        return self.dp // self.shard_degree
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline model chunks in total (pp ranks times virtual stages)."""
+        return self.pp * self.virtual_stages
+
+    def recompute_for_stage(self, stage: int) -> RecomputeMode:
+        if self.recompute_per_stage is not None:
+            return self.recompute_per_stage[stage]
+        return self.recompute
+
+    def mesh_axes(self) -> tuple[MeshAxis, ...]:
+        """Mesh axes from outermost to innermost (tp innermost: it talks the most)."""
+        sizes = (
+            (Axis.PP, self.pp),
+            (Axis.DP_REPLICATE, self.replicate_degree),
+            (Axis.DP_SHARD, self.shard_degree),
+            (Axis.CP, self.cp),
+            (Axis.TP, self.tp),
+        )
+        return tuple(MeshAxis(name=name, size=size) for name, size in sizes if size > 1)
+
+    def describe(self) -> str:
+        """One line such as ``dp8(zero1) tp8 sp pp16 1f1b mb1x12 recompute=full``."""
+        parts = [f"dp{self.dp}"]
+        if self.zero:
+            hsdp = f",shard{self.shard_degree}" if 1 < self.shard_degree < self.dp else ""
+            parts[0] += f"(zero{self.zero}{hsdp})"
+        for name, size in (("tp", self.tp), ("cp", self.cp)):
+            if size > 1:
+                parts.append(f"{name}{size}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.pp > 1:
+            v = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp} {self.schedule.value}{v}")
+        parts.append(f"mb{self.micro_batch_size}x{self.num_microbatches}")
+        parts.append(f"recompute={self.recompute.value}")
+        if self.compression.kind is not CompressionKind.NONE:
+            rank = f"(r{self.compression.rank})" if self.compression.rank else ""
+            parts.append(f"compress={self.compression.kind.value}{rank}")
+        return " ".join(parts)
+
+
+class MeshAxis(_Doc):
+    name: Axis
+    size: PositiveInt
+
+
+class Prediction(_Doc):
+    """Predicted cost of one step; the breakdown adds up to ``step_time_s``."""
+
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    mfu: float  # model FLOPs / peak, fraction
+    hfu: float  # hardware FLOPs (with recompute) / peak, fraction
+    flop_convention: str
+    peak_memory_gib: float
+    memory_limit_gib: float
+    fits: bool
+    breakdown_s: dict[str, float] = {}
+    memory_gib: dict[str, float] = {}
+    reason: str = ""  # why it does not fit, or other caveats
+
+
+class Candidate(_Doc):
+    """A runner-up plan and why it lost to the chosen one."""
+
+    strategy: Strategy
+    prediction: Prediction
+    lost_because: str
+
+
+class SolverStats(_Doc):
+    candidates_enumerated: int = 0
+    candidates_costed: int = 0
+    pruned_by_memory: int = 0
+    search_time_s: float = 0.0
+    ilp_status: str = ""
+    ilp_objective: float | None = None
+    ilp_time_s: float | None = None
+    notes: tuple[str, ...] = ()
+
+
+class Plan(_Doc):
+    """The planner's answer: a runnable strategy, where it applies, and why."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    planner_version: str
+    model_name: str
+    model_fingerprint: str  # see planner.models.fingerprint
+    model: ModelSpec | None = None  # set for zoo and spec-file models
+    model_source: str = ""  # how to rebuild the model: preset name, spec path or module:function
+    cluster: Cluster
+    training: Training
+    strategy: Strategy
+    mesh: tuple[MeshAxis, ...]
+    stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk (torchtitan form)
+    tp_layout: dict[str, TPStyle] = {}  # module FQN (or pattern with *) -> layout
+    prediction: Prediction | None = None
+    runners_up: tuple[Candidate, ...] = ()
+    solver: SolverStats = SolverStats()
+
+    @model_validator(mode="after")
+    def _check_mesh(self) -> Self:
+        world = math.prod(axis.size for axis in self.mesh)
+        if world != self.strategy.world_size:
+            raise ValueError(
+                f"mesh sizes multiply to {world}, strategy needs {self.strategy.world_size}"
+            )
+        return self
+
+
+DocT = TypeVar("DocT", bound=BaseModel)
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per invalid field: where, the value given, and what is allowed."""
+    lines = [f"invalid {error.title} in {source}:"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(document)"
+        value = item.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where} = {shown[:80]}: {message}")
+    return "\n".join(lines)
+
+
+def load_document(cls: type[DocT], data: str | Path | dict[str, Any], source: str = "") -> DocT:
+    """Validate ``data`` (a dict, JSON text or a JSON file path) as ``cls``.
+
+    Raises :class:`SpecError` with one line per invalid field.
+    """
+    try:
+        if isinstance(data, Path):
+            source = source or str(data)
+            try:
+                data = data.read_text()
+            except OSError as exc:
+                raise SpecError(f"cannot read {cls.__name__} file {data}: {exc.strerror}") from exc
+        if isinstance(data, str):
+            return cls.model_validate_json(data)
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, source or cls.__name__)) from None

@@ -1,0 +1,1 @@
+"""Hardware profiles shipped as JSON data; loaded by name through :mod:`planner.hardware`."""

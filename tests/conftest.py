@@ -1,0 +1,14 @@
+"""Shared test set-up: deterministic torch on one thread, small models only."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    torch.manual_seed(0)
+    yield
