@@ -45,7 +45,7 @@ __all__ = [
     "format_validation_error",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 PositiveInt = Annotated[int, Field(ge=1)]
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from pydantic import BaseModel
+
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training
 
-DOCUMENTS = {
+DOCUMENTS: dict[str, type[BaseModel]] = {
     "plan": Plan,
     "model": ModelSpec,
     "cluster": Cluster,

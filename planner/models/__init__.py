@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 
-def _spec(name: str, family: Family, layers: int, hidden: int, heads: int, **kw: object) -> ModelSpec:
+def _spec(
+    name: str, family: Family, layers: int, hidden: int, heads: int, **kw: object
+) -> ModelSpec:
     return ModelSpec.model_validate(
         {"name": name, "family": family, "num_layers": layers, "hidden_size": hidden,
          "num_heads": heads, **kw}
@@ -120,7 +122,9 @@ def get_preset(name: str) -> ModelSpec:
     return PRESETS[name]
 
 
-def build(spec: ModelSpec, *, device: str | torch.device = "meta", seed: int | None = None) -> Transformer:
+def build(
+    spec: ModelSpec, *, device: str | torch.device = "meta", seed: int | None = None
+) -> Transformer:
     """Construct the transformer for ``spec`` on ``device`` (seeded when ``seed`` is given)."""
     with torch.device(device):
         if seed is not None:
@@ -128,7 +132,9 @@ def build(spec: ModelSpec, *, device: str | torch.device = "meta", seed: int | N
         return Transformer(spec)
 
 
-def _token_inputs(vocab_size: int, device: torch.device) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
+def _token_inputs(
+    vocab_size: int, device: torch.device
+) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
     def make(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
         if device.type == "meta":
             return (torch.empty(batch_size, seq_len, dtype=torch.long, device=device),)
@@ -190,7 +196,9 @@ def resolve_model(
             result = _import_function(source)()
         module, inputs = result if isinstance(result, tuple) else (result, None)
         if not isinstance(module, nn.Module):
-            raise SpecError(f"model path {source!r} returned {type(module).__name__}, not an nn.Module")
+            raise SpecError(
+                f"model path {source!r} returned {type(module).__name__}, not an nn.Module"
+            )
         return _from_module(source.rpartition(":")[2], source, module, inputs)
     if source.endswith(".json"):
         spec = load_document(ModelSpec, Path(source))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,7 @@ class MLPStack(nn.Module):
     def __init__(self, widths: tuple[int, ...] = (256, 1024, 1024, 256)) -> None:
         super().__init__()
         self.widths = widths
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -35,7 +37,7 @@ class SmallCNN(nn.Module):
         super().__init__()
         widths = (3, *channels)
         self.convs = nn.ModuleList(
-            nn.Conv2d(a, b, kernel_size=3, padding=1) for a, b in zip(widths, widths[1:])
+            nn.Conv2d(a, b, kernel_size=3, padding=1) for a, b in itertools.pairwise(widths)
         )
         side = 32 // 2 ** len(channels)
         self.head = nn.Linear(channels[-1] * side * side, num_classes)
@@ -53,7 +55,9 @@ class MixerBlock(nn.Module):
     def __init__(self, tokens: int, channels: int, hidden: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(channels)
-        self.token_mix = nn.Sequential(nn.Linear(tokens, hidden), nn.GELU(), nn.Linear(hidden, tokens))
+        self.token_mix = nn.Sequential(
+            nn.Linear(tokens, hidden), nn.GELU(), nn.Linear(hidden, tokens)
+        )
         self.norm2 = nn.LayerNorm(channels)
         self.channel_mix = nn.Sequential(
             nn.Linear(channels, 4 * channels), nn.GELU(), nn.Linear(4 * channels, channels)

@@ -122,7 +122,9 @@ class Transformer(nn.Module):
         self.spec = spec
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos_embeddings: nn.Embedding | None = (
-            nn.Embedding(spec.seq_len, spec.hidden_size) if spec.family is not Family.LLAMA else None
+            nn.Embedding(spec.seq_len, spec.hidden_size)
+            if spec.family is not Family.LLAMA
+            else None
         )
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
         self.norm: nn.Module | None = _norm(spec)
