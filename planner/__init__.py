@@ -7,11 +7,17 @@ runtime lives in the ``strategies`` package and is imported only when a plan is 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from planner.errors import PlannerError
 from planner.models import fingerprint, list_models, resolve_model
-from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training
+from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "__version__",
@@ -24,4 +30,23 @@ __all__ = [
     "resolve_model",
     "list_models",
     "fingerprint",
+    "parallelize",
 ]
+
+
+def parallelize(model: nn.Module, plan: Plan | str | Path, **options: Any) -> Any:
+    """Apply ``plan`` (a :class:`Plan` or a path to its JSON) to ``model`` with torch.distributed.
+
+    Call on every rank of an initialised process group (or in one process for a plan
+    whose degrees are all 1). Returns the parallel model, or for pipeline plans a
+    runner with ``step(inputs, targets) -> loss``, ``parameters()`` and ``state_dict()``.
+    ``options`` go to :func:`strategies.apply.parallelize` (``loss_fn``,
+    ``loss_parallel``). Raises
+    :class:`PlannerError` before any collective when the plan does not fit the model
+    or the world size.
+    """
+    from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
+
+    if not isinstance(plan, Plan):
+        plan = load_document(Plan, Path(plan))
+    return apply_plan(model, plan, **options)

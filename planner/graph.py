@@ -107,7 +107,7 @@ class OpGraph:
     batch_size: int
     seq_len: int
     dtype: str
-    tracer: str  # "fx", "export" or "make_fx": which front end produced the graph
+    tracer: str  # "fx", "export" or "draft_export": which front end produced the graph
     segments: tuple[Segment, ...]
     types: dict[str, SegmentType] = field(hash=False)
 

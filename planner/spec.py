@@ -188,7 +188,7 @@ class ModelSpec(_Doc):
         return self.family is not Family.ENCODER
 
     def with_seq_len(self, seq_len: int) -> ModelSpec:
-        return self.model_copy(update={"seq_len": seq_len})
+        return ModelSpec.model_validate({**self.model_dump(), "seq_len": seq_len})
 
     def num_params(self) -> int:
         """Parameter count of the model :func:`planner.models.build` makes from this spec."""

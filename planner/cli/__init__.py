@@ -21,7 +21,7 @@ from planner.errors import PlannerError
 __all__ = ["main", "build_parser"]
 
 # Subcommand modules in help order; each registers one subcommand.
-SUBCOMMANDS = ("schema", "models")
+SUBCOMMANDS = ("search", "explain", "estimate", "trace", "run", "models", "schema")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,154 @@
+"""Assemble a runnable :class:`~planner.spec.Plan` from a model and a chosen strategy.
+
+The search decides the strategy; this module fills in what the runtime needs besides:
+the mesh, the model fingerprint and source, the pipeline stage split as FQN lists
+(torchtitan's ``module_fqns_per_model_part`` form) and, for tensor parallelism on the
+zoo transformer, the Megatron layout. Models outside the zoo need an explicit
+``tp_layout`` (the sharding search produces one in the same ``{fqn: style}`` form).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from planner import __version__
+from planner.errors import SpecError
+from planner.models import ModelHandle, fingerprint
+from planner.spec import (
+    Activation,
+    Candidate,
+    Cluster,
+    ModelSpec,
+    Plan,
+    Prediction,
+    SolverStats,
+    Strategy,
+    TPStyle,
+    Training,
+)
+from planner.validate import find_blocks
+
+__all__ = ["assemble_plan", "megatron_layout", "even_stages"]
+
+
+def assemble_plan(
+    handle: ModelHandle,
+    cluster: Cluster,
+    training: Training,
+    strategy: Strategy,
+    *,
+    tp_layout: dict[str, TPStyle] | None = None,
+    stages: list[list[str]] | None = None,
+    prediction: Prediction | None = None,
+    runners_up: tuple[Candidate, ...] = (),
+    solver: SolverStats | None = None,
+    vocab_parallel: bool = True,
+) -> Plan:
+    """A :class:`Plan` for ``handle`` under ``strategy``, with defaults for layout and stages.
+
+    ``stages`` defaults to :func:`even_stages` when ``strategy.pp > 1``; ``tp_layout``
+    defaults to :func:`megatron_layout` when ``strategy.tp > 1`` (zoo models only).
+    """
+    if strategy.tp > 1 and tp_layout is None:
+        tp_layout = megatron_layout(
+            _zoo_spec(handle),
+            sequence_parallel=strategy.sequence_parallel,
+            vocab_parallel=vocab_parallel,
+        )
+    if strategy.pp > 1 and stages is None:
+        stages = even_stages(handle.module, strategy.num_stages)
+    return Plan(
+        planner_version=__version__,
+        model_name=handle.name,
+        model_fingerprint=fingerprint(handle.module),
+        model=handle.spec,
+        model_source=handle.source,
+        cluster=cluster,
+        training=training,
+        strategy=strategy,
+        mesh=strategy.mesh_axes(),
+        stages=tuple(tuple(chunk) for chunk in stages or ()),
+        tp_layout=dict(tp_layout or {}),
+        prediction=prediction,
+        runners_up=runners_up,
+        solver=solver or SolverStats(),
+    )
+
+
+def _zoo_spec(handle: ModelHandle) -> ModelSpec:
+    if handle.spec is None:
+        raise SpecError(
+            f"strategy.tp > 1 for model {handle.name!r}, which is not a zoo transformer: pass "
+            "tp_layout={fqn: 'colwise'|'rowwise'|'sequence_parallel'|'vocab_parallel'|"
+            "'replicate'} naming its modules"
+        )
+    return handle.spec
+
+
+def megatron_layout(
+    spec: ModelSpec, *, sequence_parallel: bool = False, vocab_parallel: bool = True
+) -> dict[str, TPStyle]:
+    """Megatron-LM tensor-parallel layout of the zoo transformer, keyed by FQN patterns.
+
+    Attention ``wq/wk/wv`` and FFN ``w1``/``w3`` are column-parallel, ``wo``/``w2``
+    row-parallel, the output head column-parallel; the token embedding is sharded on
+    the vocabulary (or replicated); norms are sequence-parallel when SP is on.
+    """
+    layout = {
+        "tok_embeddings": TPStyle.VOCAB_PARALLEL if vocab_parallel else TPStyle.REPLICATE,
+        "layers.*.attention.wq": TPStyle.COLWISE,
+        "layers.*.attention.wk": TPStyle.COLWISE,
+        "layers.*.attention.wv": TPStyle.COLWISE,
+        "layers.*.attention.wo": TPStyle.ROWWISE,
+        "layers.*.feed_forward.w1": TPStyle.COLWISE,
+        "layers.*.feed_forward.w2": TPStyle.ROWWISE,
+    }
+    if spec.act is Activation.SWIGLU:
+        layout["layers.*.feed_forward.w3"] = TPStyle.COLWISE
+    if sequence_parallel:
+        for norm in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm"):
+            layout[norm] = TPStyle.SEQUENCE_PARALLEL
+    layout["output"] = TPStyle.COLWISE
+    return layout
+
+
+def even_stages(module: nn.Module, num_chunks: int) -> list[list[str]]:
+    """Split ``module`` into ``num_chunks`` FQN lists with blocks spread evenly.
+
+    Modules registered before the block container (embeddings) join the first chunk,
+    modules after it (final norm, output head) the last; the first ``blocks % chunks``
+    chunks get one extra block.
+    """
+    blocks = [fqn for fqn, _ in find_blocks(module)]
+    if len(blocks) < num_chunks:
+        raise SpecError(
+            f"{type(module).__name__} has {len(blocks)} repeated blocks, too few for "
+            f"{num_chunks} pipeline chunks; lower pp or virtual_stages"
+        )
+    base, extra = divmod(len(blocks), num_chunks)
+    chunks: list[list[str]] = []
+    start = 0
+    for index in range(num_chunks):
+        size = base + (1 if index < extra else 0)
+        chunks.append(blocks[start : start + size])
+        start += size
+    before, after = _modules_around(module, blocks[0].rpartition(".")[0])
+    chunks[0] = before + chunks[0]
+    chunks[-1] = chunks[-1] + after
+    return chunks
+
+
+def _modules_around(module: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """FQNs of the siblings registered before and after ``container`` on its path from the root."""
+    before: list[str] = []
+    after: list[str] = []
+    parts = container.split(".") if container else []
+    current, prefix = module, ""
+    for part in parts:
+        names = [name for name, _ in current.named_children()]
+        position = names.index(part)
+        before += [prefix + name for name in names[:position]]
+        after = [prefix + name for name in names[position + 1 :]] + after
+        current = current.get_submodule(part)
+        prefix += f"{part}."
+    return before, after

@@ -1,0 +1,22 @@
+"""``plan explain plan.json``: print a saved plan's strategy, prediction and breakdown."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from planner.cli.render import render_plan
+from planner.spec import Plan, load_document
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("explain", help="print a saved plan and why it was chosen")
+    parser.add_argument("plan", type=Path, help="a plan JSON written by 'plan -o'")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    render_plan(load_document(Plan, args.plan), Console())
+    return 0

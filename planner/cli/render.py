@@ -1,0 +1,120 @@
+"""Rich tables for a plan: the chosen strategy, its breakdowns and the runners-up."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.spec import Plan, Prediction, Strategy
+
+__all__ = ["render_plan"]
+
+
+def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
+    s = strategy
+    sharding = "none" if s.zero == 0 else f"ZeRO-{s.zero} over {s.shard_degree} ranks"
+    if s.zero and 1 < s.shard_degree < s.dp:
+        sharding += f" (hybrid: {s.replicate_degree} replicas)"
+    rows = [
+        ("mesh", " x ".join(f"{a.name.value}={a.size}" for a in s.mesh_axes()) or "single GPU"),
+        ("data parallel", f"{s.dp}"),
+        ("tensor parallel", f"{s.tp}" + (" + sequence parallel" if s.sequence_parallel else "")),
+        ("pipeline parallel", f"{s.pp}"),
+        ("context parallel", f"{s.cp}"),
+        ("sharding", sharding),
+        ("recompute", s.recompute.value),
+        ("micro-batches", f"{s.num_microbatches} of {s.micro_batch_size} per step per replica"),
+    ]
+    if s.pp > 1:
+        v = f", {s.virtual_stages} virtual stages" if s.virtual_stages > 1 else ""
+        rows.append(("schedule", f"{s.schedule.value}{v}"))
+    if s.compression.kind.value != "none":
+        rank = f" rank {s.compression.rank}" if s.compression.rank else ""
+        rows.append(("gradient compression", f"{s.compression.kind.value}{rank}"))
+    return rows
+
+
+def _prediction_rows(p: Prediction) -> list[tuple[str, str]]:
+    fit = "fits" if p.fits else "does NOT fit"
+    return [
+        ("step time", f"{p.step_time_s:.3f} s"),
+        ("tokens/s per GPU", f"{p.tokens_per_s_per_gpu:,.0f}"),
+        ("model TFLOP/s per GPU", f"{p.model_tflops_per_gpu:.1f}"),
+        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}  ({p.flop_convention})"),
+        ("peak memory per GPU", f"{p.peak_memory_gib:.1f} of {p.memory_limit_gib:.1f} GiB ({fit})"),
+    ]
+
+
+def _two_columns(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _breakdown(p: Prediction) -> Table:
+    table = Table(title="Where the time and memory go", title_justify="left")
+    table.add_column("time (exposed)")
+    table.add_column("s", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("memory")
+    table.add_column("GiB", justify="right")
+    times = [(k, v) for k, v in p.breakdown_s.items() if v > 0]
+    memory = list(p.memory_gib.items())
+    for i in range(max(len(times), len(memory))):
+        t = times[i] if i < len(times) else ("", None)
+        m = memory[i] if i < len(memory) else ("", None)
+        table.add_row(
+            t[0],
+            f"{t[1]:.3f}" if t[1] is not None else "",
+            f"{t[1] / p.step_time_s:.1%}" if t[1] is not None else "",
+            m[0],
+            f"{m[1]:.2f}" if m[1] is not None else "",
+        )
+    return table
+
+
+def _runners_up(plan: Plan) -> Table:
+    table = Table(title="Runners-up", title_justify="left")
+    for column in ("strategy", "step s", "MFU", "peak GiB", "lost because"):
+        table.add_column(
+            column, justify="right" if column in ("step s", "MFU", "peak GiB") else "left"
+        )
+    for c in plan.runners_up:
+        p = c.prediction
+        table.add_row(
+            c.strategy.describe(), f"{p.step_time_s:.3f}", f"{p.mfu:.1%}",
+            f"{p.peak_memory_gib:.1f}", c.lost_because,
+        )  # fmt: skip
+    return table
+
+
+def render_plan(plan: Plan, console: Console) -> None:
+    """Print the plan as tables: strategy, prediction, breakdown, runners-up, solver."""
+    cluster = plan.cluster
+    title = (
+        f"Plan for {plan.model_name} on {cluster.num_gpus} x {cluster.gpu} "
+        f"(global batch {plan.training.global_batch_size}, {plan.training.dtype.value})"
+    )
+    console.print(_two_columns(title, _strategy_rows(plan.strategy)))
+    if plan.prediction is not None:
+        console.print(_two_columns("Predicted", _prediction_rows(plan.prediction)))
+        console.print(_breakdown(plan.prediction))
+    if plan.stages:
+        spans = "; ".join(f"{chunk[0]}..{chunk[-1]} ({len(chunk)})" for chunk in plan.stages)
+        console.print(f"[bold]pipeline stages[/bold] (first..last module, count): {spans}")
+    if plan.tp_layout:
+        layout = ", ".join(f"{fqn}={style.value}" for fqn, style in plan.tp_layout.items())
+        console.print(f"[bold]tensor-parallel layout[/bold]: {layout}")
+    if plan.runners_up:
+        console.print(_runners_up(plan))
+    s = plan.solver
+    ilp = (
+        f"; sharding ILP {s.ilp_status} in {s.ilp_time_s:.2f} s" if s.ilp_time_s is not None else ""
+    )
+    console.print(
+        f"searched {s.candidates_enumerated:,} candidates ({s.pruned_by_memory:,} pruned by "
+        f"memory, {s.candidates_costed:,} costed) in {s.search_time_s:.2f} s{ilp}"
+    )

@@ -1,0 +1,137 @@
+"""``plan search`` (also plain ``plan``): find the fastest strategy that fits, write the plan."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from planner.cli.common import add_model_args, positive_int, resolve_model_args
+from planner.cli.render import render_plan
+from planner.errors import SpecError
+from planner.io import write_text_atomic
+from planner.solve.make_plan import make_plan
+from planner.solve.search import Pins
+from planner.spec import (
+    Cluster,
+    DType,
+    Optimizer,
+    RecomputeMode,
+    Schedule,
+    Training,
+    load_document,
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "search",
+        help="search the fastest plan that fits (the default command)",
+        description="Search data/tensor/pipeline/context parallelism, ZeRO, recompute, "
+        "micro-batching and schedule for a model on a cluster; print and write the plan.",
+    )
+    add_model_args(parser)
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument(
+        "--cluster", default="h100-sxm-80gb", metavar="PROFILE|cluster.json",
+        help="a GPU profile name (see 'plan profiles') or a Cluster JSON file "
+        "(default: h100-sxm-80gb)",
+    )  # fmt: skip
+    cluster.add_argument("--gpus", type=positive_int, help="number of GPUs (with a profile name)")
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N")
+    training = parser.add_argument_group("training")
+    training.add_argument("--global-batch", type=positive_int, required=True, metavar="SEQS",
+                          help="sequences per optimizer step")  # fmt: skip
+    training.add_argument("--micro-batch", type=positive_int, metavar="SEQS",
+                          help="fix the micro-batch size (default: searched)")  # fmt: skip
+    training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
+    training.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adamw")
+    pins = parser.add_argument_group("pins (fix a dimension, search the rest)")
+    for name in ("dp", "tp", "pp", "cp"):
+        pins.add_argument(f"--{name}", type=positive_int, metavar="N")
+    pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    pins.add_argument("--dp-shard", type=positive_int, metavar="N")
+    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    pins.add_argument("--recompute", choices=[r.value for r in RecomputeMode])
+    pins.add_argument("--schedule", choices=[s.value for s in Schedule])
+    pins.add_argument("--virtual-stages", type=positive_int, metavar="V")
+    out = parser.add_argument_group("output")
+    out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
+    out.add_argument("--top-k", type=positive_int, default=5, help="runners-up to keep")
+    out.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    parser.set_defaults(func=run)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.cluster.endswith(".json"):
+        return load_document(Cluster, Path(args.cluster))
+    if args.gpus is None:
+        raise SpecError(f"--cluster {args.cluster} needs --gpus N (or pass a cluster.json)")
+    fields = {"gpu": args.cluster, "num_gpus": args.gpus, "gpus_per_node": args.gpus_per_node}
+    return load_document(Cluster, fields, "command line")
+
+
+def _pins(args: argparse.Namespace) -> Pins:
+    return Pins(
+        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero, dp_shard=args.dp_shard,
+        sequence_parallel=args.sequence_parallel,
+        recompute=RecomputeMode(args.recompute) if args.recompute else None,
+        schedule=Schedule(args.schedule) if args.schedule else None,
+        virtual_stages=args.virtual_stages,
+    )  # fmt: skip
+
+
+class _LazyProgress:
+    """A progress bar on stderr that appears only once a search has run for a second."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.started = time.perf_counter()
+        self.bar: Progress | None = None
+        self.task = TaskID(0)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if time.perf_counter() - self.started < 1.0:
+                return
+            self.bar = Progress(
+                TextColumn("searching"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                TimeElapsedColumn(), console=self.console, transient=True,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task("search", total=total)
+        self.bar.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    handle = resolve_model_args(args)
+    cluster = _cluster(args)
+    training = load_document(
+        Training,
+        {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
+         "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer},
+        "command line",
+    )  # fmt: skip
+    progress = _LazyProgress(Console(stderr=True))
+    try:
+        plan = make_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
+                         progress=progress)  # fmt: skip
+    finally:
+        progress.close()
+    if args.output is not None:
+        write_text_atomic(args.output, plan.to_json() + "\n")
+    console = Console()
+    if args.json:
+        print(plan.to_json())
+    else:
+        render_plan(plan, console)
+        if args.output is not None:
+            console.print(f"wrote {args.output}")
+    return 0

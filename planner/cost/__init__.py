@@ -1,0 +1,28 @@
+"""The calibrated cost model: step time, MFU/HFU and peak memory per GPU.
+
+Modules, each named for what it prices: :mod:`~planner.cost.compute` (operators,
+roofline), :mod:`~planner.cost.communication` (collectives, link tiers),
+:mod:`~planner.cost.memory` (model states, activations, in-flight micro-batches),
+:mod:`~planner.cost.pipeline` (schedules, stage splits), :mod:`~planner.cost.flops`
+(MFU/HFU conventions), :mod:`~planner.cost.sharding` (the tensor-parallel rule),
+:mod:`~planner.cost.model` (:class:`CostModel`), :mod:`~planner.cost.run` (the
+``plan estimate`` contract).
+"""
+
+from __future__ import annotations
+
+from planner.cost.model import CostModel, SegmentCost
+from planner.cost.options import AttentionKernel, CostOptions
+from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
+from planner.cost.spec_graph import graph_from_spec
+
+__all__ = [
+    "AttentionKernel",
+    "CostModel",
+    "CostOptions",
+    "RunConfig",
+    "SegmentCost",
+    "estimate_run",
+    "graph_from_spec",
+    "prediction_to_dict",
+]

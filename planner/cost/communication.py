@@ -1,0 +1,112 @@
+"""Collective communication time: alpha-beta with the NCCL bus-bandwidth factors.
+
+A collective over ``n`` ranks moving an array of ``S`` bytes takes
+``steps * latency + factor * S / busbw`` where ``factor`` is nccl-tests' bus factor
+(all-reduce ``2(n-1)/n``; all-gather, reduce-scatter and all-to-all ``(n-1)/n``;
+send/recv and broadcast 1) and ``busbw`` is the link's line rate times its measured
+bus-bandwidth efficiency. Ring all-gather/reduce-scatter take ``n-1`` latency steps;
+all-reduce takes the fewer of ring (``2(n-1)``) and tree (``2*ceil(log2 n)``) steps,
+as NCCL picks the faster algorithm.
+
+The link tier is the one the mesh axis spans: an axis whose ranks fit in one node
+uses the scale-up link; one that crosses nodes pays the network, with the group's
+members in one node sharing their NICs (``members_per_node * per-GPU network``, at
+most the scale-up rate); an axis wider than a slower extra tier's domain pays that tier.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from planner.hardware import HardwareProfile
+from planner.spec import Cluster
+
+__all__ = [
+    "Collective",
+    "bus_factor",
+    "latency_steps",
+    "LinkModel",
+    "collective_time",
+    "link_for_axis",
+]
+
+
+class Collective(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
+
+
+def bus_factor(kind: Collective, n: int) -> float:
+    """nccl-tests' busbw/algbw factor for ``kind`` over ``n`` ranks."""
+    if kind is Collective.ALL_REDUCE:
+        return 2 * (n - 1) / n
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (n - 1) / n
+    return 1.0
+
+
+def latency_steps(kind: Collective, n: int) -> int:
+    """Sequential message steps of the algorithm NCCL would pick."""
+    if kind is Collective.ALL_REDUCE:
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    if kind in (Collective.SEND_RECV, Collective.BROADCAST):
+        return 1 if kind is Collective.SEND_RECV else math.ceil(math.log2(n))
+    return n - 1
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A link as a collective sees it: achieved bus bandwidth (bytes/s) and step latency (s)."""
+
+    name: str
+    busbw_Bps: float
+    latency_s: float
+
+
+def collective_time(kind: Collective, size_bytes: float, n: int, link: LinkModel) -> float:
+    """Seconds for one ``kind`` collective of ``size_bytes`` (the whole array) over ``n`` ranks."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    steps = latency_steps(kind, n)
+    return steps * link.latency_s + bus_factor(kind, n) * size_bytes / link.busbw_Bps
+
+
+def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
+    link = profile.links.intra_node
+    bandwidth = cluster.intra_node_GBps or link.bandwidth_GBps
+    latency = (
+        link.latency_us if cluster.intra_node_latency_us is None else cluster.intra_node_latency_us
+    )
+    return LinkModel("intra_node", bandwidth * 1e9 * link.busbw_efficiency, latency * 1e-6)
+
+
+def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) -> LinkModel:
+    link = profile.links.inter_node
+    bandwidth = (cluster.inter_node_GBps or link.bandwidth_GBps) * 1e9 * link.busbw_efficiency
+    latency = (
+        link.latency_us if cluster.inter_node_latency_us is None else cluster.inter_node_latency_us
+    )
+    intra = _intra(cluster, profile)
+    return LinkModel(
+        "inter_node", min(members_per_node * bandwidth, intra.busbw_Bps), latency * 1e-6
+    )
+
+
+def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwareProfile) -> LinkModel:
+    """The link a mesh axis of ``size`` ranks, ``stride`` ranks apart, communicates over."""
+    span = size * stride
+    gpus_per_node = min(cluster.gpus_per_node, cluster.num_gpus)
+    if span <= gpus_per_node:
+        return _intra(cluster, profile)
+    crossed = [tier for tier in cluster.extra_tiers if span > tier.domain_size]
+    if crossed:
+        slowest = min(crossed, key=lambda tier: tier.bandwidth_GBps)
+        return LinkModel(slowest.name, slowest.bandwidth_GBps * 1e9, slowest.latency_us * 1e-6)
+    members_per_node = max(1, gpus_per_node // stride)
+    return _inter(cluster, profile, members_per_node)

@@ -1,0 +1,150 @@
+"""Operator compute time: a roofline with the profile's calibrated efficiencies.
+
+- Matmuls (and convolutions): ``max(F / (peak * matmul_efficiency), bytes / bw) +
+  matmul_overhead`` per GEMM; the fixed overhead makes efficiency saturate with size.
+  Backward runs two GEMMs of the forward's size. fp8 training uses the fp8 peak for
+  matmuls only and pays the dynamic-scaling casts as memory traffic.
+- Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
+  causal (masked blocks are skipped); its backward does 2.5x the forward's work. Unfused attention: two batched GEMMs plus the
+  scores' trips through memory (scale-mask-softmax, dropout), as Megatron ran in 2021-22.
+- Everything else is memory-bound: ``bytes / (bandwidth * memory_efficiency) +
+  kernel_overhead``; backward moves about twice the forward's bytes. With
+  ``fused_pointwise`` a run of consecutive memory-bound operators is one kernel that reads
+  the run's first input and writes its last output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner.cost.options import AttentionKernel, CostOptions
+from planner.cost.sharding import ShardKey, tp_shard, work_divisor
+from planner.graph import OpKind, OpNode
+from planner.hardware import HardwareProfile
+from planner.spec import DType
+
+__all__ = ["OpTime", "ComputeModel", "unfused_score_bytes"]
+
+_MATMUL_KINDS = (OpKind.MATMUL, OpKind.CONV)
+# FlashAttention's backward recomputes the scores: 5 GEMM-sized products against the
+# forward's 2, i.e. 2.5x the forward's FLOPs (Dao 2023, FlashAttention-2 section 3).
+_FLASH_BACKWARD_WORK = 2.5
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """Seconds for one operator on one GPU per micro-batch."""
+
+    forward_s: float
+    backward_s: float
+
+
+def unfused_score_bytes(node: OpNode, element_bytes: int, dropout: bool) -> float:
+    """Bytes of attention scores an unfused kernel keeps: softmax output, dropout mask and output."""
+    if node.gemm is None:
+        return 0.0
+    batch_heads, seq_q, seq_k, _ = node.gemm
+    per_score = element_bytes + ((1 + element_bytes) if dropout else 0)
+    return float(batch_heads * seq_q * seq_k * per_score)
+
+
+class ComputeModel:
+    """Prices the operators of one segment type for one :class:`ShardKey`."""
+
+    def __init__(self, profile: HardwareProfile, dtype: DType, options: CostOptions) -> None:
+        self.profile = profile
+        self.options = options
+        self.element_bytes = 4 if dtype is DType.FP32 else 2
+        self.fp8 = dtype is DType.FP8
+        self.matmul_peak = profile.peak_flops(dtype)
+        self.attention_peak = profile.peak_flops(DType.BF16 if dtype is DType.FP8 else dtype)
+        self.bandwidth = profile.memory_bandwidth_GBps * 1e9 * profile.memory_efficiency
+        self.kernel_s = profile.kernel_overhead_us * 1e-6
+        self.gemm_s = profile.matmul_overhead_us * 1e-6
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds for one memory-bound kernel moving ``nbytes``."""
+        return nbytes / self.bandwidth + self.kernel_s
+
+    def gemm_time(self, flops: float, nbytes: float) -> float:
+        """Seconds for one GEMM of ``flops`` touching ``nbytes``."""
+        rate = self.matmul_peak * self.profile.matmul_efficiency
+        return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
+
+    def segment_times(self, nodes: Sequence[OpNode], key: ShardKey) -> list[OpTime]:
+        """Per-node forward and backward seconds, with compiled fusion applied."""
+        times = [self.node_time(node, key) for node in nodes]
+        if self.options.fused_pointwise:
+            return self._fuse_memory_bound(nodes, times, key)
+        return times
+
+    def node_time(self, node: OpNode, key: ShardKey) -> OpTime:
+        scale = key.token_scale / work_divisor(tp_shard(node), key)
+        if node.kind in _MATMUL_KINDS:
+            flops, nbytes = node.flops_fwd * scale, (node.bytes_read + node.bytes_written) * scale
+            forward, backward = self.gemm_time(flops, nbytes), 2 * self.gemm_time(flops, nbytes)
+            if self.fp8:
+                forward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=True))
+                backward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=False))
+            return OpTime(forward, backward)
+        if node.kind is OpKind.ATTENTION:
+            return self._attention_time(node, scale)
+        nbytes = (node.bytes_read + node.bytes_written) * scale
+        if nbytes == 0 and node.flops_fwd == 0:
+            return OpTime(0.0, 0.0)
+        return OpTime(self.memory_time(nbytes), self.memory_time(2 * nbytes))
+
+    def _fp8_cast_bytes(self, node: OpNode, scale: float, *, forward: bool) -> float:
+        """Bytes moved by dynamic fp8 scaling (amax read, then read + 1-byte write) per GEMM.
+
+        Forward casts the input and the weight; backward the output gradient and the
+        transposed input and weight (torchao Float8Linear with dynamic scaling).
+        """
+        e = self.element_bytes
+        weight = node.param_bytes / e
+        inputs = (node.bytes_read - node.param_bytes) / e * scale
+        outputs = node.bytes_written / e * scale
+        elements = inputs + weight if forward else outputs + inputs + weight
+        return elements * (2 * e + 1)
+
+    def _attention_time(self, node: OpNode, scale: float) -> OpTime:
+        flops = node.flops_fwd * scale
+        if self.options.attention is AttentionKernel.FLASH:
+            work = flops * (0.5 if self.options.causal else 1.0)
+            rate = self.attention_peak * self.profile.attention_efficiency
+            backward = _FLASH_BACKWARD_WORK * work / rate + 2 * self.gemm_s
+            return OpTime(work / rate + self.gemm_s, backward)
+        scores = unfused_score_bytes(node, self.element_bytes, dropout=False) * scale
+        kept = unfused_score_bytes(node, self.element_bytes, self.options.dropout) * scale
+        io = (node.bytes_read + node.bytes_written) * scale
+        gemms = 2 * self._bmm_time(flops / 2, io / 2 + scores)  # QK^T writes, PV reads scores
+        softmax = self.memory_time(2 * scores)
+        dropout = self.memory_time(scores + kept) if self.options.dropout else 0.0
+        forward = gemms + softmax + dropout
+        backward = 2 * gemms + self.memory_time(3 * scores) + (2 * dropout if dropout else 0.0)
+        return OpTime(forward, backward)
+
+    def _bmm_time(self, flops: float, nbytes: float) -> float:
+        rate = self.attention_peak * self.profile.matmul_efficiency
+        return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
+
+    def _fuse_memory_bound(
+        self, nodes: Sequence[OpNode], times: list[OpTime], key: ShardKey
+    ) -> list[OpTime]:
+        fused = list(times)
+        run: list[int] = []
+        for index, node in enumerate([*nodes, None]):
+            if node is not None and node.kind not in (*_MATMUL_KINDS, OpKind.ATTENTION):
+                run.append(index)
+                continue
+            if len(run) > 1:
+                first, last = nodes[run[0]], nodes[run[-1]]
+                scale_first = key.token_scale / work_divisor(tp_shard(first), key)
+                scale_last = key.token_scale / work_divisor(tp_shard(last), key)
+                nbytes = first.bytes_read * scale_first + last.bytes_written * scale_last
+                for position in run:
+                    fused[position] = OpTime(0.0, 0.0)
+                fused[run[0]] = OpTime(self.memory_time(nbytes), self.memory_time(2 * nbytes))
+            run = []
+        return fused

@@ -1,0 +1,54 @@
+"""FLOP conventions for MFU and HFU, named so numbers from different sources compare.
+
+The cost model counts the graph's matmul and attention FLOPs: 2 per multiply-add, backward = 2x forward, causal attention
+whole and embedding lookups free, which is torchtitan's ``6 (N - N_embedding) + 12 l h s``
+per token and, for GPT, Megatron's ``72 B s l h^2 (1 + s/6h + V/12lh)`` per step.
+Model FLOPs (MFU) exclude recomputation; hardware FLOPs (HFU) add the recomputed
+forward FLOPs (Narayanan et al.'s ``96 B s l h^2 (1 + s/6h + V/16lh)`` with full
+recompute).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FLOP_CONVENTION",
+    "megatron_model_flops",
+    "megatron_hardware_flops",
+    "titan_model_flops",
+]
+
+FLOP_CONVENTION = (
+    "model FLOPs = 6*(N - N_embedding) + 12*l*h*s per token (Megatron 72Bslh^2(1+s/6h+V/12lh) "
+    "for GPT; causal attention counted whole; recompute excluded); HFU adds recomputed "
+    "forward FLOPs; peak = dense bf16/fp16 (bf16 for fp8 runs)"
+)
+
+
+def megatron_model_flops(
+    batch: int, seq: int, layers: int, hidden: int, vocab: int, ffn: int | None = None
+) -> float:
+    """Megatron model FLOPs per step: ``72 B s l h^2 (1 + s/6h + V/12lh)`` when ffn = 4h."""
+    ffn = ffn or 4 * hidden
+    linear = 6 * batch * seq * layers * (4 * hidden**2 + 2 * hidden * ffn)
+    attention = 12 * batch * seq**2 * layers * hidden
+    logits = 6 * batch * seq * vocab * hidden
+    return float(linear + attention + logits)
+
+
+def megatron_hardware_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Narayanan et al. hardware FLOPs with full recompute: ``96 B s l h^2 (1 + s/6h + V/16lh)``."""
+    return (
+        96
+        * batch
+        * seq
+        * layers
+        * hidden**2
+        * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    )
+
+
+def titan_model_flops(
+    tokens: float, params_non_embedding: float, layers: int, hidden: int, seq: int
+) -> float:
+    """torchtitan model FLOPs for ``tokens``: ``6 (N - N_emb) + 12 l h s`` per token."""
+    return tokens * (6 * params_non_embedding + 12 * layers * hidden * seq)

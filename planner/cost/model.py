@@ -1,0 +1,503 @@
+"""The cost model: step time and peak memory per GPU for one strategy.
+
+:class:`CostModel` prices each segment type once per :class:`ShardKey` and recompute
+mode (cached), so :meth:`CostModel.estimate` only sums cached per-segment costs over
+pipeline ranks and adds the per-step terms (data-parallel and FSDP communication,
+pipeline bubble and point-to-point, optimizer step). Every time in the breakdown is
+the *exposed* part on the critical path; the parts add up to ``step_time_s``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
+from planner.cost.compute import ComputeModel
+from planner.cost.flops import FLOP_CONVENTION
+from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.cost.options import CostOptions
+from planner.cost.pipeline import balanced_chunks, pipeline_time, rank_chunks
+from planner.cost.segment import SegmentPricer, TypeCost
+from planner.cost.sharding import ShardKey
+from planner.errors import SpecError
+from planner.graph import OpGraph, OpKind, SegmentType
+from planner.hardware import HardwareProfile, load_profile
+from planner.spec import Cluster, DType, Prediction, RecomputeMode, Schedule, Strategy, Training
+
+__all__ = ["SegmentCost", "CostModel"]
+
+_GIB = 2**30
+_COUNTED = (OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)  # FLOPs that MFU/HFU count
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """One segment's cost on one GPU per micro-batch (times in s, sizes in bytes).
+
+    ``forward_s``/``backward_s`` are compute; ``recompute_s`` is the forward re-run
+    before backward (with its communication); ``comm_tp_s``/``comm_cp_s`` are the
+    exposed tensor- and context-parallel communication of forward and backward.
+    Model states follow the strategy's ZeRO stage (before FSDP's unsharded copies).
+    """
+
+    fqn: str
+    kind: str
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    comm_tp_s: float
+    comm_cp_s: float
+    param_count: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    recompute_peak_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        """Everything this segment adds to one micro-batch's forward + backward."""
+        return self.forward_s + self.backward_s + self.recompute_s + self.comm_tp_s + self.comm_cp_s
+
+
+@dataclass
+class _Rank:
+    """What one pipeline rank holds and spends."""
+
+    segments: list[SegmentCost]
+    activation_bytes: float  # at its peak, all in-flight micro-batches
+
+    @property
+    def time_s(self) -> float:
+        return sum(s.time_s for s in self.segments)
+
+    @property
+    def params(self) -> float:
+        return sum(s.param_count for s in self.segments)
+
+    def total(self, field: str) -> float:
+        return sum(getattr(s, field) for s in self.segments)
+
+
+class CostModel:
+    """Step time and memory of ``graph`` trained as ``training`` on ``cluster``.
+
+    ``graph`` is traced at batch 1 and the training sequence length; micro-batch,
+    tensor- and context-parallel splits are applied by scaling. ``profile`` defaults
+    to the cluster's GPU profile.
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: Cluster,
+        training: Training,
+        *,
+        profile: HardwareProfile | None = None,
+        options: CostOptions | None = None,
+    ) -> None:
+        if graph.batch_size != 1:
+            raise SpecError(f"graph.batch_size = {graph.batch_size}: trace the model at batch 1")
+        if training.seq_len is not None and training.seq_len != graph.seq_len:
+            raise SpecError(
+                f"training.seq_len = {training.seq_len} but the graph was traced at "
+                f"seq_len {graph.seq_len}: trace at the training sequence length"
+            )
+        self.graph = graph
+        self.cluster = cluster
+        self.training = training
+        self.profile = profile or load_profile(cluster.gpu)
+        self.options = options or CostOptions()
+        self.compute = ComputeModel(self.profile, training.dtype, self.options)
+        self._pricer = SegmentPricer(self.compute, self.options, self._axis_link)
+        self._type_costs: dict[tuple[str, ShardKey, RecomputeMode], TypeCost] = {}
+
+    # ----- per segment type -------------------------------------------------------------
+
+    @cached_property
+    def _element_bytes(self) -> int:
+        return 4 if self.training.dtype is DType.FP32 else 2
+
+    def _type_cost(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
+        cache_key = (
+            seg_type.type_id,
+            key,
+            mode if seg_type.kind == "block" else RecomputeMode.NONE,
+        )
+        cached = self._type_costs.get(cache_key)
+        if cached is None:
+            cached = self._pricer.price(seg_type, key, cache_key[2])
+            self._type_costs[cache_key] = cached
+        return cached
+
+    def _axis_link(self, size: int, stride: int) -> LinkModel:
+        return link_for_axis(size, stride, self.cluster, self.profile)
+
+    # ----- per strategy -----------------------------------------------------------------
+
+    def _shard_key(self, strategy: Strategy) -> ShardKey:
+        return ShardKey(
+            strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size
+        )
+
+    def segment_costs(
+        self, strategy: Strategy, *, recompute: Sequence[RecomputeMode] | None = None
+    ) -> list[SegmentCost]:
+        """Per-segment costs in execution order (``recompute`` overrides the mode per segment)."""
+        key = self._shard_key(strategy)
+        modes = recompute or [strategy.recompute] * len(self.graph.segments)
+        costs = []
+        for segment, mode in zip(self.graph.segments, modes, strict=True):
+            seg_type = self.graph.segment_type(segment)
+            cost = self._type_cost(seg_type, key, mode)
+            states = model_state_bytes(
+                cost.param_count, zero=strategy.zero, shard=self._zero_shard(strategy),
+                optimizer=self.training.optimizer, dtype=self.training.dtype,
+            )  # fmt: skip
+            costs.append(
+                SegmentCost(
+                    fqn=segment.fqn,
+                    kind=seg_type.kind,
+                    forward_s=cost.forward_s,
+                    backward_s=cost.backward_s,
+                    recompute_s=cost.recompute_s,
+                    comm_tp_s=cost.comm_tp_s,
+                    comm_cp_s=cost.comm_cp_s,
+                    param_count=cost.param_count,
+                    param_bytes=states.weights,
+                    grad_bytes=states.gradients,
+                    optimizer_bytes=states.optimizer,
+                    activation_bytes=cost.activation_bytes,
+                    recompute_peak_bytes=cost.recompute_peak_bytes,
+                )
+            )
+        return costs
+
+    @staticmethod
+    def _zero_shard(strategy: Strategy) -> int:
+        """Ranks ZeRO/FSDP shards over: ``dp_shard`` times ``cp`` (context-parallel ranks
+        hold the same parameters, so torchtitan and Megatron shard over both)."""
+        return strategy.shard_degree * strategy.cp if strategy.zero >= 1 else 1
+
+    def default_stages(self, strategy: Strategy) -> list[list[int]]:
+        """Segment indices per model chunk: blocks split evenly, embedding first, head last."""
+        segments = self.graph.segments
+        kinds = [self.graph.segment_type(s).kind for s in segments]
+        blocks = [i for i, kind in enumerate(kinds) if kind == "block"]
+        chunks = strategy.num_stages
+        if len(blocks) < chunks:
+            raise SpecError(
+                f"pp({strategy.pp}) * virtual_stages({strategy.virtual_stages}) = {chunks} "
+                f"model chunks but the model has {len(blocks)} blocks: use fewer stages"
+            )
+        stages: list[list[int]] = []
+        start = 0
+        for count in balanced_chunks(len(blocks), chunks):
+            stages.append(blocks[start : start + count])
+            start += count
+        before = [i for i in range(len(segments)) if i < blocks[0]]
+        after = [i for i in range(len(segments)) if i > blocks[-1]]
+        stages[0] = before + stages[0]
+        stages[-1] = stages[-1] + after
+        return stages
+
+    def _check_stages(self, stages: Sequence[Sequence[int]], strategy: Strategy) -> None:
+        if len(stages) != strategy.num_stages:
+            raise SpecError(
+                f"stages has {len(stages)} chunks, the strategy needs pp({strategy.pp}) * "
+                f"virtual_stages({strategy.virtual_stages}) = {strategy.num_stages}"
+            )
+        flat = [i for chunk in stages for i in chunk]
+        if flat != list(range(len(self.graph.segments))):
+            raise SpecError(
+                f"stages must list every segment index 0..{len(self.graph.segments) - 1} "
+                "once, in order, split into consecutive chunks"
+            )
+
+    def estimate(
+        self, strategy: Strategy, *, stages: Sequence[Sequence[int]] | None = None
+    ) -> Prediction:
+        """Predicted step time, throughput, MFU/HFU and peak memory for ``strategy``."""
+        self._check_batch(strategy)
+        chunks = [list(c) for c in stages] if stages is not None else self.default_stages(strategy)
+        self._check_stages(chunks, strategy)
+        modes = self._recompute_modes(strategy, chunks)
+        costs = self.segment_costs(strategy, recompute=modes)
+        ranks = self._ranks(strategy, chunks, costs)
+        return self._predict(strategy, ranks, modes)
+
+    def _check_batch(self, strategy: Strategy) -> None:
+        per_step = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+        if per_step != self.training.global_batch_size:
+            raise SpecError(
+                f"dp({strategy.dp}) * micro_batch_size({strategy.micro_batch_size}) * "
+                f"num_microbatches({strategy.num_microbatches}) = {per_step} != "
+                f"training.global_batch_size({self.training.global_batch_size}): make them agree"
+            )
+
+    def _recompute_modes(self, strategy: Strategy, chunks: list[list[int]]) -> list[RecomputeMode]:
+        modes = [strategy.recompute] * len(self.graph.segments)
+        for index, chunk in enumerate(chunks):
+            rank = index % strategy.pp
+            mode = strategy.recompute_for_stage(rank)
+            blocks = [
+                i for i in chunk if self.graph.segment_type(self.graph.segments[i]).kind == "block"
+            ]
+            limit = strategy.recompute_blocks
+            for position, segment in enumerate(blocks):
+                recomputed = limit is None or position < limit
+                modes[segment] = mode if recomputed else RecomputeMode.NONE
+        return modes
+
+    def _ranks(
+        self, strategy: Strategy, chunks: list[list[int]], costs: list[SegmentCost]
+    ) -> list[_Rank]:
+        ranks = []
+        for rank, chunk_ids in enumerate(rank_chunks(strategy.pp, strategy.virtual_stages)):
+            segments = [costs[i] for c in chunk_ids for i in chunks[c]]
+            in_flight = in_flight_microbatches(
+                strategy.schedule, pp=strategy.pp, rank=rank,
+                num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
+            )  # fmt: skip
+            # the head's backward follows its forward at once: one micro-batch (GPipe: all)
+            head_in_flight = strategy.num_microbatches if strategy.schedule is Schedule.GPIPE else 1
+            activations = sum(
+                s.activation_bytes * (head_in_flight if s.kind == "head" else in_flight)
+                for s in segments
+            )
+            ranks.append(_Rank(segments, activations))
+        return ranks
+
+    # ----- step time --------------------------------------------------------------------
+
+    def _predict(
+        self, strategy: Strategy, ranks: list[_Rank], modes: list[RecomputeMode]
+    ) -> Prediction:
+        m = strategy.num_microbatches
+        rank_times = [r.time_s for r in ranks]
+        slowest = ranks[rank_times.index(max(rank_times))]
+        fwd = slowest.total("forward_s")
+        fraction = fwd / max(slowest.time_s, 1e-30)
+        pipe = pipeline_time(
+            strategy.schedule, rank_times, m, virtual_stages=strategy.virtual_stages,
+            forward_fraction=fraction,
+        )  # fmt: skip
+        breakdown = {
+            "compute": m * (slowest.total("forward_s") + slowest.total("backward_s")),
+            "recompute": m * slowest.total("recompute_s"),
+            "comm_tp": m * slowest.total("comm_tp_s"),
+            "comm_cp": m * slowest.total("comm_cp_s"),
+            "bubble": pipe - m * slowest.time_s,
+            "comm_pp": self._pp_time(strategy),
+        }
+        breakdown.update(self._dp_times(strategy, slowest))
+        breakdown["optimizer"] = self._optimizer_time(strategy, max(r.params for r in ranks))
+        step = sum(breakdown.values())
+        memory = self._memory(strategy, ranks)
+        return self._prediction(strategy, step, breakdown, memory, modes)
+
+    def _pp_time(self, strategy: Strategy) -> float:
+        """Exposed pipeline send/recv: each micro-batch's activation crosses each boundary twice."""
+        if strategy.pp == 1:
+            return 0.0
+        hidden = self._boundary_bytes() * strategy.micro_batch_size / (strategy.cp * strategy.tp)
+        link = self._axis_link(strategy.pp, strategy.tp * strategy.cp * strategy.dp)
+        one = collective_time(Collective.SEND_RECV, hidden, 2, link)
+        transfers = strategy.num_microbatches * strategy.virtual_stages + strategy.pp - 1
+        return 2 * one * transfers
+
+    def _boundary_bytes(self) -> float:
+        """Bytes of the activation passed between blocks, per sequence (batch 1)."""
+        block = next(t for t in self.graph.types.values() if t.kind == "block")
+        return block.nodes[-1].bytes_written
+
+    def _dp_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
+        """Exposed data-parallel ('comm_dp') and ZeRO-3/FSDP ('comm_fsdp') seconds per step."""
+        params = slowest.params
+        shard, replicate = self._zero_shard(strategy), strategy.replicate_degree
+        inner = strategy.tp
+        grad = self.options.grad_reduce_bytes * params
+        half = 2 * params
+        fwd, bwd = (
+            slowest.total("forward_s"),
+            slowest.total("backward_s") + slowest.total("recompute_s"),
+        )
+        bucket = self.options.dp_bucket_mib * 2**20
+        if strategy.zero == 0:
+            link = self._axis_link(strategy.dp, inner)
+            reduce = collective_time(Collective.ALL_REDUCE, grad, strategy.dp, link)
+            last = collective_time(Collective.ALL_REDUCE, min(grad, bucket), strategy.dp, link)
+            return {"comm_dp": self._overlap(reduce, bwd, last, self.options.overlap_grad_reduce)}
+        shard_link = self._axis_link(shard, inner)
+        rep_link = self._axis_link(replicate, inner * shard)
+        replica = collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link)
+        scatter = collective_time(Collective.REDUCE_SCATTER, grad, shard, shard_link)
+        gather = collective_time(Collective.ALL_GATHER, half, shard, shard_link)
+        last_rs = collective_time(Collective.REDUCE_SCATTER, min(grad, bucket), shard, shard_link)
+        last_ag = collective_time(Collective.ALL_GATHER, min(half, bucket), shard, shard_link)
+        if strategy.zero < 3:
+            exposed = self._overlap(
+                scatter + replica, bwd, last_rs, self.options.overlap_grad_reduce
+            )
+            exposed += self._overlap(gather, fwd, last_ag, self.options.overlap_param_gather)
+            return {"comm_dp": exposed}
+        # pp == 1: gather before forward and backward, reduce-scatter per micro-batch;
+        # pp > 1 (torchtitan): parameters stay gathered and gradients reduce once per step
+        prefetch, reduce = self.options.overlap_param_gather, self.options.overlap_grad_reduce
+        ag_fwd = self._overlap(gather, fwd, last_ag, prefetch)
+        if strategy.pp == 1:
+            ag_bwd = self._overlap(gather + scatter, bwd, last_rs, prefetch and reduce)
+            fsdp = strategy.num_microbatches * (ag_fwd + ag_bwd)
+        else:
+            fsdp = ag_fwd + self._overlap(scatter, bwd, last_rs, reduce)
+        return {"comm_fsdp": fsdp, "comm_dp": self._overlap(replica, bwd, 0.0, reduce)}
+
+    @staticmethod
+    def _overlap(comm: float, window: float, tail: float, overlapped: bool) -> float:
+        """Exposed part of ``comm`` run under ``window`` of compute; ``tail`` is never hidden."""
+        if not overlapped:
+            return comm
+        return max(comm - window, min(tail, comm))
+
+    def _optimizer_time(self, strategy: Strategy, params: float) -> float:
+        """Adam/SGD step, gradient-norm and zeroing on this rank's shard: memory-bound.
+
+        Per sharded parameter: fp32 master read+write 8, fp32 gradient read 4, moments
+        read+write 2x, half-precision weight write 2; plus a gradient read for the norm
+        and a write to zero gradients (4 + 4 per gradient element held).
+        """
+        moments = self.training.optimizer.state_bytes_per_param
+        shard = self._zero_shard(strategy)
+        grad_shard = shard if strategy.zero >= 2 else 1
+        per_param = (8 + 4 + 2 * moments + 2) / shard + (
+            8 if self.training.grad_clip else 4
+        ) / grad_shard
+        return self.compute.memory_time(per_param * params)
+
+    # ----- memory -----------------------------------------------------------------------
+
+    def _memory(self, strategy: Strategy, ranks: list[_Rank]) -> dict[str, float]:
+        worst: dict[str, float] = {}
+        for index, rank in enumerate(ranks):
+            parts = self._rank_memory(strategy, rank, last=index == len(ranks) - 1)
+            if sum(parts.values()) > sum(worst.values()):
+                worst = parts
+        return worst
+
+    def _rank_memory(self, strategy: Strategy, rank: _Rank, *, last: bool) -> dict[str, float]:
+        """Bytes by term at this rank's peak."""
+        weights, grads = rank.total("param_bytes"), rank.total("grad_bytes")
+        if strategy.zero >= 3:
+            unsharded = self._fsdp_working_params(strategy, rank)
+            weights += 2 * unsharded
+            grads += 4 * unsharded  # FSDP2 reduces (and, with pp > 1, accumulates) in fp32
+        logits = self._logits_bytes(strategy) if last else 0.0
+        activations = rank.activation_bytes - logits
+        transient = max((s.recompute_peak_bytes for s in rank.segments), default=0.0)
+        parts = {
+            "weights": weights,
+            "gradients": grads,
+            "optimizer": rank.total("optimizer_bytes"),
+            "activations": activations + transient,
+            "logits": logits,
+            "buffers": self._buffer_bytes(strategy, rank),
+        }
+        parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
+        return parts
+
+    def _fsdp_working_params(self, strategy: Strategy, rank: _Rank) -> float:
+        """Parameters held unsharded: the whole stage with pp > 1, else two blocks (prefetch)."""
+        if strategy.pp > 1:
+            return rank.params
+        largest = sorted((s.param_count for s in rank.segments), reverse=True)
+        return sum(largest[:2])
+
+    def _logits_bytes(self, strategy: Strategy) -> float:
+        head = self.graph.segment_type(self.graph.segments[-1])
+        key = self._shard_key(strategy)
+        in_flight = strategy.num_microbatches if strategy.schedule is Schedule.GPIPE else 1
+        return self._type_cost(head, key, RecomputeMode.NONE).logits_bytes * in_flight
+
+    def _buffer_bytes(self, strategy: Strategy, rank: _Rank) -> float:
+        """Communication buffers and library workspaces."""
+        buffers = self.options.workspace_gib * _GIB
+        if strategy.dp > 1 and strategy.zero < 3:
+            buffers += 2 * self.options.dp_bucket_mib * 2**20
+        if strategy.sequence_parallel:
+            buffers += self._boundary_bytes() * strategy.micro_batch_size / strategy.cp
+        return buffers + self._cp_buffer_bytes(strategy)
+
+    def _cp_buffer_bytes(self, strategy: Strategy) -> float:
+        """Context parallelism's gathered whole-sequence K and V, and their gradients."""
+        if strategy.cp == 1:
+            return 0.0
+        largest = 0.0
+        for seg_type in self.graph.types.values():
+            for node in seg_type.nodes:
+                if node.kind is OpKind.ATTENTION and len(node.input_shapes) >= 3:
+                    kv = sum(math.prod(shape) for shape in node.input_shapes[1:3])
+                    largest = max(largest, kv * self._element_bytes)
+        return 2 * largest * strategy.micro_batch_size / strategy.tp
+
+    # ----- result -----------------------------------------------------------------------
+
+    def _flops_per_step(self, modes: list[RecomputeMode]) -> tuple[float, float]:
+        """(model FLOPs, recomputed FLOPs) per optimizer step, whole cluster.
+
+        Only matmul, convolution and attention FLOPs count (the MFU convention).
+        """
+        sequences = self.training.global_batch_size
+        model = 0.0
+        for segment in self.graph.segments:
+            nodes = self.graph.segment_type(segment).nodes
+            model += sum(n.flops_fwd + n.flops_bwd for n in nodes if n.kind in _COUNTED)
+        model *= sequences
+        recomputed = 0.0
+        for segment, mode in zip(self.graph.segments, modes, strict=True):
+            seg_type = self.graph.segment_type(segment)
+            if seg_type.kind != "block":
+                continue
+            nodes = seg_type.nodes
+            again = self._pricer.recomputed_nodes(nodes, mode)
+            recomputed += sum(nodes[i].flops_fwd for i in again if nodes[i].kind in _COUNTED)
+        return model, recomputed * sequences
+
+    def _prediction(
+        self, strategy: Strategy, step: float, breakdown: dict[str, float],
+        memory: dict[str, float], modes: list[RecomputeMode],
+    ) -> Prediction:  # fmt: skip
+        gpus = strategy.world_size
+        peak = self.profile.peak_flops(
+            DType.BF16 if self.training.dtype is DType.FP8 else self.training.dtype
+        )
+        model_flops, recomputed = self._flops_per_step(modes)
+        tokens = self.training.global_batch_size * self.graph.seq_len
+        limit = self.profile.memory_capacity_gib
+        memory_gib = {k: v / _GIB for k, v in memory.items()}
+        peak_gib = sum(memory_gib.values())
+        fits = peak_gib <= limit
+        return Prediction(
+            step_time_s=step,
+            tokens_per_s_per_gpu=tokens / step / gpus,
+            model_tflops_per_gpu=model_flops / step / gpus / 1e12,
+            mfu=model_flops / step / gpus / peak,
+            hfu=(model_flops + recomputed) / step / gpus / peak,
+            flop_convention=FLOP_CONVENTION,
+            peak_memory_gib=peak_gib,
+            memory_limit_gib=limit,
+            fits=fits,
+            breakdown_s=breakdown,
+            memory_gib=memory_gib,
+            reason="" if fits else _not_fitting_reason(memory_gib, peak_gib, limit),
+        )
+
+
+def _not_fitting_reason(memory_gib: dict[str, float], peak: float, limit: float) -> str:
+    dominant = max(memory_gib, key=lambda k: memory_gib[k])
+    return (
+        f"needs {peak:.1f} GiB per GPU, {peak - limit:.1f} GiB over the {limit:.1f} GiB limit; "
+        f"largest term: {dominant} {memory_gib[dominant]:.1f} GiB"
+    )

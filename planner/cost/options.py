@@ -1,0 +1,46 @@
+"""Software facts the cost model cannot read from the graph or the hardware profile.
+
+These describe the training *implementation* (which attention kernel, what overlaps
+what, which dtype gradients are reduced in), not the hardware, so one hardware profile
+serves every framework. Defaults describe a current PyTorch/Megatron stack.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["AttentionKernel", "SelectivePolicy", "CostOptions"]
+
+
+class AttentionKernel(StrEnum):
+    FLASH = "flash"  # fused kernel; scores never reach memory; causal skips half the work
+    UNFUSED = "unfused"  # scores materialised: batched GEMMs + softmax + dropout in memory
+
+
+class SelectivePolicy(StrEnum):
+    ATTENTION = "attention"  # recompute the attention core (Korthikanti et al., Megatron)
+    OP = "op"  # save every other matmul output and attention; recompute the rest (torchtitan)
+
+
+class CostOptions(BaseModel):
+    """How the run is implemented; every field is a documented software behaviour."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    attention: AttentionKernel = AttentionKernel.FLASH
+    causal: bool = True  # decoder attention (flash kernels skip the masked half)
+    dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
+    overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
+    overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute
+    tp_comm_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs
+    selective: SelectivePolicy = SelectivePolicy.ATTENTION  # what "selective" recompute means
+    fused_pointwise: bool = False  # chains of memory-bound ops run as one kernel (torch.compile, Apex/Megatron fused kernels)
+    grad_reduce_bytes: Literal[2, 4] = 4  # bytes per gradient element in DP reductions
+    sp_regather_input: bool = True  # SP backward all-gathers a linear's input again (Megatron)
+    dp_bucket_mib: float = Field(default=40.0, gt=0)  # size of one gradient bucket
+    # PyTorch caching allocator: reserved exceeds allocated by ~5-15% in LLM training
+    allocator_margin: float = Field(default=0.10, ge=0, lt=1)
+    workspace_gib: float = Field(default=0.5, ge=0)  # cuBLAS/NCCL workspaces, CUDA graphs

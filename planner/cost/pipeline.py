@@ -1,0 +1,53 @@
+"""Pipeline schedules: step time from per-rank micro-batch times, and stage splits.
+
+With per-micro-batch times ``t_r`` on pipeline rank ``r`` (forward + backward +
+recompute + exposed in-stage communication) and ``m`` micro-batches:
+
+- GPipe and 1F1B: ``m * max(t) + (sum(t) - max(t))``; balanced, the bubble is
+  ``(p - 1) / m`` of the ideal time (Narayanan et al. 2021).
+- interleaved 1F1B with ``v`` chunks per rank: the fill/drain shrinks ``v``-fold,
+  bubble ``(p - 1) / (v m)``.
+- zero-bubble (ZB-H1, Qi et al. 2023): the backward's weight-gradient half fills the
+  drain, leaving about the forward's share: ``(sum(t) - max(t)) * f / (f + b)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from planner.spec import Schedule
+
+__all__ = ["pipeline_time", "balanced_chunks", "rank_chunks"]
+
+
+def pipeline_time(
+    schedule: Schedule, rank_times: Sequence[float], num_microbatches: int, *,
+    virtual_stages: int = 1, forward_fraction: float = 1 / 3,
+) -> float:  # fmt: skip
+    """Seconds for the pipelined forward/backward of ``num_microbatches`` micro-batches."""
+    slowest = max(rank_times)
+    fill_drain = sum(rank_times) - slowest
+    if schedule is Schedule.INTERLEAVED_1F1B:
+        fill_drain /= virtual_stages
+    elif schedule is Schedule.ZERO_BUBBLE:
+        fill_drain *= forward_fraction
+    return num_microbatches * slowest + fill_drain
+
+
+def balanced_chunks(num_blocks: int, num_chunks: int) -> list[int]:
+    """Blocks per model chunk: an even split, any remainder going to the middle chunks.
+
+    The first chunk also runs the embedding and the last the head, so they take the
+    smaller share when the blocks do not divide evenly.
+    """
+    base, extra = divmod(num_blocks, num_chunks)
+    counts = [base] * num_chunks
+    order = sorted(range(num_chunks), key=lambda i: (i in (0, num_chunks - 1), i))
+    for index in order[:extra]:
+        counts[index] += 1
+    return counts
+
+
+def rank_chunks(pp: int, virtual_stages: int) -> list[list[int]]:
+    """Model chunk indices held by each pipeline rank (rank r holds r, r + pp, ...)."""
+    return [[rank + j * pp for j in range(virtual_stages)] for rank in range(pp)]

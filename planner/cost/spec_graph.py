@@ -1,0 +1,205 @@
+"""An :class:`~planner.graph.OpGraph` built from a :class:`~planner.spec.ModelSpec` by formula.
+
+It follows the tracer's conventions (batch 1, ``gemm`` = ``(batch, m, n, k)`` with
+linears as ``(1, tokens, out, in)`` and attention as ``(heads, seq_q, seq_k,
+head_dim)``, matmul backward = 2x forward, causal attention counted whole, segments
+``embedding``, ``layers.<i>``, ``head``) and the zoo's module paths, so the cost model
+prices it exactly as a traced graph. It needs no torch and takes microseconds, which
+is why :func:`planner.cost.estimate_run` uses it for zoo-style specs.
+
+Saved-for-backward bytes follow Korthikanti et al. (2022): a GPT block keeps
+``s*b*h*34`` bytes with dropout masks (the attention scores are added by the cost
+model when the attention kernel is unfused). A norm node keeps its input and its
+output (the next linear's input), so tensor-parallel splitting of what it keeps
+follows the norm's rule.
+"""
+
+from __future__ import annotations
+
+from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.spec import Activation, DType, Family, ModelSpec
+
+__all__ = ["graph_from_spec", "activation_bytes"]
+
+
+def activation_bytes(dtype: DType) -> int:
+    """Bytes per activation element: fp8 training keeps bf16 activations."""
+    return 4 if dtype is DType.FP32 else 2
+
+
+class _Builder:
+    """Accumulates the nodes of one segment type, chaining each to the previous one."""
+
+    def __init__(self, element_bytes: int, tokens: int) -> None:
+        self.e = element_bytes
+        self.t = tokens
+        self.nodes: list[OpNode] = []
+
+    def _add(self, name: str, kind: OpKind, target: str, module: str, **fields: object) -> None:
+        inputs = (self.nodes[-1].name,) if self.nodes else ()
+        self.nodes.append(
+            OpNode(name=name, kind=kind, target=target, module=module, inputs=inputs,
+                   dtype="bf16" if self.e == 2 else "fp32", **fields)  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    def linear(self, module: str, out_f: int, in_f: int, bias: bool, saved_input: bool) -> None:
+        t, e = self.t, self.e
+        params = out_f * in_f + (out_f if bias else 0)
+        self._add(
+            module.replace(".", "_"), OpKind.MATMUL, "aten.mm", module,
+            input_shapes=((1, t, in_f),), output_shape=(1, t, out_f),
+            flops_fwd=2.0 * t * out_f * in_f, flops_bwd=4.0 * t * out_f * in_f,
+            bytes_read=float(t * in_f * e + params * e), bytes_written=float(t * out_f * e),
+            param_count=params, param_bytes=float(params * e),
+            saved_bytes=float(t * in_f * e) if saved_input else 0.0,
+            gemm=(1, t, out_f, in_f),
+        )  # fmt: skip
+
+    def pointwise(
+        self, name: str, module: str, kind: OpKind, width: int, reads: int, saved: float,
+        params: int = 0, flops_per_element: float = 1.0,
+    ) -> None:  # fmt: skip
+        t, e = self.t, self.e
+        self._add(
+            name, kind, f"aten.{name}", module,
+            input_shapes=tuple((1, t, width) for _ in range(reads)), output_shape=(1, t, width),
+            flops_fwd=flops_per_element * t * width, flops_bwd=2 * flops_per_element * t * width,
+            bytes_read=float(reads * t * width * e + params * e),
+            bytes_written=float(t * width * e),
+            param_count=params, param_bytes=float(params * e), saved_bytes=saved,
+        )  # fmt: skip
+
+    def chain(
+        self, module: str, kind: OpKind, width: int, steps: tuple[tuple[str, float, float], ...],
+        saved_per_element: float, params: int = 0,
+    ) -> None:  # fmt: skip
+        """Eager operators over ``tokens x width`` elements: (name, read, write) bytes each.
+
+        The chain's saved bytes and parameters go on its last operator.
+        """
+        t = self.t
+        for position, (name, read, write) in enumerate(steps):
+            last = position == len(steps) - 1
+            own = params if last else 0
+            self._add(
+                f"{module.replace('.', '_') or 'block'}_{name}", kind, f"aten.{name}", module,
+                input_shapes=((1, t, width),), output_shape=(1, t, width),
+                flops_fwd=float(t * width), flops_bwd=2.0 * t * width,
+                bytes_read=read * t * width + own * self.e, bytes_written=write * t * width,
+                param_count=own, param_bytes=float(own * self.e),
+                saved_bytes=saved_per_element * t * width if last else 0.0,
+            )  # fmt: skip
+
+    def attention(self, heads: int, seq: int, head_dim: int) -> None:
+        e = self.e
+        qkv = 3 * seq * heads * head_dim * e
+        flops = 4.0 * heads * seq * seq * head_dim
+        shape = (1, heads, seq, head_dim)
+        self._add(
+            "attention", OpKind.ATTENTION, "aten.scaled_dot_product_attention", "attention",
+            input_shapes=(shape, shape, shape), output_shape=shape,
+            flops_fwd=flops, flops_bwd=2 * flops,
+            bytes_read=float(qkv), bytes_written=float(seq * heads * head_dim * e),
+            saved_bytes=float(qkv), gemm=(heads, seq, seq, head_dim),
+        )  # fmt: skip
+
+
+# Eager operator sequences as (name, bytes read, bytes written) per element, for 2-byte
+# activations. RMSNorm follows planner.models.transformer (fp32 upcast); rotary is the
+# fp32 complex multiply of torchtitan/Llama (the zoo's cat-based form moves more bytes).
+_RMSNORM = (("to_fp32", 2, 4), ("pow", 4, 4), ("mean", 4, 0), ("mul_rsqrt", 4, 4),
+            ("to_bf16", 4, 2), ("mul_weight", 2, 2))  # fmt: skip
+_ROTARY = (("to_fp32", 2, 4), ("complex_mul", 4, 4), ("to_bf16", 4, 2))  # fp32 complex multiply
+
+
+def _norm(b: _Builder, module: str, spec: ModelSpec, h: int) -> None:
+    """LayerNorm is one fused kernel keeping input and output (Korthikanti: 2+2 bytes per
+    element); eager RMSNorm also keeps its fp32 upcast and normalised value (4+2+2)."""
+    scale = b.e / 2
+    if spec.family is Family.LLAMA:
+        steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
+        b.chain(module, OpKind.NORM, h, steps, saved_per_element=8.0 * scale, params=h)
+    else:
+        b.chain(module, OpKind.NORM, h, (("layer_norm", b.e, b.e),), 2.0 * b.e, params=2 * h)
+
+
+def _residual(b: _Builder, name: str, h: int, dropout: bool) -> None:
+    b.pointwise(name, "", OpKind.ELEMENTWISE, h, 2, saved=float(b.t * h) if dropout else 0.0)
+
+
+def _block(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
+    b = _Builder(e, seq)
+    h, f, bias = spec.hidden_size, spec.ffn_size, spec.family is not Family.LLAMA
+    kv = spec.kv_heads * spec.head_dim
+    _norm(b, "attention_norm", spec, h)
+    b.linear("attention.wq", h, h, bias, saved_input=False)
+    b.linear("attention.wk", kv, h, bias, saved_input=False)
+    b.linear("attention.wv", kv, h, bias, saved_input=False)
+    if spec.family is Family.LLAMA:
+        steps = tuple((n, r * e / 2, w * e / 2) for n, r, w in _ROTARY)
+        b.chain("attention", OpKind.ELEMENTWISE, h + kv, steps, saved_per_element=0.0)
+    if kv < h:  # grouped-query attention: K and V repeated to every query head
+        b.chain("attention", OpKind.ELEMENTWISE, 2 * h, (("repeat_kv", e * kv / h, e),), 0.0)
+    b.attention(spec.num_heads, seq, spec.head_dim)
+    b.chain("attention", OpKind.ELEMENTWISE, h, (("merge_heads", e, e),), 0.0)
+    b.linear("attention.wo", h, h, bias, saved_input=True)
+    _residual(b, "attention_residual", h, dropout)
+    _norm(b, "ffn_norm", spec, h)
+    b.linear("feed_forward.w1", f, h, bias, saved_input=False)
+    if spec.act is Activation.SWIGLU:
+        b.linear("feed_forward.w3", f, h, bias, saved_input=False)
+        b.chain("feed_forward", OpKind.ELEMENTWISE, f, (("silu", e, e),), saved_per_element=e)
+        b.chain(
+            "feed_forward", OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=2 * e
+        )
+    else:
+        b.pointwise("gelu", "feed_forward", OpKind.ELEMENTWISE, f, 1, saved=float(seq * f * e))
+    b.linear("feed_forward.w2", h, f, bias, saved_input=True)
+    _residual(b, "ffn_residual", h, dropout)
+    return SegmentType(type_id="block", kind="block", nodes=tuple(b.nodes))
+
+
+def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
+    b = _Builder(e, seq)
+    h, v = spec.hidden_size, spec.vocab_size
+    b.pointwise("tok_embeddings", "tok_embeddings", OpKind.EMBEDDING, h, 0,
+                saved=float(seq * 8), params=v * h, flops_per_element=0.0)  # fmt: skip
+    if spec.family is not Family.LLAMA:
+        b.pointwise("pos_embeddings", "pos_embeddings", OpKind.ELEMENTWISE, h, 1,
+                    saved=float(seq * h) if dropout else 0.0, params=seq * h)  # fmt: skip
+    return SegmentType(type_id="embedding", kind="embedding", nodes=tuple(b.nodes))
+
+
+def _head(spec: ModelSpec, seq: int, e: int) -> SegmentType:
+    b = _Builder(e, seq)
+    h, v = spec.hidden_size, spec.vocab_size
+    _norm(b, "norm", spec, h)
+    b.linear("output", v, h, bias=False, saved_input=False)
+    if spec.tied_embeddings:  # the weight belongs to tok_embeddings
+        last = b.nodes[-1]
+        b.nodes[-1] = OpNode(**{**last.__dict__, "param_count": 0, "param_bytes": 0.0})
+    # logits.float(), log_softmax (its fp32 output kept for backward), nll_loss
+    b.chain("loss", OpKind.LOSS, v, (("cross_entropy", e + 8, 8),), saved_per_element=4.0)
+    return SegmentType(type_id="head", kind="head", nodes=tuple(b.nodes))
+
+
+def graph_from_spec(
+    spec: ModelSpec, *, seq_len: int | None = None, dtype: DType = DType.BF16,
+    dropout: bool = False,
+) -> OpGraph:  # fmt: skip
+    """The operator graph of ``spec`` for one sequence of ``seq_len`` tokens (batch 1)."""
+    seq = seq_len or spec.seq_len
+    e = activation_bytes(dtype)
+    types = {
+        "embedding": _embedding(spec, seq, e, dropout),
+        "block": _block(spec, seq, e, dropout),
+        "head": _head(spec, seq, e),
+    }
+    modules_in = ("tok_embeddings",) + (() if spec.family is Family.LLAMA else ("pos_embeddings",))
+    segments = (
+        Segment("embedding", "embedding", modules_in),
+        *(Segment(f"layers.{i}", "block", (f"layers.{i}",)) for i in range(spec.num_layers)),
+        Segment("head", "head", ("norm", "output")),
+    )
+    return OpGraph(model_name=spec.name, batch_size=1, seq_len=seq, dtype=dtype.value,
+                   tracer="formula", segments=segments, types=types)  # fmt: skip

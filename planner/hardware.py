@@ -1,0 +1,162 @@
+"""Hardware profiles: what one accelerator (and the links around it) can do.
+
+A :class:`HardwareProfile` is JSON data with provenance: every number carries a source
+(a datasheet figure, an nccl-tests issue, or a measurement and its date) in the
+``sources`` mapping, keyed by the field's dotted path (``"links.intra_node.bandwidth_GBps"``).
+Profiles ship in the top-level ``profiles`` package and load by name; calibration
+writes new ones with the same schema (a CPU "device" with gloo links is a profile too).
+
+Units: ``_tflops`` 10^12 FLOP/s (dense), ``_GBps`` 10^9 bytes/s per device in one
+direction, ``_us`` microseconds, ``_gib`` 2^30 bytes; efficiencies are fractions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from planner.errors import SpecError, UnknownNameError
+from planner.spec import DType, load_document
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "Link",
+    "HardwareProfile",
+    "list_profiles",
+    "load_profile",
+    "save_profile",
+]
+
+PROFILE_SCHEMA_VERSION: Literal[1] = 1
+Fraction = float
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Link(_Frozen):
+    """One link tier as collectives see it.
+
+    ``bandwidth_GBps`` is the line rate per device, one direction; collectives reach
+    ``busbw_efficiency`` of it for large messages (nccl-tests bus bandwidth). Each
+    algorithm step pays ``latency_us``, which makes small messages latency-bound.
+    """
+
+    bandwidth_GBps: float = Field(gt=0)
+    latency_us: float = Field(ge=0)
+    busbw_efficiency: Fraction = Field(gt=0, le=1)
+
+
+class Links(_Frozen):
+    intra_node: Link  # scale-up domain (NVLink, xGMI, shared memory)
+    inter_node: Link  # scale-out network per device (InfiniBand, RoCE, TCP)
+
+
+class HardwareProfile(_Frozen):
+    """One device type: peak throughput, memory, efficiency curves and links.
+
+    Matmul time for a GEMM of F FLOPs is ``F / (peak * matmul_efficiency) +
+    matmul_overhead_us``: the efficiency saturates with problem size and is half the
+    maximum at ``F = peak * matmul_efficiency * matmul_overhead_us``. Memory-bound
+    operators move bytes at ``memory_bandwidth_GBps * memory_efficiency`` plus
+    ``kernel_overhead_us`` each.
+    """
+
+    schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
+    name: str
+    description: str = ""
+    device_kind: Literal["gpu", "cpu"] = "gpu"
+    peak_tflops: dict[DType, float]  # dense matrix throughput per dtype
+    matmul_efficiency: Fraction = Field(gt=0, le=1)  # large GEMMs in training, fraction of peak
+    matmul_overhead_us: float = Field(ge=0)  # fixed cost per GEMM (launch, tail waves)
+    attention_efficiency: Fraction = Field(gt=0, le=1)  # fused (flash) attention, of peak
+    memory_capacity_gib: float = Field(gt=0)  # usable by the framework
+    memory_bandwidth_GBps: float = Field(gt=0)
+    memory_efficiency: Fraction = Field(gt=0, le=1)  # achieved fraction for streaming ops
+    kernel_overhead_us: float = Field(ge=0)  # fixed cost per memory-bound kernel
+    gpus_per_node: int = Field(ge=1)
+    links: Links
+    sources: dict[str, str]
+
+    @model_validator(mode="after")
+    def _every_number_has_a_source(self) -> Self:
+        missing = sorted(set(self.numeric_fields()) - set(self.sources))
+        if missing:
+            raise ValueError(
+                f"profile {self.name!r} has numbers without a source: {', '.join(missing)}; "
+                "add them to 'sources' (datasheet, nccl-tests issue, or 'measured <date>')"
+            )
+        return self
+
+    def numeric_fields(self) -> list[str]:
+        """Dotted paths of every number in the profile (what ``sources`` must cover)."""
+        data = self.model_dump(mode="json", exclude={"sources", "schema_version"})
+        return [path for path, value in _flatten(data) if isinstance(value, int | float)]
+
+    def peak_flops(self, dtype: DType) -> float:
+        """Dense matrix FLOP/s for ``dtype`` (raises :class:`SpecError` if the profile lacks it)."""
+        if dtype not in self.peak_tflops:
+            known = ", ".join(sorted(d.value for d in self.peak_tflops))
+            raise SpecError(
+                f"profile {self.name!r} has no peak_tflops for dtype {dtype.value!r} "
+                f"(it has: {known}); choose one of those dtypes or add the figure"
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+    @property
+    def memory_capacity_bytes(self) -> float:
+        return self.memory_capacity_gib * 2**30
+
+
+def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
+    if isinstance(data, dict):
+        items: list[tuple[str, object]] = []
+        for key, value in data.items():
+            items.extend(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return items
+    return [(prefix, data)]
+
+
+def _profile_dir() -> Path:
+    return Path(str(resources.files("profiles")))
+
+
+def list_profiles() -> list[str]:
+    """Names of the profiles shipped in the ``profiles`` package."""
+    return sorted(path.stem for path in _profile_dir().glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """Load a shipped profile by name (``a100-sxm-80gb``) or a profile JSON file by path.
+
+    Raises :class:`UnknownNameError` listing the shipped profiles for an unknown name.
+    """
+    path = Path(name_or_path)
+    if name_or_path.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise SpecError(f"hardware profile file {name_or_path!r} does not exist")
+        return load_document(HardwareProfile, path)
+    shipped = _profile_dir() / f"{name_or_path}.json"
+    if not shipped.is_file():
+        raise UnknownNameError("GPU profile", name_or_path, list_profiles())
+    return load_document(HardwareProfile, shipped)
+
+
+def save_profile(profile: HardwareProfile, path: Path) -> None:
+    """Write ``profile`` as JSON atomically (temporary file, then rename)."""
+    text = json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,178 @@
+"""From a model and a cluster to a runnable :class:`~planner.spec.Plan`.
+
+``trace -> CostModel -> search -> stage DP -> sharding ILP -> assemble``: the search
+picks the strategy, the stage DP re-splits its pipeline stages under the memory cap,
+and the ILP chooses the tensor-parallel layout of each module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from planner.assemble import assemble_plan
+from planner.cost import CostModel, CostOptions
+from planner.cost.communication import link_for_axis
+from planner.cost.memory import in_flight_microbatches
+from planner.errors import InfeasibleError
+from planner.graph import OpGraph
+from planner.models import ModelHandle
+from planner.solve.layout import Roofline, TPLayout, solve_tp_layout
+from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
+from planner.solve.stages import partition_stages
+from planner.spec import (
+    Candidate,
+    Cluster,
+    DType,
+    Plan,
+    Prediction,
+    SolverStats,
+    Strategy,
+    Training,
+)
+from planner.trace import trace
+
+__all__ = ["make_plan", "trace_for_training"]
+
+log = logging.getLogger(__name__)
+
+
+def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
+    """The model's graph at batch 1 and the training sequence length and dtype."""
+    seq = training.seq_len or (handle.spec.seq_len if handle.spec else None)
+    dtype = "fp32" if training.dtype is DType.FP32 else "bf16"  # fp8 keeps bf16 activations
+    if training.dtype is DType.FP16:
+        dtype = "fp16"
+    return trace(handle, batch_size=1, seq_len=seq, dtype=dtype)
+
+
+def make_plan(
+    handle: ModelHandle,
+    cluster: Cluster,
+    training: Training,
+    *,
+    pins: Pins | None = None,
+    top_k: int = 5,
+    options: CostOptions | None = None,
+    progress: Progress | None = None,
+    ilp_time_limit_s: float = 10.0,
+) -> Plan:
+    """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its plan."""
+    started = time.perf_counter()
+    graph = trace_for_training(handle, training)
+    model = CostModel(graph, cluster, training, options=options)
+    spec = handle.spec
+    limits = ModelLimits(
+        num_blocks=len(graph.blocks) or 1,
+        seq_len=graph.seq_len,
+        num_heads=spec.num_heads if spec else None,
+        num_kv_heads=spec.kv_heads if spec else None,
+    )
+    result = search(model, limits, pins=pins, top_k=top_k + 1, progress=progress)
+    best = result.best
+    chunks, prediction = _refine_stages(model, best)
+    layout = _tp_layout(graph, model, best.strategy, ilp_time_limit_s)
+    stats = result.stats.model_copy(
+        update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
+    )
+    stages = [[fqn for i in chunk for fqn in graph.segments[i].modules] for chunk in chunks]
+    return assemble_plan(
+        handle,
+        cluster,
+        training,
+        best.strategy,
+        tp_layout=layout.styles if layout is not None else None,
+        stages=stages if best.strategy.pp > 1 else None,
+        prediction=prediction,
+        runners_up=tuple(_runner_up(best, other) for other in result.ranked[1:]),
+        solver=stats,
+    )
+
+
+def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Prediction]:
+    """Stage split by the DP when it beats the even split (pp > 1, one chunk per rank)."""
+    strategy = best.strategy
+    even = model.default_stages(strategy)
+    if strategy.pp == 1 or strategy.virtual_stages > 1:
+        return even, best.prediction
+    costs = model.segment_costs(strategy)
+    in_flight = [
+        in_flight_microbatches(
+            strategy.schedule,
+            pp=strategy.pp,
+            rank=rank,
+            num_microbatches=strategy.num_microbatches,
+        )
+        for rank in range(strategy.pp)
+    ]
+    cap = model.profile.memory_capacity_gib * 2**30 * (1 - model.options.allocator_margin)
+    try:
+        split = partition_stages(
+            [c.time_s for c in costs],
+            [c.param_bytes + c.grad_bytes + c.optimizer_bytes for c in costs],
+            strategy.pp,
+            cap,
+            activation=[c.activation_bytes for c in costs],
+            activation_multiplier=in_flight,
+        )
+    except InfeasibleError as exc:
+        log.info("stage DP found no split under the cap (%s); keeping the even split", exc)
+        return even, best.prediction
+    chunks = [
+        list(range(a, b)) for a, b in zip(split.boundaries, split.boundaries[1:], strict=False)
+    ]
+    refined = model.estimate(strategy, stages=chunks)
+    if refined.fits and refined.step_time_s < best.prediction.step_time_s:
+        return chunks, refined
+    return even, best.prediction
+
+
+def _tp_layout(
+    graph: OpGraph, model: CostModel, strategy: Strategy, time_limit_s: float
+) -> TPLayout | None:
+    if strategy.tp == 1:
+        return None
+    profile = model.profile
+    link = link_for_axis(strategy.tp, 1, model.cluster, profile)
+    roofline = Roofline(
+        peak_flops=profile.peak_flops(model.training.dtype) * profile.matmul_efficiency,
+        memory_bandwidth_GBps=profile.memory_bandwidth_GBps * profile.memory_efficiency,
+        link_bandwidth_GBps=link.busbw_Bps / 1e9,
+        link_latency_us=link.latency_s * 1e6,
+    )
+    return solve_tp_layout(
+        graph,
+        tp=strategy.tp,
+        roofline=roofline,
+        sequence_parallel=strategy.sequence_parallel,
+        time_limit_s=time_limit_s,
+    )
+
+
+def _ilp_stats(layout: TPLayout | None, base: SolverStats) -> dict[str, object]:
+    if layout is None:
+        return {}
+    solution = layout.solution
+    notes: Sequence[str] = (*base.notes, solution.note) if solution.note else base.notes
+    return {
+        "ilp_status": solution.status,
+        "ilp_objective": solution.objective_s,
+        "ilp_time_s": solution.solve_time_s,
+        "notes": tuple(notes),
+    }
+
+
+def _runner_up(best: Scored, other: Scored) -> Candidate:
+    """``other`` with the reason it lost: how much slower and the term that grew most."""
+    mine, theirs = best.prediction, other.prediction
+    slower = theirs.step_time_s / mine.step_time_s - 1
+    growth = {
+        key: theirs.breakdown_s.get(key, 0.0) - mine.breakdown_s.get(key, 0.0)
+        for key in set(mine.breakdown_s) | set(theirs.breakdown_s)
+    }
+    term, extra = max(sorted(growth.items()), key=lambda item: item[1])
+    reason = f"{slower:.1%} slower"
+    if extra > 0:
+        reason += f": {term} +{extra:.3g} s"
+    return Candidate(strategy=other.strategy, prediction=theirs, lost_because=reason)

@@ -1,0 +1,400 @@
+"""The strategy search: enumerate, prune by memory, bound by compute, cost the rest.
+
+Every candidate is a point of the space
+
+    dp x tp x pp x cp = num_gpus   (every factorisation; tp and cp may cross nodes)
+    zero in 0..3, dp_shard in {dp, ranks per node} (hybrid sharding), sequence parallel,
+    recompute in {none, selective, full}, micro-batch size, pipeline schedule and
+    virtual stages
+
+restricted by the model (heads divisible by tp, blocks for every pipeline chunk,
+sequence divisible by 2 cp) and the user's pins. Candidates are plain tuples until
+they are costed. Two bounds, both computed from per-(tp, cp, sp, micro-batch,
+recompute) segment costs that :class:`~planner.cost.CostModel` caches:
+
+- memory: model states plus kept activations of the evenest split, a lower bound of
+  the cost model's peak; a candidate over the GPU's memory is dropped uncosted;
+- time: ``work / pp * num_microbatches``, the busiest rank's compute when the stages
+  are perfectly balanced, a lower bound of the step time.
+
+Candidates are costed in order of the time bound; the search stops when the bound
+exceeds the ``top_k``-th best step time found, so the answer is the cost model's
+optimum over the space (branch and bound), deterministic (ties break on the tuple).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+from planner.cost import CostModel, SegmentCost
+from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.errors import InfeasibleError, SpecError
+from planner.spec import (
+    Compression,
+    Prediction,
+    RecomputeMode,
+    Schedule,
+    SolverStats,
+    Strategy,
+)
+
+__all__ = ["Pins", "ModelLimits", "Scored", "SearchResult", "search"]
+
+log = logging.getLogger(__name__)
+_GIB = 2**30
+_RECOMPUTE_ORDER = (RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.FULL)
+_MAX_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Strategy fields the user fixed; ``None`` leaves a field to the search."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    zero: int | None = None
+    dp_shard: int | None = None
+    sequence_parallel: bool | None = None
+    recompute: RecomputeMode | None = None
+    micro_batch_size: int | None = None
+    schedule: Schedule | None = None
+    virtual_stages: int | None = None
+
+    def allows(self, name: str, value: object) -> bool:
+        pinned = getattr(self, name)
+        return pinned is None or pinned == value
+
+    def describe(self) -> str:
+        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return ", ".join(f"{name}={value}" for name, value in values if value is not None) or "none"
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model allows: ``heads`` (None: any tp), blocks, sequence length."""
+
+    num_blocks: int
+    seq_len: int
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+
+    def allows_tp(self, tp: int) -> bool:
+        heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
+        return all(h % tp == 0 for h in heads)
+
+
+@dataclass(frozen=True)
+class Scored:
+    strategy: Strategy
+    prediction: Prediction
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Fitting strategies, fastest first, and what the search did."""
+
+    ranked: tuple[Scored, ...]
+    stats: SolverStats
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+
+@dataclass(frozen=True, order=True)
+class _Point:
+    """A candidate before costing (a tuple, so sorting is cheap and deterministic)."""
+
+    bound_s: float
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero: int
+    shard: int
+    sp: bool
+    mbs: int
+    recompute_rank: int
+    schedule: str
+    virtual: int
+
+    def strategy(self, global_batch: int) -> Strategy:
+        return Strategy(
+            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,  # type: ignore[arg-type]
+            dp_shard=self.shard if self.zero else None, sequence_parallel=self.sp,
+            recompute=_RECOMPUTE_ORDER[self.recompute_rank], micro_batch_size=self.mbs,
+            num_microbatches=global_batch // (self.dp * self.mbs),
+            schedule=Schedule(self.schedule), virtual_stages=self.virtual,
+            compression=Compression(),
+        )  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Work:
+    """Summed segment costs of one (tp, cp, sp, micro-batch, recompute) key."""
+
+    time_s: float  # whole model, one micro-batch, on one tp x cp group
+    params: float  # parameters per tp x cp rank, whole model
+    block_activation_bytes: float  # one block's kept activations per micro-batch
+    other_activation_bytes: float  # embedding and head, per micro-batch
+
+
+class _Space:
+    """Enumerates candidate points for one model, cluster and training set-up."""
+
+    def __init__(self, model: CostModel, limits: ModelLimits, pins: Pins) -> None:
+        self.model = model
+        self.limits = limits
+        self.pins = pins
+        self.cluster = model.cluster
+        self.training = model.training
+        self.capacity = model.profile.memory_capacity_gib * _GIB
+        self.over_memory = 0  # candidates dropped by the memory bound
+        self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
+        self._leanest_bytes = math.inf
+        self._work: dict[tuple[int, int, bool, int, int], _Work] = {}
+
+    def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> _Work:
+        key = (tp, cp, sp, mbs, recompute_rank)
+        if key not in self._work:
+            probe = Strategy(
+                tp=tp, cp=cp, sequence_parallel=sp, micro_batch_size=mbs,
+                recompute=_RECOMPUTE_ORDER[recompute_rank],
+            )  # fmt: skip
+            costs = self.model.segment_costs(probe)
+            self._work[key] = _summarise(costs)
+        return self._work[key]
+
+    def meshes(self) -> Iterator[tuple[int, int, int, int]]:
+        n, pins, limits = self.cluster.num_gpus, self.pins, self.limits
+        for tp in _divisors(n):
+            if not (pins.allows("tp", tp) and limits.allows_tp(tp)):
+                continue
+            for cp in _divisors(n // tp):
+                if not pins.allows("cp", cp) or (cp > 1 and limits.seq_len % (2 * cp)):
+                    continue
+                for pp in _divisors(n // (tp * cp)):
+                    dp = n // (tp * cp * pp)
+                    if not (pins.allows("pp", pp) and pins.allows("dp", dp)):
+                        continue
+                    if pp > limits.num_blocks or self.training.global_batch_size % dp:
+                        continue
+                    yield dp, tp, pp, cp
+
+    def shardings(self, dp: int, tp: int, cp: int) -> Iterator[tuple[int, int]]:
+        """(zero, dp_shard) pairs: plain DP, ZeRO 1-3 over all of dp, hybrid over a node."""
+        if dp == 1:
+            if self.pins.allows("zero", 0):
+                yield 0, 1
+            return
+        per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
+        for zero in (0, 1, 2, 3):
+            if not self.pins.allows("zero", zero):
+                continue
+            shards = [1] if zero == 0 else sorted({dp, math.gcd(dp, per_node)} - {1})
+            for shard in shards:
+                if self.pins.allows("dp_shard", shard if zero else None):
+                    yield zero, shard
+
+    def schedules(self, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
+        if pp == 1:
+            if self.pins.allows("schedule", Schedule.ONE_F_ONE_B) or self.pins.schedule is None:
+                yield Schedule.ONE_F_ONE_B.value, 1
+            return
+        for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+            if self.pins.allows("schedule", schedule) and self.pins.allows("virtual_stages", 1):
+                yield schedule.value, 1
+        if not self.pins.allows("schedule", Schedule.INTERLEAVED_1F1B) or microbatches % pp:
+            return
+        for virtual in range(2, self.limits.num_blocks // pp + 1):
+            if self.limits.num_blocks % (pp * virtual) == 0 and self.pins.allows(
+                "virtual_stages", virtual
+            ):
+                yield Schedule.INTERLEAVED_1F1B.value, virtual
+
+    def micro_batches(self, dp: int) -> list[int]:
+        per_rank = self.training.global_batch_size // dp
+        sizes = [m for m in _divisors(per_rank) if m <= _MAX_MICRO_BATCH]
+        if self.training.micro_batch_size is not None:
+            sizes = [m for m in sizes if m == self.training.micro_batch_size]
+        return [m for m in sizes if self.pins.allows("micro_batch_size", m)]
+
+    def points(self) -> Iterator[_Point]:
+        for dp, tp, pp, cp in self.meshes():
+            for mbs in self.micro_batches(dp):
+                microbatches = self.training.global_batch_size // (dp * mbs)
+                for sp in (False, True) if tp > 1 else (False,):
+                    if not self.pins.allows("sequence_parallel", sp):
+                        continue
+                    yield from self._options(dp, tp, pp, cp, mbs, microbatches, sp)
+
+    def _options(
+        self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
+    ) -> Iterator[_Point]:
+        for rank, mode in enumerate(_RECOMPUTE_ORDER):
+            if not self.pins.allows("recompute", mode):
+                continue
+            work = self.work(tp, cp, sp, mbs, rank)
+            for schedule, virtual in self.schedules(pp, microbatches):
+                bound = work.time_s / pp * (microbatches + _fill_drain(schedule, pp, virtual))
+                for zero, shard in self.shardings(dp, tp, cp):
+                    point = _Point(
+                        bound, dp, tp, pp, cp, zero, shard, sp, mbs, rank, schedule, virtual
+                    )
+                    needed = self.memory_bound(point, work, microbatches)
+                    if needed <= self.capacity:
+                        yield point
+                        continue
+                    self.over_memory += 1
+                    if needed < self._leanest_bytes:
+                        self.leanest, self._leanest_bytes = point, needed
+
+    def memory_bound(self, point: _Point, work: _Work, microbatches: int) -> float:
+        """A lower bound of the busiest rank's bytes: states and activations, evenest split."""
+        states = model_state_bytes(
+            work.params / point.pp, zero=point.zero, shard=point.shard * point.cp,
+            optimizer=self.training.optimizer, dtype=self.training.dtype,
+        )  # fmt: skip
+        in_flight = in_flight_microbatches(
+            Schedule(point.schedule), pp=point.pp, rank=0, num_microbatches=microbatches,
+            virtual_stages=point.virtual,
+        )  # fmt: skip
+        blocks = self.limits.num_blocks // point.pp
+        activations = blocks * work.block_activation_bytes * in_flight
+        return states.total + activations
+
+
+def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
+    """Least pipeline fill and drain, in micro-batches of the average rank's time.
+
+    With rank times ``t`` (average ``a``, slowest ``M``) GPipe and 1F1B take
+    ``m M + sum(t) - M >= (m + pp - 1) a``; interleaving divides the fill by ``v``;
+    zero-bubble's depends on the forward share, bounded below by 0.
+    """
+    if schedule == Schedule.ZERO_BUBBLE.value:
+        return 0.0
+    return (pp - 1) / virtual
+
+
+def _summarise(costs: list[SegmentCost]) -> _Work:
+    blocks = [c for c in costs if c.kind == "block"]
+    block_act = min((c.activation_bytes for c in blocks), default=0.0)
+    return _Work(
+        time_s=sum(c.time_s for c in costs),
+        params=sum(c.param_count for c in costs),
+        block_activation_bytes=block_act,
+        other_activation_bytes=sum(c.activation_bytes for c in costs if c.kind != "block"),
+    )
+
+
+Progress = Callable[[int, int], None]  # (candidates done, candidates), for a progress bar
+
+
+def search(
+    model: CostModel,
+    limits: ModelLimits,
+    *,
+    pins: Pins | None = None,
+    top_k: int = 5,
+    progress: Progress | None = None,
+) -> SearchResult:
+    """The ``top_k`` fastest fitting strategies for ``model``'s set-up, fastest first.
+
+    Raises :class:`InfeasibleError` when nothing fits, naming the memory the closest
+    candidate needs and what would make it fit.
+    """
+    started = time.perf_counter()
+    pins = pins or Pins()
+    space = _Space(model, limits, pins)
+    points = sorted(space.points())
+    if not points and not space.over_memory:
+        raise SpecError(
+            f"no strategy for {model.cluster.num_gpus} GPUs satisfies the pins ({pins.describe()}) "
+            f"and the model (heads {limits.num_heads}, kv heads {limits.num_kv_heads}, "
+            f"{limits.num_blocks} blocks, global batch {model.training.global_batch_size}): "
+            "the pinned degrees must multiply to a divisor of the GPU count, divide the heads "
+            "and the global batch"
+        )
+    best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
+    costed = 0
+    closest: Scored | None = None
+    for index, point in enumerate(points):
+        if len(best) >= top_k and point.bound_s > -best[0][0]:
+            break
+        scored = _cost(model, point.strategy(model.training.global_batch_size))
+        costed += 1
+        if progress is not None and costed % 256 == 0:
+            progress(index, len(points))
+        if scored is None:
+            continue
+        if not scored.prediction.fits:
+            closest = _less_memory(closest, scored)
+            continue
+        entry = (-scored.prediction.step_time_s, -index, scored)
+        if len(best) < top_k:
+            heapq.heappush(best, entry)
+        elif entry > best[0]:
+            heapq.heapreplace(best, entry)
+    if progress is not None:
+        progress(len(points), len(points))
+    if not best:
+        raise _nothing_fits(model, space, closest)
+    ranked = tuple(entry[2] for entry in sorted(best, key=lambda e: (-e[0], -e[1])))
+    stats = SolverStats(
+        candidates_enumerated=len(points) + space.over_memory,
+        candidates_costed=costed,
+        pruned_by_memory=space.over_memory,
+        search_time_s=time.perf_counter() - started,
+    )
+    log.info("search: %d candidates, %d costed in %.2f s", len(points), costed, stats.search_time_s)
+    return SearchResult(ranked, stats)
+
+
+def _cost(model: CostModel, strategy: Strategy) -> Scored | None:
+    try:
+        return Scored(strategy, model.estimate(strategy))
+    except SpecError as exc:  # a combination the cost model cannot price (too few blocks...)
+        log.debug("skipped %s: %s", strategy.describe(), exc)
+        return None
+
+
+def _less_memory(current: Scored | None, new: Scored) -> Scored:
+    if current is None or new.prediction.peak_memory_gib < current.prediction.peak_memory_gib:
+        return new
+    return current
+
+
+def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> InfeasibleError:
+    """How much memory the least hungry candidate needs, and what would make it fit."""
+    if space.leanest is not None:
+        lean = _cost(model, space.leanest.strategy(model.training.global_batch_size))
+        if lean is not None:
+            closest = _less_memory(closest, lean)
+    limit = model.profile.memory_capacity_gib
+    if closest is None:
+        return InfeasibleError(
+            f"no strategy fits {model.cluster.num_gpus} x {model.cluster.gpu} "
+            f"({limit:.0f} GiB each); use more GPUs or a GPU with more memory"
+        )
+    prediction = closest.prediction
+    need = prediction.peak_memory_gib
+    parts = sorted(prediction.memory_gib.items(), key=lambda item: -item[1])
+    dominant = ", ".join(f"{name} {gib:.1f}" for name, gib in parts[:3])
+    gpus = model.cluster.num_gpus * math.ceil(need / limit)
+    return InfeasibleError(
+        f"no strategy fits: the closest, {closest.strategy.describe()}, needs {need:.1f} GiB "
+        f"per GPU (largest terms, GiB: {dominant}) but a {model.cluster.gpu} has {limit:.0f} "
+        f"GiB. To fit: about {gpus} GPUs instead of {model.cluster.num_gpus}, or full "
+        "recompute, micro-batch 1 and ZeRO-3 if pinned otherwise, or a shorter sequence"
+    )

@@ -1,0 +1,388 @@
+"""The profiler: a model traced on meta tensors into an :class:`~planner.graph.OpGraph`.
+
+:func:`trace` copies the model onto the meta device in the requested dtype (no
+memory, no compute), finds repeated blocks by structural hash, traces it with
+torch.fx (falling back to torch.export for models whose control flow defeats fx; the
+graph's ``tracer`` says which ran) and prices every operator with
+:mod:`planner.trace_ops`. Token models (zoo transformers, Hugging Face causal LMs)
+are traced with their training loss: ``cross_entropy(logits.float(), targets)``, as
+torchtitan computes it.
+
+The graph is a sequence of segments: the ops before the first block (kind
+``embedding`` when they embed tokens), one segment per block (kind ``block``;
+identical blocks share one segment type, traced once), and the ops after the last
+block (kind ``head``). A model without repeated blocks is one ``other`` segment.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import SpecError, TraceError
+from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.models import ModelHandle, resolve_model
+from planner.spec import Family
+from planner.trace_fx import (
+    BlockCall,
+    Traced,
+    error_summary,
+    find_blocks,
+    trace_export,
+    trace_fx,
+)
+from planner.trace_ops import OpCost, RawOp, cost_of, is_known
+
+__all__ = ["DTYPES", "trace", "trace_model", "summarize"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+_WRAPPED = "model."  # FQN prefix of the traced model inside the loss wrapper
+
+
+class _WithLoss(nn.Module):
+    """Runs a token model and its cross-entropy loss, so the loss is traced too."""
+
+    def __init__(self, model: nn.Module, hf: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.hf = hf
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            logits = self.model(input_ids=tokens, use_cache=False).logits
+        else:
+            logits = self.model(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _is_hf(module: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
+def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A training-mode copy of ``module`` on meta, floating tensors in ``dtype``.
+
+    Shared parameters stay shared; the original is not touched.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        target = dtype if tensor.is_floating_point() else tensor.dtype
+        meta = torch.empty_like(tensor, device="meta", dtype=target)
+        if isinstance(tensor, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = meta
+    return copy.deepcopy(module, memo).train()
+
+
+def _meta_inputs(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        for t in tensors
+    )
+
+
+def _default_seq_len(handle: ModelHandle) -> int:
+    if handle.spec is not None:
+        return handle.spec.seq_len
+    config = getattr(handle.module, "config", None)
+    seq = getattr(config, "max_position_embeddings", None)
+    if isinstance(seq, int):
+        logger.info("seq_len not given: using the config's max_position_embeddings (%d)", seq)
+        return seq
+    return 1  # not a sequence model: make_inputs ignores it
+
+
+def _check_arguments(handle: ModelHandle, batch_size: int, seq_len: int, dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise SpecError(f"dtype {dtype!r} is not traceable; use one of {', '.join(DTYPES)}")
+    for field_name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value < 1:
+            raise SpecError(f"{field_name} must be a positive integer, got {value}")
+    spec = handle.spec
+    if spec is not None and spec.family is not Family.LLAMA and seq_len > spec.seq_len:
+        raise SpecError(
+            f"seq_len {seq_len} exceeds {spec.name}'s position table ({spec.seq_len} positions); "
+            f"use seq_len <= {spec.seq_len} or resolve the model with seq_len={seq_len}"
+        )
+
+
+def _prepare(
+    handle: ModelHandle, batch_size: int, seq_len: int, dtype: torch.dtype
+) -> tuple[nn.Module, tuple[torch.Tensor, ...], str]:
+    """The module to trace, its meta inputs, and the FQN prefix to strip from paths."""
+    model = _meta_copy(handle.module, dtype)
+    inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
+    hf = _is_hf(model)
+    if handle.spec is None and not hf:
+        return model, inputs, ""
+    targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
+    return _WithLoss(model, hf), (inputs[0], targets), _WRAPPED
+
+
+def _run_front_ends(
+    root: nn.Module, inputs: tuple[torch.Tensor, ...], blocks: dict[str, nn.Module], name: str
+) -> Traced:
+    try:
+        return trace_fx(root, inputs, blocks)
+    except Exception as fx_error:  # fx fails on Python control flow: try the next tracer
+        fx_reason = error_summary(fx_error)
+    logger.warning(
+        "torch.fx could not trace %s (%s); falling back to torch.export", name, fx_reason
+    )
+    try:
+        return trace_export(root, inputs, blocks)
+    except Exception as export_error:
+        raise TraceError(
+            f"could not trace model {name!r}.\n  torch.fx: {fx_reason}\n"
+            f"  torch.export: {error_summary(export_error)}\n"
+            "  Fix: make forward() traceable (no Python branches on tensor values: use "
+            "torch.where; return tensors), check that the example inputs match forward()'s "
+            "arguments, or describe the model as a ModelSpec JSON file."
+        ) from None
+
+
+def _top_module(fqn: str, blocks: frozenset[str]) -> str | None:
+    """The outermost module on ``fqn``'s path that contains no block.
+
+    ``None`` when ``fqn`` itself holds blocks (ops of a model's own ``forward``, such as
+    mask building): a pipeline stage cannot name such a module as its own.
+    """
+    parts = fqn.split(".")
+    for end in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:end])
+        if not any(b == candidate or b.startswith(candidate + ".") for b in blocks):
+            return candidate
+    return None
+
+
+@dataclass
+class _SavedTensors:
+    """Tensors kept for backward within one segment, each counted once.
+
+    A view shares its base's storage, so a tensor saved by several ops, or saved
+    through views, adds its bytes once (to the first op that saves it).
+    """
+
+    base: dict[str, str] = field(default_factory=dict)  # view name -> base tensor name
+    seen: set[str] = field(default_factory=set)
+
+    def add(self, op: RawOp, cost: OpCost) -> float:
+        """Record ``op``; return the bytes it newly keeps for backward."""
+        source = op.activations[0].producer if op.activations else None
+        if cost.kind is OpKind.VIEW and source is not None:
+            self.base[op.name] = self.base.get(source, source)
+        nbytes = cost.saved_extra
+        for tensor in cost.saved:
+            name = tensor.producer or f"anonymous{id(tensor)}"
+            key = self.base.get(name, name)
+            if key not in self.seen:
+                self.seen.add(key)
+                nbytes += tensor.nbytes
+        return nbytes
+
+
+@dataclass
+class _GraphBuilder:
+    """Assembles segments and segment types; counts each parameter once."""
+
+    blocks: frozenset[str]  # block FQNs without the wrapper prefix
+    prefix: str
+    owned_params: set[int] = field(default_factory=set)
+    types: dict[str, SegmentType] = field(default_factory=dict)
+    segments: list[Segment] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # block key -> equal earlier type
+
+    def add_block(self, call: BlockCall) -> None:
+        fqn = call.fqn.removeprefix(self.prefix)
+        type_id = self.aliases.get(call.key, call.key)
+        if call.ops is not None and call.key not in self.types:
+            nodes = self._nodes(call.ops, in_block=True)
+            same = next((t for t in self.types.values() if t.nodes == nodes), None)
+            if same is None:  # a block that differs only in what it was called with may match
+                self.types[call.key] = SegmentType(call.key, "block", nodes)
+            else:
+                self.aliases[call.key] = type_id = same.type_id
+        self.segments.append(Segment(fqn, type_id, (fqn,)))
+
+    def add_run(self, ops: list[RawOp], kind: str) -> None:
+        nodes = self._nodes(ops, in_block=False)
+        signature = ";".join(f"{n.target}|{n.module}|{n.input_shapes}" for n in nodes)
+        type_id = hashlib.sha256(f"{kind}|{signature}".encode()).hexdigest()[:16]
+        self.types.setdefault(type_id, SegmentType(type_id, kind, nodes))
+        paths = (self._local(op.module) for op in ops)
+        tops = (_top_module(path, self.blocks) for path in paths if path)
+        modules = dict.fromkeys(top for top in tops if top is not None)
+        count = sum(1 for s in self.segments if s.fqn.split(".")[0] == kind)
+        fqn = kind if count == 0 else f"{kind}.{count}"
+        self.segments.append(Segment(fqn, type_id, tuple(modules)))
+
+    def _nodes(self, ops: Sequence[RawOp], *, in_block: bool) -> tuple[OpNode, ...]:
+        """Price ``ops``; block ops already carry block-relative module paths."""
+        names = {op.name for op in ops}
+        saved = _SavedTensors()
+        nodes = []
+        for op in ops:
+            cost = cost_of(op)
+            saved_bytes = saved.add(op, cost)
+            param_count, param_bytes = self._own_params(op)
+            producers = dict.fromkeys(
+                a.producer for a in op.args if a.producer in names and a.producer != op.name
+            )
+            nodes.append(
+                OpNode(
+                    name=op.name, kind=cost.kind, target=op.target,
+                    module=op.module if in_block else self._local(op.module),
+                    inputs=tuple(p for p in producers if p is not None),
+                    input_shapes=tuple(a.shape for a in op.args), output_shape=op.out.shape,
+                    dtype=op.out.dtype, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
+                    bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
+                    param_count=param_count, param_bytes=param_bytes, saved_bytes=saved_bytes,
+                    gemm=cost.gemm,
+                )
+            )  # fmt: skip
+        return tuple(nodes)
+
+    def _local(self, fqn: str) -> str:
+        """``fqn`` relative to the traced model (without the loss wrapper's prefix)."""
+        return "" if fqn == self.prefix.rstrip(".") else fqn.removeprefix(self.prefix)
+
+    def _own_params(self, op: RawOp) -> tuple[int, float]:
+        """Parameters ``op`` uses that no earlier op owns: (count, bytes)."""
+        count, nbytes = 0, 0.0
+        for ref in op.params:
+            if ref.param is not None and ref.param not in self.owned_params:
+                self.owned_params.add(ref.param)
+                count += ref.numel
+                nbytes += ref.nbytes
+        return count, nbytes
+
+
+def _split(items: tuple[RawOp | BlockCall, ...]) -> list[list[RawOp] | BlockCall]:
+    """Runs of consecutive ops between block calls, in order."""
+    groups: list[list[RawOp] | BlockCall] = []
+    for item in items:
+        if isinstance(item, BlockCall):
+            groups.append(item)
+        elif groups and isinstance(groups[-1], list):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+def _run_kind(ops: list[RawOp], blocks_before: bool, blocks_after: bool) -> str:
+    if not blocks_before and not blocks_after:
+        return "other"
+    if not blocks_before:
+        embeds = any(op.op == "embedding" for op in ops)
+        return "embedding" if embeds else "other"
+    return "other" if blocks_after else "head"
+
+
+def _assemble(traced: Traced, builder: _GraphBuilder) -> None:
+    groups = _split(traced.items)
+    block_positions = [i for i, g in enumerate(groups) if isinstance(g, BlockCall)]
+    first = block_positions[0] if block_positions else len(groups)
+    last = block_positions[-1] if block_positions else -1
+    for position, group in enumerate(groups):
+        if isinstance(group, BlockCall):
+            builder.add_block(group)
+        else:
+            builder.add_run(group, _run_kind(group, position > first, position < last))
+
+
+def _warn_unknown_ops(traced: Traced, name: str) -> None:
+    ops = [item for item in traced.items if isinstance(item, RawOp)]
+    for item in traced.items:
+        if isinstance(item, BlockCall) and item.ops is not None:
+            ops.extend(item.ops)
+    unknown = sorted({op.op for op in ops if not is_known(op)})
+    if unknown:
+        logger.warning(
+            "%s: no pricing rule for %s; counted as element-wise ops (bytes only, 0 FLOPs, "
+            "nothing saved for backward)", name, ", ".join(unknown),
+        )  # fmt: skip
+
+
+def trace(
+    handle: ModelHandle, *, batch_size: int = 1, seq_len: int | None = None, dtype: str = "bf16"
+) -> OpGraph:
+    """Trace one forward pass (and loss, for token models) of ``handle`` into an OpGraph.
+
+    Shapes are per micro-batch of ``batch_size`` sequences of ``seq_len`` tokens (the
+    model's own length by default); bytes are as if the model ran in ``dtype``
+    ("bf16", "fp16" or "fp32"). Raises :class:`TraceError` when no tracer succeeds.
+    """
+    seq = seq_len if seq_len is not None else _default_seq_len(handle)
+    _check_arguments(handle, batch_size, seq, dtype)
+    root, inputs, prefix = _prepare(handle, batch_size, seq, DTYPES[dtype])
+    blocks = find_blocks(root)
+    traced = _run_front_ends(root, inputs, blocks, handle.name)
+    block_fqns = frozenset(fqn.removeprefix(prefix) for fqn in blocks)
+    builder = _GraphBuilder(block_fqns, prefix)
+    _assemble(traced, builder)
+    _warn_unknown_ops(traced, handle.name)
+    logger.info(
+        "traced %s with %s: %d segments, %d types", handle.name, traced.tracer,
+        len(builder.segments), len(builder.types),
+    )  # fmt: skip
+    return OpGraph(
+        model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
+        tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
+    )  # fmt: skip
+
+
+def trace_model(
+    source: str, *, batch_size: int = 1, seq_len: int | None = None, dtype: str = "bf16"
+) -> OpGraph:
+    """Resolve ``source`` (preset, spec file or ``module:function``) and trace it."""
+    handle = resolve_model(source, seq_len=seq_len)
+    return trace(handle, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
+
+
+def summarize(graph: OpGraph) -> dict[str, Any]:
+    """Totals and one entry per segment type, in order of first appearance (JSON-ready).
+
+    Per-type figures are for one segment (one micro-batch); ``share_of_flops`` is the
+    fraction of the model's forward FLOPs spent in all segments of that type.
+    """
+    counts: dict[str, int] = {}
+    first_fqn: dict[str, str] = {}
+    for segment in graph.segments:
+        counts[segment.type_id] = counts.get(segment.type_id, 0) + 1
+        first_fqn.setdefault(segment.type_id, segment.fqn)
+    total_flops = graph.flops_fwd or 1.0
+    per_type = [
+        {
+            "type_id": type_id, "kind": graph.types[type_id].kind, "first": first_fqn[type_id],
+            "count": count, "params": graph.types[type_id].param_count,
+            "flops_fwd": graph.types[type_id].flops_fwd,
+            "flops_bwd": graph.types[type_id].flops_bwd,
+            "saved_bytes": graph.types[type_id].saved_bytes,
+            "ops": len(graph.types[type_id].nodes),
+            "share_of_flops": count * graph.types[type_id].flops_fwd / total_flops,
+        }
+        for type_id, count in counts.items()
+    ]  # fmt: skip
+    return {
+        "model": graph.model_name, "tracer": graph.tracer, "batch_size": graph.batch_size,
+        "seq_len": graph.seq_len, "dtype": graph.dtype, "segments": len(graph.segments),
+        "params": graph.param_count, "param_bytes": graph.total("param_bytes"),
+        "flops_fwd": graph.flops_fwd, "flops_bwd": graph.flops_bwd,
+        "saved_bytes": graph.total("saved_bytes"), "types": per_type,
+    }  # fmt: skip

@@ -1,0 +1,308 @@
+"""Checks that a plan can run here, before any process group or collective is touched.
+
+:func:`validate_plan_for_world` needs only the plan and the world size;
+:func:`check_model_against_plan` also inspects the ``nn.Module`` (names, shapes,
+fingerprint). Both are pure: no ``torch.distributed``, so every rank fails the same way
+at the same point and none waits in a collective for a rank that raised.
+
+Module paths (FQNs) in layouts may use ``*`` for one path component, as in
+``layers.*.attention.wq``; :func:`expand_layout` turns such keys into concrete FQNs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+from planner.errors import PlanMismatchError, SpecError
+from planner.models import fingerprint
+from planner.spec import CompressionKind, Plan, RecomputeMode, Schedule, TPStyle
+
+__all__ = [
+    "validate_plan_for_world",
+    "check_model_against_plan",
+    "expand_layout",
+    "match_fqns",
+    "find_blocks",
+]
+
+
+def validate_plan_for_world(plan: Plan, world_size: int) -> None:
+    """Raise if ``plan`` cannot run on ``world_size`` ranks; the message names every factor."""
+    strategy = plan.strategy
+    if strategy.world_size != world_size:
+        raise PlanMismatchError(
+            f"dp({strategy.dp}) * tp({strategy.tp}) * pp({strategy.pp}) * cp({strategy.cp}) "
+            f"= {strategy.world_size} != world_size({world_size}): launch with "
+            f"--nproc-per-node/--nnodes giving {strategy.world_size} ranks, or make a plan "
+            f"for {world_size} GPUs"
+        )
+    if strategy.cp > 1:
+        raise SpecError(
+            f"strategy.cp = {strategy.cp}: context parallelism is not implemented by the "
+            "runtime yet; make a plan with cp = 1"
+        )
+    _check_batch(plan)
+    _check_compression(plan)
+    _check_recompute(plan)
+    _check_pipeline(plan)
+
+
+def _check_batch(plan: Plan) -> None:
+    strategy, training = plan.strategy, plan.training
+    per_step = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+    if training.global_batch_size != per_step:
+        raise SpecError(
+            f"training.global_batch_size = {training.global_batch_size} != dp({strategy.dp}) * "
+            f"micro_batch_size({strategy.micro_batch_size}) * "
+            f"num_microbatches({strategy.num_microbatches}) = {per_step}: make them agree"
+        )
+
+
+def _check_compression(plan: Plan) -> None:
+    strategy = plan.strategy
+    kind = strategy.compression.kind
+    if kind is CompressionKind.NONE:
+        return
+    if strategy.dp == 1:
+        raise SpecError(
+            f"strategy.compression.kind = {kind.value!r} needs dp > 1 (there is no gradient "
+            "reduction to compress); set compression kind 'none'"
+        )
+    if kind is CompressionKind.POWERSGD and strategy.zero >= 1:
+        raise SpecError(
+            f"strategy.compression.kind = 'powersgd' with zero = {strategy.zero}: PowerSGD is a "
+            "DDP communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
+        )
+    if strategy.zero == 0 and (strategy.tp > 1 or strategy.pp > 1):
+        raise SpecError(
+            f"strategy.compression.kind = {kind.value!r} with zero = 0 and tp({strategy.tp}) * "
+            f"pp({strategy.pp}) > 1: DDP communication hooks run only on a data-parallel-only "
+            "mesh; use zero >= 1 (FSDP reduce dtype) or tp = pp = 1"
+        )
+
+
+def _check_recompute(plan: Plan) -> None:
+    strategy = plan.strategy
+    modes = [strategy.recompute_for_stage(stage) for stage in range(strategy.pp)]
+    if strategy.recompute_blocks is not None and all(m is RecomputeMode.NONE for m in modes):
+        raise SpecError(
+            f"strategy.recompute_blocks = {strategy.recompute_blocks} but recompute is 'none': "
+            "set recompute to 'full' or 'selective', or drop recompute_blocks"
+        )
+
+
+def _check_pipeline(plan: Plan) -> None:
+    strategy = plan.strategy
+    if strategy.pp == 1:
+        return
+    if plan.stages and len(plan.stages) != strategy.num_stages:
+        raise SpecError(
+            f"plan.stages has {len(plan.stages)} chunks, but pp({strategy.pp}) * "
+            f"virtual_stages({strategy.virtual_stages}) = {strategy.num_stages}: give one FQN "
+            "list per chunk"
+        )
+    if not plan.stages:
+        raise SpecError(
+            f"strategy.pp = {strategy.pp} but plan.stages is empty: give one FQN list per "
+            "pipeline chunk (planner.assemble.assemble_plan fills an even split)"
+        )
+    if strategy.schedule is Schedule.ONE_F_ONE_B and strategy.num_microbatches < strategy.pp:
+        raise SpecError(
+            f"strategy.num_microbatches = {strategy.num_microbatches} < pp({strategy.pp}): the "
+            "1f1b schedule needs at least one micro-batch per stage; raise num_microbatches "
+            "or use gpipe"
+        )
+
+
+def match_fqns(pattern: str, names: Iterable[str]) -> list[str]:
+    """Names equal to ``pattern``, where ``*`` in a component matches within that component."""
+    parts = pattern.split(".")
+    return [
+        name
+        for name in names
+        if len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts, strict=True))
+    ]
+
+
+def expand_layout(module: nn.Module, layout: dict[str, TPStyle]) -> dict[str, TPStyle]:
+    """Concrete ``{fqn: style}`` for ``module``; raise naming any key that matches nothing."""
+    modules = dict(module.named_modules())
+    expanded: dict[str, TPStyle] = {}
+    for pattern, style in layout.items():
+        matches = match_fqns(pattern, modules)
+        if not matches:
+            raise SpecError(
+                f"plan.tp_layout[{pattern!r}] = {TPStyle(style).value!r} names no module of "
+                f"{type(module).__name__}; known modules include {_sample(modules)}. Fix the key"
+            )
+        for fqn in matches:
+            _check_style_fits(fqn, modules[fqn], TPStyle(style))
+            expanded[fqn] = TPStyle(style)
+    return expanded
+
+
+def _sample(modules: dict[str, nn.Module], limit: int = 8) -> str:
+    names = [name for name in modules if name]
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _check_style_fits(fqn: str, module: nn.Module, style: TPStyle) -> None:
+    needs = {
+        TPStyle.COLWISE: (nn.Linear, nn.Embedding),
+        TPStyle.ROWWISE: (nn.Linear, nn.Embedding),
+        TPStyle.VOCAB_PARALLEL: (nn.Embedding,),
+    }.get(style)
+    if needs is not None and not isinstance(module, needs):
+        kinds = " or ".join(cls.__name__ for cls in needs)
+        raise SpecError(
+            f"plan.tp_layout: {fqn!r} is a {type(module).__name__}, but {style.value!r} "
+            f"needs {kinds}; give it 'replicate' or lay out its Linear children instead"
+        )
+
+
+def _check_tp_divides(expanded: dict[str, TPStyle], module: nn.Module, tp: int) -> None:
+    modules = dict(module.named_modules())
+    for fqn, style in expanded.items():
+        mod = modules[fqn]
+        size = _sharded_size(mod, style)
+        if size is not None and size % tp:
+            raise SpecError(
+                f"plan.tp_layout[{fqn!r}] = {style.value!r}: the sharded dimension of "
+                f"{type(mod).__name__} has size {size}, not divisible by tp({tp}); "
+                "choose a tp that divides it or replicate this module"
+            )
+
+
+def _sharded_size(module: nn.Module, style: TPStyle) -> int | None:
+    if isinstance(module, nn.Linear):
+        return {TPStyle.COLWISE: module.out_features, TPStyle.ROWWISE: module.in_features}.get(
+            style
+        )
+    if isinstance(module, nn.Embedding):
+        if style is TPStyle.COLWISE:
+            return module.embedding_dim
+        if style in (TPStyle.ROWWISE, TPStyle.VOCAB_PARALLEL):
+            return module.num_embeddings
+    return None
+
+
+def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: children of the largest ModuleDict/ModuleList of one class.
+
+    Returns ``(fqn, block)`` pairs in order; empty when the model has no such container.
+    """
+    best: list[tuple[str, nn.Module]] = []
+    for name, container in module.named_modules():
+        if not isinstance(container, nn.ModuleDict | nn.ModuleList):
+            continue
+        children = list(container.named_children())
+        if len({type(child) for _, child in children}) != 1 or len(children) <= len(best):
+            continue
+        prefix = f"{name}." if name else ""
+        best = [(prefix + key, child) for key, child in children]
+    return best
+
+
+def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle]:
+    """Raise if ``module`` is not the model ``plan`` was made for, or cannot take its layout.
+
+    Checks the fingerprint, the layout keys (and that tp divides every sharded
+    dimension), the heads of zoo models, and the stage FQN lists. Returns the layout
+    expanded to concrete module FQNs.
+    """
+    found = fingerprint(module)
+    if found != plan.model_fingerprint:
+        raise PlanMismatchError(
+            f"plan.model_fingerprint = {plan.model_fingerprint!r} (model {plan.model_name!r}) "
+            f"but the model given has fingerprint {found!r}: this plan was made for another "
+            "model; make a plan for this model"
+        )
+    tp = plan.strategy.tp
+    if plan.model is not None and tp > 1:
+        _check_heads(plan, tp)
+    expanded = expand_layout(module, plan.tp_layout) if tp > 1 else {}
+    _check_tp_divides(expanded, module, tp)
+    _check_sequence_parallel(plan, expanded)
+    if plan.strategy.pp > 1:
+        _check_stages(plan, module)
+    _check_tied(plan, module, expanded)
+    return expanded
+
+
+def _check_sequence_parallel(plan: Plan, expanded: dict[str, TPStyle]) -> None:
+    marked = [fqn for fqn, style in expanded.items() if style is TPStyle.SEQUENCE_PARALLEL]
+    if plan.strategy.sequence_parallel and plan.strategy.tp > 1 and not marked:
+        raise SpecError(
+            "strategy.sequence_parallel is true but plan.tp_layout marks no module "
+            "'sequence_parallel': mark the norms (e.g. 'layers.*.attention_norm') or turn it off"
+        )
+
+
+def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, TPStyle]) -> None:
+    """Parameters shared between modules must not be split by tensor or pipeline parallel."""
+    owners: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+    for modules in (names for names in owners.values() if len(names) > 1):
+        sharded = [
+            m for m in modules if expanded.get(m, TPStyle.REPLICATE) is not TPStyle.REPLICATE
+        ]
+        if sharded:
+            raise SpecError(
+                f"{' and '.join(modules)} share a parameter (tied weights), but plan.tp_layout "
+                f"shards {sharded[0]!r}: the runtime cannot keep tied weights tied under "
+                "tensor parallel; give them 'replicate' or untie them"
+            )
+        chunks = {_chunk_of(plan, m) for m in modules} if plan.strategy.pp > 1 else set()
+        if len(chunks) > 1:
+            raise SpecError(
+                f"{' and '.join(modules)} share a parameter (tied weights) but sit in pipeline "
+                f"chunks {sorted(chunks)}: put them in one chunk or untie them"
+            )
+
+
+def _chunk_of(plan: Plan, fqn: str) -> int:
+    for index, chunk in enumerate(plan.stages):
+        if any(fqn == kept or fqn.startswith(kept + ".") for kept in chunk):
+            return index
+    return -1
+
+
+def _check_heads(plan: Plan, tp: int) -> None:
+    assert plan.model is not None
+    for field, heads in (("num_heads", plan.model.num_heads), ("kv_heads", plan.model.kv_heads)):
+        if heads % tp:
+            raise SpecError(
+                f"model {field} = {heads} is not divisible by tp({tp}): each tensor-parallel "
+                f"rank needs whole heads; choose tp dividing {heads}"
+            )
+
+
+def _check_stages(plan: Plan, module: nn.Module) -> None:
+    strategy = plan.strategy
+    blocks = find_blocks(module)
+    if len(blocks) < strategy.num_stages:
+        raise SpecError(
+            f"model has {len(blocks)} blocks but pp({strategy.pp}) * virtual_stages"
+            f"({strategy.virtual_stages}) = {strategy.num_stages} pipeline chunks need at least "
+            "one block each; lower pp or virtual_stages"
+        )
+    known = {name for name, _ in module.named_modules() if name}
+    for index, chunk in enumerate(plan.stages):
+        if not chunk:
+            raise SpecError(f"plan.stages[{index}] is empty: every chunk needs a module")
+        missing = [fqn for fqn in chunk if fqn not in known]
+        if missing:
+            raise SpecError(
+                f"plan.stages[{index}] names {', '.join(map(repr, missing))}, not modules of "
+                f"{type(module).__name__}; fix the FQNs (e.g. 'layers.0')"
+            )
+    placed = [fqn for chunk in plan.stages for fqn in chunk]
+    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
+    if twice:
+        raise SpecError(f"plan.stages places {', '.join(twice)} in more than one chunk")

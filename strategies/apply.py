@@ -1,0 +1,103 @@
+"""Apply a plan to a model, one parallel dimension at a time, in one documented order.
+
+1. validate the plan against the world size and the model (pure; before any collective)
+2. build the device mesh
+3. pipeline split (this rank's chunks)
+4. tensor / sequence parallel
+5. activation recompute
+6. FSDP (ZeRO >= 1) or DDP (ZeRO 0)
+7. gradient-compression hooks
+
+The same order as torchtitan's ``parallelize_llama``: each later step wraps what the
+earlier ones produced (FSDP shards DTensor-TP parameters into 2-D DTensors, DDP's hooks
+see the final parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
+
+from planner.errors import SpecError
+from planner.spec import Axis, Plan
+from planner.validate import check_model_against_plan, validate_plan_for_world
+from strategies import checkpointing, compression, data_parallel, fsdp, pipeline, tensor_parallel
+from strategies.mesh import axis_rank, build_mesh, device_type
+from strategies.pipeline import LossFn, PipelineRunner
+
+__all__ = ["parallelize", "token_cross_entropy", "loss_context"]
+
+log = logging.getLogger(__name__)
+
+
+def token_cross_entropy(output: object, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over all tokens; ``output`` is logits or has ``.logits`` (Hugging Face)."""
+    logits = getattr(output, "logits", output)
+    assert isinstance(logits, torch.Tensor)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: LossFn = token_cross_entropy,
+    loss_parallel: bool = False,
+) -> nn.Module | PipelineRunner:
+    """Apply ``plan`` to ``model`` on the current process group (or a single process).
+
+    Returns the parallel model, or for ``pp > 1`` a :class:`PipelineRunner` whose
+    ``step(inputs, targets)`` runs the schedule with ``loss_fn``. ``loss_parallel``
+    (with ``tp > 1``) keeps the head's logits sharded on the vocabulary: compute the
+    loss and run backward inside :func:`loss_context` (the runner and
+    :class:`~strategies.runner.Trainer` do).
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    validate_plan_for_world(plan, world_size)
+    check_model_against_plan(plan, model)
+    _check_materialised(model)
+    mesh = build_mesh(plan)
+    if mesh is not None and plan.strategy.pp > 1:
+        pp_rank = axis_rank(mesh, Axis.PP)
+        chunks = [
+            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, loss_parallel))
+            for index, chunk in pipeline.split(model, mesh, plan)
+        ]
+        return pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
+    return _apply_dimensions(model, mesh, plan, 0, loss_parallel)
+
+
+def _check_materialised(model: nn.Module) -> None:
+    on_meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if on_meta is not None:
+        raise SpecError(
+            f"parameter {on_meta!r} is on the meta device (no values to train): build the "
+            "model on a real device, e.g. resolve_model(name, device='cpu', seed=0)"
+        )
+
+
+def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
+    """Where vocabulary-sharded logits may meet the loss: ``loss_parallel()`` when tp > 1.
+
+    It changes only DTensor cross-entropy, so full (gathered) logits are unaffected.
+    """
+    return tp_loss_parallel() if plan.strategy.tp > 1 else contextlib.nullcontext()
+
+
+def _apply_dimensions(
+    model: nn.Module, mesh: DeviceMesh | None, plan: Plan, pp_rank: int, loss_parallel: bool
+) -> nn.Module:
+    if device_type() == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    model = tensor_parallel.apply(model, mesh, plan, loss_parallel=loss_parallel)
+    model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
+    model = fsdp.apply(model, mesh, plan)
+    model = data_parallel.apply(model, mesh, plan)
+    return compression.apply(model, mesh, plan)

@@ -1,0 +1,76 @@
+"""ZeRO / FSDP2: ``fully_shard`` per block and at the root over the data-parallel axes.
+
+``zero = 3`` reshards weights after forward (gathered again in backward); ``zero = 1``
+and ``2`` keep them gathered between forward and backward (``reshard_after_forward=False``,
+so memory lies between ZeRO-2 and ZeRO-3: FSDP2 has no separate ZeRO-1/2 modes). A 2-D
+(dp_replicate, dp_shard) mesh gives hybrid sharding (HSDP). ``MixedPrecisionPolicy``
+takes the parameter dtype from ``training.dtype`` and the gradient-reduction dtype from
+the plan's compression (fp16/bf16), else fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from planner.errors import SpecError
+from planner.spec import CompressionKind, DType, Plan
+from planner.validate import find_blocks
+from strategies.mesh import dp_axes
+
+__all__ = ["apply", "uses_fsdp", "mixed_precision"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {DType.FP32: None, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+_REDUCE_DTYPES = {CompressionKind.FP16: torch.float16, CompressionKind.BF16: torch.bfloat16}
+
+
+def uses_fsdp(plan: Plan) -> bool:
+    """Whether the plan shards over data parallel (ZeRO >= 1 on a dp_shard axis > 1)."""
+    return plan.strategy.zero >= 1 and plan.strategy.shard_degree > 1
+
+
+def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
+    """Parameter dtype from ``training.dtype``; reduce dtype from compression, else fp32."""
+    if plan.training.dtype not in _TORCH_DTYPES:
+        raise SpecError(
+            f"training.dtype = {plan.training.dtype.value!r} is not supported by the runtime; "
+            "use fp32, bf16 or fp16"
+        )
+    param_dtype = _TORCH_DTYPES[plan.training.dtype]
+    reduce_dtype = _REDUCE_DTYPES.get(plan.strategy.compression.kind)
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the data-parallel axes when the plan asks for it."""
+    if not uses_fsdp(plan) or mesh is None:
+        return model
+    shard(model, mesh[dp_axes(mesh)], plan, reason=f"zero={plan.strategy.zero}")
+    return model
+
+
+def shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, reason: str) -> None:
+    """``fully_shard`` each block, then the root, over ``dp_mesh`` (1-D, or 2-D for HSDP)."""
+    reshard = plan.strategy.zero == 3 or plan.strategy.zero == 0
+    policy = mixed_precision(plan)
+    blocks = find_blocks(model)
+    for _, block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    log.info(
+        "fsdp (%s): %d blocks + root over %s, reshard_after_forward=%s, param %s, reduce %s",
+        reason,
+        len(blocks),
+        dp_mesh.mesh_dim_names,
+        reshard,
+        policy.param_dtype,
+        policy.reduce_dtype,
+    )

@@ -1,0 +1,80 @@
+"""The device mesh: named axes (pp, dp_replicate, dp_shard, cp, tp) from the plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from planner.spec import Axis, Plan
+
+__all__ = [
+    "build_mesh",
+    "device_type",
+    "axis_size",
+    "axis_rank",
+    "dp_axes",
+    "coordinates",
+    "dp_rank_of",
+]
+
+log = logging.getLogger(__name__)
+
+
+def device_type() -> str:
+    """``cuda`` on an NCCL process group or in one process with a GPU, else ``cpu`` (gloo)."""
+    if dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_mesh(plan: Plan) -> DeviceMesh | None:
+    """The plan's mesh over all ranks, or ``None`` when every degree is 1."""
+    if not plan.mesh:
+        return None
+    names = tuple(axis.name.value for axis in plan.mesh)
+    sizes = tuple(axis.size for axis in plan.mesh)
+    mesh = init_device_mesh(device_type(), sizes, mesh_dim_names=names)
+    log.info("mesh: %s", " x ".join(f"{n}({s})" for n, s in zip(names, sizes, strict=True)))
+    return mesh
+
+
+def _names(mesh: DeviceMesh | None) -> tuple[str, ...]:
+    return tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+
+
+def axis_size(mesh: DeviceMesh | None, axis: Axis) -> int:
+    """Size of ``axis`` in ``mesh`` (1 when absent)."""
+    if mesh is None or axis.value not in _names(mesh):
+        return 1
+    return mesh[axis.value].size()
+
+
+def axis_rank(mesh: DeviceMesh | None, axis: Axis) -> int:
+    """This rank's coordinate on ``axis`` (0 when absent)."""
+    if mesh is None or axis.value not in _names(mesh):
+        return 0
+    return mesh.get_local_rank(axis.value)
+
+
+def dp_axes(mesh: DeviceMesh | None) -> tuple[str, ...]:
+    """The data-parallel axes present in ``mesh``, outermost first."""
+    wanted = (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)
+    return tuple(name for name in wanted if name in _names(mesh))
+
+
+def coordinates(plan: Plan, rank: int) -> dict[Axis, int]:
+    """``rank``'s coordinate on every axis of the plan's mesh (row-major, as ``init_device_mesh``)."""
+    coords: dict[Axis, int] = {}
+    for axis in reversed(plan.mesh):
+        rank, coords[axis.name] = divmod(rank, axis.size)
+    return coords
+
+
+def dp_rank_of(plan: Plan, rank: int) -> int:
+    """Index of ``rank``'s data-parallel replica among ``plan.strategy.dp``."""
+    coords = coordinates(plan, rank)
+    shard = plan.strategy.shard_degree
+    return coords.get(Axis.DP_REPLICATE, 0) * shard + coords.get(Axis.DP_SHARD, 0)

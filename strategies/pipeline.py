@@ -1,0 +1,214 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: manual stages from FQN lists.
+
+Each pipeline chunk is a copy of the model with every module outside its FQN list
+removed (blocks deleted from their ``ModuleDict``, other parts set to ``None``), so
+parameter names stay those of the whole model. Rank ``r`` of the ``pp`` axis holds
+chunks ``r, r + pp, ...`` (loop order). :class:`PipelineRunner` hides the schedule:
+``step(inputs, targets)`` runs forward and backward over all micro-batches and returns
+the mean loss on every pipeline rank.
+
+Schedules: ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``,
+``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per
+rank), ``zero-bubble`` -> ``ScheduleInterleavedZeroBubble`` (backward split into input
+and weight gradients to fill the bubble) over the plan's chunks; all run on gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from planner.errors import SpecError
+from planner.spec import Axis, Plan, Schedule
+from strategies.mesh import axis_rank, device_type
+
+__all__ = [
+    "split",
+    "build_chunk",
+    "chunk_indices",
+    "PipelineRunner",
+    "build_runner",
+    "full_value",
+]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def full_value(value: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor: the whole value of a (replicated or partial) DTensor."""
+    value = value.detach()
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def chunk_indices(plan: Plan, pp_rank: int) -> list[int]:
+    """The model chunks (indices into ``plan.stages``) held by pipeline rank ``pp_rank``."""
+    return list(range(pp_rank, plan.strategy.num_stages, plan.strategy.pp))
+
+
+def split(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> list[tuple[int, nn.Module]]:
+    """This rank's chunks of ``model`` as ``(chunk index, module)`` pairs."""
+    pp_rank = axis_rank(mesh, Axis.PP)
+    chunks = [
+        (index, build_chunk(model, plan.stages[index])) for index in chunk_indices(plan, pp_rank)
+    ]
+    log.info("pipeline split: pp rank %d holds chunks %s", pp_rank, [i for i, _ in chunks])
+    return chunks
+
+
+def build_chunk(model: nn.Module, fqns: tuple[str, ...] | list[str]) -> nn.Module:
+    """A copy of ``model`` keeping only the modules named in ``fqns`` (and their parents)."""
+    chunk = copy.deepcopy(model)
+    _prune(chunk, "", set(fqns))
+    return chunk
+
+
+def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
+    for name, _ in list(module.named_children()):
+        fqn = prefix + name
+        if fqn in keep:
+            continue
+        child = module.get_submodule(name)
+        if any(kept.startswith(fqn + ".") for kept in keep):
+            _prune(child, fqn + ".", keep)
+        else:
+            _remove(module, name, fqn)
+
+
+def _remove(parent: nn.Module, name: str, fqn: str) -> None:
+    if isinstance(parent, nn.ModuleDict):
+        del parent[name]
+    elif isinstance(parent, nn.ModuleList):
+        raise SpecError(
+            f"cannot drop {fqn!r} for a pipeline stage: its parent is an nn.ModuleList, whose "
+            "indices would shift; keep blocks in an nn.ModuleDict keyed '0'..'L-1'"
+        )
+    else:
+        setattr(parent, name, None)
+
+
+def build_runner(
+    chunks: list[tuple[int, nn.Module]],
+    mesh: DeviceMesh,
+    plan: Plan,
+    loss_fn: LossFn,
+    loss_context: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+) -> PipelineRunner:
+    """Pipeline stages for ``chunks`` and the plan's schedule, behind a :class:`PipelineRunner`.
+
+    ``loss_context`` is entered around each schedule step (e.g. ``loss_parallel``).
+    """
+    group = mesh.get_group(Axis.PP.value)
+    device = torch.device(device_type())
+    num_stages = plan.strategy.num_stages
+    stages: list[_PipelineStageBase] = [
+        PipelineStage(module, index, num_stages, device, group=group) for index, module in chunks
+    ]
+    schedule = _schedule(plan, stages, loss_fn)
+    indices = [index for index, _ in chunks]
+    log.info(
+        "pipeline: %s, %d chunks, %d micro-batches",
+        plan.strategy.schedule.value,
+        num_stages,
+        plan.strategy.num_microbatches,
+    )
+    return PipelineRunner(
+        [module for _, module in chunks],
+        schedule,
+        group,
+        has_first=0 in indices,
+        has_last=num_stages - 1 in indices,
+        loss_context=loss_context,
+    )
+
+
+def _schedule(plan: Plan, stages: list[_PipelineStageBase], loss_fn: LossFn) -> _PipelineSchedule:
+    n = plan.strategy.num_microbatches
+    kind = plan.strategy.schedule
+    if kind is Schedule.GPIPE:
+        return ScheduleGPipe(stages[0], n, loss_fn=loss_fn)
+    if kind is Schedule.ONE_F_ONE_B:
+        return Schedule1F1B(stages[0], n, loss_fn=loss_fn)
+    if kind is Schedule.INTERLEAVED_1F1B:
+        return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+    return ScheduleInterleavedZeroBubble(stages, n, loss_fn=loss_fn)
+
+
+class PipelineRunner:
+    """The pipeline-parallel model: ``step(inputs, targets) -> loss`` runs one schedule.
+
+    ``inputs``/``targets`` are this data-parallel rank's whole batch; the schedule cuts
+    them into micro-batches. Gradients are averaged over micro-batches.
+    """
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        schedule: _PipelineSchedule,
+        group: dist.ProcessGroup,
+        *,
+        has_first: bool,
+        has_last: bool,
+        loss_context: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        self.modules = modules
+        self.schedule = schedule
+        self.group = group
+        self.has_first = has_first
+        self.has_last = has_last
+        self.loss_context = loss_context
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of all micro-batches; the mean loss, on every pp rank."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
+        with self.loss_context():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.has_last:
+            loss = torch.stack([full_value(value) for value in losses]).mean().float()
+        else:
+            loss = torch.zeros((), device=torch.device(device_type()))
+        dist.all_reduce(loss, group=self.group)
+        return loss
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return itertools.chain.from_iterable(module.parameters() for module in self.modules)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return itertools.chain.from_iterable(module.named_parameters() for module in self.modules)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers under the whole model's FQNs."""
+        merged: dict[str, Any] = {}
+        for module in self.modules:
+            inner = module.module if isinstance(module, DistributedDataParallel) else module
+            merged.update(inner.state_dict())
+        return merged
+
+    def train(self, mode: bool = True) -> PipelineRunner:
+        for module in self.modules:
+            module.train(mode)
+        return self

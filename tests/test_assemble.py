@@ -1,0 +1,80 @@
+"""Assembling runnable plans: mesh, fingerprint, stage split and Megatron layout."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from planner.assemble import assemble_plan, even_stages, megatron_layout
+from planner.errors import SpecError
+from planner.models import ModelHandle, fingerprint, get_preset, resolve_model
+from planner.spec import Axis, Cluster, Plan, Strategy, TPStyle, Training
+
+CLUSTER = Cluster(gpu="h100", num_gpus=8)
+TRAINING = Training(global_batch_size=16)
+
+
+def test_plan_carries_mesh_fingerprint_and_source() -> None:
+    handle = resolve_model("tiny-gpt")
+    strategy = Strategy(dp=2, tp=2, pp=2, zero=3, num_microbatches=4)
+    plan = assemble_plan(handle, CLUSTER, TRAINING, strategy)
+    assert [(axis.name, axis.size) for axis in plan.mesh] == [
+        (Axis.PP, 2),
+        (Axis.DP_SHARD, 2),
+        (Axis.TP, 2),
+    ]
+    assert plan.model_fingerprint == fingerprint(handle.module)
+    assert plan.model_source == "tiny-gpt"
+    assert plan.model == handle.spec
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_even_stages_put_embeddings_first_and_head_last() -> None:
+    stages = even_stages(resolve_model("tiny-gpt").module, 3)
+    assert stages == [
+        ["tok_embeddings", "pos_embeddings", "layers.0", "layers.1"],
+        ["layers.2"],
+        ["layers.3", "norm", "output"],
+    ]
+
+
+def test_even_stages_place_every_module_once() -> None:
+    module = resolve_model("llama3-8b").module
+    stages = even_stages(module, 8)
+    placed = [fqn for chunk in stages for fqn in chunk]
+    assert len(placed) == len(set(placed)) == 32 + 3
+    assert [sum(fqn.startswith("layers.") for fqn in chunk) for chunk in stages] == [4] * 8
+
+
+def test_even_stages_refuse_too_many_chunks() -> None:
+    with pytest.raises(SpecError, match="4 repeated blocks, too few for 5"):
+        even_stages(resolve_model("tiny-llama").module, 5)
+
+
+def test_megatron_layout_for_llama_with_sequence_parallel() -> None:
+    layout = megatron_layout(get_preset("tiny-llama"), sequence_parallel=True)
+    assert layout["layers.*.attention.wq"] is TPStyle.COLWISE
+    assert layout["layers.*.attention.wo"] is TPStyle.ROWWISE
+    assert layout["layers.*.feed_forward.w3"] is TPStyle.COLWISE
+    assert layout["layers.*.feed_forward.w2"] is TPStyle.ROWWISE
+    assert layout["tok_embeddings"] is TPStyle.VOCAB_PARALLEL
+    assert layout["output"] is TPStyle.COLWISE
+    assert layout["norm"] is layout["layers.*.ffn_norm"] is TPStyle.SEQUENCE_PARALLEL
+
+
+def test_megatron_layout_for_gpt_without_sp_has_no_w3_or_norms() -> None:
+    layout = megatron_layout(get_preset("tiny-gpt"), vocab_parallel=False)
+    assert "layers.*.feed_forward.w3" not in layout
+    assert TPStyle.SEQUENCE_PARALLEL not in layout.values()
+    assert layout["tok_embeddings"] is TPStyle.REPLICATE
+
+
+def test_tp_outside_the_zoo_needs_a_layout() -> None:
+    module = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    handle = ModelHandle("mlp", "mine:mlp", module, lambda b, s: ())
+    with pytest.raises(SpecError, match="pass tp_layout"):
+        assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2))
+    layout = {"0": TPStyle.COLWISE, "1": TPStyle.ROWWISE}
+    plan = assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2), tp_layout=layout)
+    assert plan.tp_layout == layout
+    assert plan.model is None

@@ -1,0 +1,92 @@
+"""Operator compute time: roofline, efficiency curve, attention kernels, TP rule."""
+
+import pytest
+
+from planner.cost.compute import ComputeModel
+from planner.cost.options import CostOptions
+from planner.cost.sharding import ShardKey, TPShard, tp_shard
+from planner.graph import OpKind, OpNode
+from planner.hardware import load_profile
+from planner.spec import DType
+
+A100 = load_profile("a100-sxm-80gb")
+H100 = load_profile("h100-sxm-80gb")
+ONE = ShardKey(tp=1, cp=1, sequence_parallel=False, micro_batch_size=1)
+
+
+def _node(name="x", kind=OpKind.ELEMENTWISE, module="", flops=0.0, nbytes=0.0, gemm=None):
+    return OpNode(
+        name=name, kind=kind, target="t", module=module, inputs=(), input_shapes=((1, 8, 8),),
+        output_shape=(1, 8, 8), dtype="bf16", flops_fwd=flops, flops_bwd=2 * flops,
+        bytes_read=nbytes / 2, bytes_written=nbytes / 2, gemm=gemm,
+    )  # fmt: skip
+
+
+def test_gemm_time_is_throughput_plus_fixed_overhead():
+    model = ComputeModel(A100, DType.BF16, CostOptions())
+    expected = 1e12 / (312e12 * A100.matmul_efficiency) + A100.matmul_overhead_us * 1e-6
+    assert model.gemm_time(1e12, 0.0) == pytest.approx(expected)
+    # efficiency saturates: a 1000x smaller GEMM runs at a lower fraction of peak
+    small, large = model.gemm_time(1e9, 0.0), model.gemm_time(1e12, 0.0)
+    assert 1e9 / small < 1e12 / large
+
+
+def test_matmul_backward_is_two_gemms_and_memory_bound_ops_use_bandwidth():
+    model = ComputeModel(A100, DType.BF16, CostOptions())
+    mm = model.node_time(_node(kind=OpKind.MATMUL, flops=1e12), ONE)
+    assert mm.backward_s == pytest.approx(2 * mm.forward_s)
+    add = model.node_time(_node(nbytes=1e9), ONE)
+    bandwidth = 2039e9 * A100.memory_efficiency
+    assert add.forward_s == pytest.approx(1e9 / bandwidth + A100.kernel_overhead_us * 1e-6)
+
+
+def test_fp8_uses_the_fp8_peak_for_matmuls():
+    bf16 = ComputeModel(H100, DType.BF16, CostOptions()).gemm_time(1e13, 0.0)
+    fp8 = ComputeModel(H100, DType.FP8, CostOptions()).gemm_time(1e13, 0.0)
+    assert fp8 < 0.6 * bf16
+
+
+def test_flash_causal_halves_attention_and_unfused_is_slower():
+    flops = 4.0 * 32 * 2048 * 2048 * 128  # QK^T and PV for 32 heads
+    node = _node(kind=OpKind.ATTENTION, module="attention", flops=flops, gemm=(32, 2048, 2048, 128))
+    causal = ComputeModel(A100, DType.BF16, CostOptions()).node_time(node, ONE)
+    full = ComputeModel(A100, DType.BF16, CostOptions(causal=False)).node_time(node, ONE)
+    unfused = ComputeModel(A100, DType.BF16, CostOptions(attention="unfused")).node_time(node, ONE)
+    overhead = A100.matmul_overhead_us * 1e-6
+    assert full.forward_s - overhead == pytest.approx(2 * (causal.forward_s - overhead))
+    assert unfused.forward_s > full.forward_s
+
+
+def test_fused_pointwise_reads_first_input_and_writes_last_output():
+    chain = [_node(f"n{i}", nbytes=2e8) for i in range(4)]
+    eager = ComputeModel(A100, DType.BF16, CostOptions()).segment_times(chain, ONE)
+    fused = ComputeModel(A100, DType.BF16, CostOptions(fused_pointwise=True)).segment_times(
+        chain, ONE
+    )
+    assert sum(t.forward_s for t in fused) < sum(t.forward_s for t in eager) / 3
+    assert [t.forward_s > 0 for t in fused] == [True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    ("module", "kind", "shard"),
+    [
+        ("attention.wq", OpKind.MATMUL, TPShard.SPLIT),
+        ("attention", OpKind.ATTENTION, TPShard.SPLIT),
+        ("feed_forward.w2", OpKind.MATMUL, TPShard.SPLIT),
+        ("output", OpKind.MATMUL, TPShard.SPLIT),
+        ("", OpKind.LOSS, TPShard.SPLIT),
+        ("attention_norm", OpKind.NORM, TPShard.SEQUENCE),
+        ("", OpKind.ELEMENTWISE, TPShard.SEQUENCE),
+    ],
+)
+def test_tensor_parallel_rule(module, kind, shard):
+    assert tp_shard(_node(kind=kind, module=module)) is shard
+
+
+def test_split_and_sequence_parallel_divide_the_work():
+    model = ComputeModel(A100, DType.BF16, CostOptions())
+    norm = _node(kind=OpKind.NORM, module="attention_norm", nbytes=8e9)
+    tp4 = ShardKey(tp=4, cp=1, sequence_parallel=False, micro_batch_size=1)
+    sp4 = ShardKey(tp=4, cp=1, sequence_parallel=True, micro_batch_size=1)
+    replicated, split = model.node_time(norm, tp4).forward_s, model.node_time(norm, sp4).forward_s
+    assert replicated > 3.5 * split

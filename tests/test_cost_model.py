@@ -1,0 +1,139 @@
+"""CostModel end to end on tiny graphs: conventions, breakdown, caching, stages, memory."""
+
+import pytest
+
+from planner.cost import CostModel, CostOptions, graph_from_spec
+from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
+from planner.errors import SpecError
+from planner.spec import Cluster, Family, ModelSpec, RecomputeMode, Strategy, Training
+
+GPT = ModelSpec(
+    family=Family.GPT, num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128
+)
+CLUSTER = Cluster(gpu="a100-sxm-80gb", num_gpus=16, gpus_per_node=8)
+
+
+def _model(gbs=32, cluster=CLUSTER, **options):
+    return CostModel(
+        graph_from_spec(GPT),
+        cluster,
+        Training(global_batch_size=gbs),
+        options=CostOptions(**options),
+    )
+
+
+def _strategy(**fields):
+    base = {"dp": 2, "tp": 4, "pp": 2, "micro_batch_size": 2, "num_microbatches": 8}
+    return Strategy(**{**base, **fields})
+
+
+def test_breakdown_and_memory_add_up():
+    prediction = _model().estimate(_strategy(recompute="full", sequence_parallel=True))
+    assert sum(prediction.breakdown_s.values()) == pytest.approx(prediction.step_time_s)
+    assert sum(prediction.memory_gib.values()) == pytest.approx(prediction.peak_memory_gib)
+    assert {"compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "bubble", "optimizer"} <= set(
+        prediction.breakdown_s
+    )
+    assert prediction.breakdown_s["comm_tp"] > 0 and prediction.breakdown_s["bubble"] > 0
+
+
+def test_mfu_uses_megatron_model_flops_and_hfu_adds_recompute():
+    prediction = _model().estimate(_strategy(recompute="full"))
+    step, gpus = prediction.step_time_s, 16
+    model_flops = prediction.model_tflops_per_gpu * 1e12 * step * gpus
+    assert model_flops == pytest.approx(megatron_model_flops(32, 128, 8, 256, 1024))
+    hardware = megatron_hardware_flops(32, 128, 8, 256, 1024)
+    assert prediction.hfu / prediction.mfu == pytest.approx(hardware / model_flops)
+    assert "6*(N - N_embedding)" in prediction.flop_convention
+
+
+def test_no_recompute_has_equal_mfu_and_hfu():
+    prediction = _model().estimate(_strategy())
+    assert prediction.hfu == pytest.approx(prediction.mfu)
+    assert prediction.breakdown_s["recompute"] == 0
+
+
+def test_segment_types_are_priced_once_per_key():
+    model = _model()
+    model.estimate(_strategy())
+    priced = len(model._type_costs)
+    model.estimate(_strategy(dp=4, pp=1, num_microbatches=4))  # same tp/cp/sp/mbs/recompute
+    assert len(model._type_costs) == priced
+
+
+def test_segment_costs_cover_the_model():
+    costs = _model().segment_costs(_strategy(tp=1))
+    assert [c.fqn for c in costs] == ["embedding", *(f"layers.{i}" for i in range(8)), "head"]
+    assert sum(c.param_count for c in costs) == pytest.approx(GPT.num_params())
+    assert all(c.forward_s > 0 and c.backward_s > c.forward_s for c in costs if c.kind == "block")
+
+
+def test_uneven_custom_stages_are_slower_and_bad_stages_rejected():
+    model = _model()
+    even = model.estimate(_strategy())
+    uneven = model.estimate(_strategy(), stages=[[0, 1, 2], [3, 4, 5, 6, 7, 8, 9]])
+    assert uneven.step_time_s > even.step_time_s
+    with pytest.raises(SpecError, match="every segment"):
+        model.estimate(_strategy(), stages=[[0, 1, 2], [4, 5, 6, 7, 8, 9]])
+    with pytest.raises(SpecError, match="chunks"):
+        model.estimate(_strategy(), stages=[list(range(10))])
+
+
+def test_data_parallel_across_nodes_costs_more_than_within():
+    strategy = _strategy(dp=16, tp=1, pp=1, num_microbatches=1)
+    wide = Cluster(gpu="a100-sxm-80gb", num_gpus=16, gpus_per_node=16)
+    across = _model(overlap_grad_reduce=False).estimate(strategy)
+    within = _model(cluster=wide, overlap_grad_reduce=False).estimate(strategy)
+    assert across.breakdown_s["comm_dp"] > within.breakdown_s["comm_dp"] > 0
+    overlapped = _model(dp_bucket_mib=1).estimate(strategy)  # several buckets: all but one hide
+    assert overlapped.breakdown_s["comm_dp"] < across.breakdown_s["comm_dp"]
+
+
+def test_zero3_reports_fsdp_communication_and_shards_states():
+    zero0 = _model().estimate(_strategy(pp=1, dp=4, num_microbatches=4))
+    zero3 = _model().estimate(_strategy(pp=1, dp=4, num_microbatches=4, zero=3))
+    assert "comm_fsdp" in zero3.breakdown_s
+    assert zero3.memory_gib["optimizer"] < zero0.memory_gib["optimizer"] / 3
+
+
+def test_recompute_trades_memory_for_time():
+    none = _model().estimate(_strategy())
+    full = _model().estimate(_strategy(recompute=RecomputeMode.FULL))
+    assert full.memory_gib["activations"] < none.memory_gib["activations"]
+    assert full.step_time_s > none.step_time_s
+
+
+def test_batch_mismatch_and_seq_mismatch_are_errors():
+    with pytest.raises(SpecError, match="global_batch_size"):
+        _model(gbs=30).estimate(_strategy())
+    with pytest.raises(SpecError, match="seq_len"):
+        CostModel(graph_from_spec(GPT), CLUSTER, Training(global_batch_size=32, seq_len=64))
+
+
+def test_not_fitting_names_the_dominant_term():
+    big = GPT.model_copy(update={"num_layers": 8, "hidden_size": 8192, "num_heads": 64})
+    model = CostModel(graph_from_spec(big), CLUSTER, Training(global_batch_size=32))
+    prediction = model.estimate(
+        _strategy(tp=1, pp=1, dp=16, micro_batch_size=2, num_microbatches=1)
+    )
+    assert not prediction.fits
+    assert "GiB over" in prediction.reason and "largest term" in prediction.reason
+
+
+def test_traced_graph_prices_like_the_formula_graph():
+    trace = pytest.importorskip("planner.trace")
+    from planner.models import resolve_model
+
+    handle = resolve_model("tiny-llama")
+    traced = trace.trace(handle, batch_size=1, seq_len=32, dtype="bf16")
+    formula = graph_from_spec(handle.spec, seq_len=32)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    strategy = Strategy(tp=2, micro_batch_size=2, num_microbatches=2)
+    results = [
+        CostModel(g, cluster, Training(global_batch_size=4)).estimate(strategy)
+        for g in (traced, formula)
+    ]
+    flops = [r.model_tflops_per_gpu * r.step_time_s for r in results]
+    assert flops[0] == pytest.approx(flops[1])
+    assert 0.5 < results[0].step_time_s / results[1].step_time_s < 2
+    assert results[0].peak_memory_gib == pytest.approx(results[1].peak_memory_gib, rel=0.2)

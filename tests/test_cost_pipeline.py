@@ -1,0 +1,34 @@
+"""Pipeline bubble per schedule and stage splits."""
+
+import pytest
+
+from planner.cost.pipeline import balanced_chunks, pipeline_time, rank_chunks
+from planner.spec import Schedule
+
+
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m(schedule):
+    ideal = 8 * 1.0
+    total = pipeline_time(schedule, [1.0] * 4, 8)
+    assert (total - ideal) / ideal == pytest.approx(3 / 8)
+
+
+def test_interleaved_bubble_shrinks_by_v():
+    total = pipeline_time(Schedule.INTERLEAVED_1F1B, [1.0] * 4, 8, virtual_stages=2)
+    assert (total - 8) / 8 == pytest.approx(3 / 16)
+
+
+def test_zero_bubble_leaves_the_forward_share():
+    total = pipeline_time(Schedule.ZERO_BUBBLE, [3.0] * 4, 8, forward_fraction=1 / 3)
+    assert total - 24 == pytest.approx(3 * 1.0)
+
+
+def test_uneven_stages_run_at_the_slowest():
+    assert pipeline_time(Schedule.ONE_F_ONE_B, [1.0, 2.0], 10) == pytest.approx(10 * 2 + 1)
+
+
+def test_balanced_chunks_and_rank_assignment():
+    assert balanced_chunks(10, 4) == [2, 3, 3, 2]
+    assert balanced_chunks(8, 4) == [2, 2, 2, 2]
+    assert sum(balanced_chunks(126, 8)) == 126
+    assert rank_chunks(2, 2) == [[0, 2], [1, 3]]

@@ -1,0 +1,120 @@
+"""Hugging Face configs: tiny causal LMs built on meta and traced with torch.export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.errors import SpecError, UnknownNameError
+from planner.graph import OpKind
+from planner.trace import trace
+
+pytest.importorskip("transformers")
+from planner.hf import resolve_hf_config
+from tests.test_trace import CPU_ATTENTION
+
+SEQ = 16
+_DECODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 128,
+}  # fmt: skip
+CONFIGS = {
+    "llama": _DECODER,
+    "mistral": _DECODER,
+    "qwen2": _DECODER,
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 128},
+    "gpt_neox": {
+        "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128,
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _write(tmp_path, model_type: str, **fields) -> str:
+    path = tmp_path / model_type
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
+    return str(path)
+
+
+def _counted(module: torch.nn.Module) -> tuple[int, int]:
+    """FLOPs of one eager step on CPU (HF's mask code calls .item(), which meta refuses)."""
+    tokens = torch.zeros(1, SEQ, dtype=torch.long)
+    counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
+    with counter:
+        logits = module(input_ids=tokens, use_cache=False).logits
+        forward = counter.get_total_flops()
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    return forward, counter.get_total_flops() - forward
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_tiny_hf_models_trace_with_export(tmp_path, model_type):
+    path = _write(tmp_path, model_type, **CONFIGS[model_type])
+    handle = resolve_hf_config(path)
+    graph = trace(handle, seq_len=SEQ)
+    assert graph.tracer in ("export", "draft_export")
+    kinds = [graph.segment_type(s).kind for s in graph.segments]
+    assert kinds == ["embedding", "block", "block", "head"]
+    assert len({s.type_id for s in graph.blocks}) == 1
+    assert graph.blocks[0].fqn.endswith("layers.0") or graph.blocks[0].fqn.endswith("h.0")
+    unique = {id(p): p.numel() for p in handle.module.parameters()}
+    assert graph.param_count == sum(unique.values())
+    forward, backward = _counted(resolve_hf_config(path, device="cpu").module)
+    assert graph.flops_fwd == pytest.approx(forward, rel=5e-3)
+    assert graph.flops_bwd == pytest.approx(backward, rel=5e-3)
+    head = graph.segment_type(graph.segments[-1])
+    assert any(n.kind is OpKind.LOSS for n in head.nodes)
+    block = graph.segment_type(graph.blocks[0])
+    assert sum(n.kind is OpKind.ATTENTION for n in block.nodes) == 1
+
+
+def test_segments_name_the_modules_a_pipeline_stage_holds(tmp_path):
+    graph = trace(resolve_hf_config(_write(tmp_path, "llama", **_DECODER)), seq_len=SEQ)
+    assert [s.modules for s in graph.segments] == [
+        ("model.embed_tokens", "model.rotary_emb"),
+        ("model.layers.0",),
+        ("model.layers.1",),
+        ("model.norm", "lm_head"),
+    ]
+    block = graph.segment_type(graph.blocks[0])
+    assert {"self_attn.q_proj", "mlp.down_proj"} <= {n.module for n in block.nodes}
+
+
+def test_config_file_path_is_accepted(tmp_path):
+    directory = _write(tmp_path, "llama", **_DECODER)
+    handle = resolve_hf_config(f"{directory}/config.json")
+    assert handle.device == torch.device("meta")
+    assert type(handle.module).__name__ == "LlamaForCausalLM"
+
+
+def test_missing_config_names_the_path(tmp_path):
+    with pytest.raises(SpecError, match=r"no such file; give a config\.json"):
+        resolve_hf_config(tmp_path / "nowhere")
+
+
+def test_config_without_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(SpecError, match="no 'model_type' field"):
+        resolve_hf_config(tmp_path)
+
+
+def test_unknown_model_type_suggests_close_names(tmp_path):
+    with pytest.raises(UnknownNameError, match="Did you mean 'llama'"):
+        resolve_hf_config(_write(tmp_path, "lama", **_DECODER))
+
+
+def test_broken_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecError, match="not readable JSON"):
+        resolve_hf_config(tmp_path)

@@ -1,0 +1,110 @@
+"""The model zoo: presets build on meta, parameter counts, fingerprints, name errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from planner.errors import SpecError, UnknownNameError
+from planner.models import PRESETS, SMALL_MODELS, build, fingerprint, list_models, resolve_model
+from planner.spec import ModelSpec
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_on_meta_with_the_spec_parameter_count(name):
+    spec = PRESETS[name]
+    model = build(spec)
+    assert next(model.parameters()).device == torch.device("meta")
+    assert sum(p.numel() for p in model.parameters()) == spec.num_params()
+    assert list(model.layers) == [str(i) for i in range(spec.num_layers)]
+
+
+def test_fingerprints_are_stable_and_distinct():
+    tiny = PRESETS["tiny-llama"]
+    assert fingerprint(build(tiny)) == fingerprint(build(tiny, device="cpu", seed=1))
+    prints = {fingerprint(build(PRESETS[name])) for name in ("tiny-gpt", "tiny-llama", "gpt2")}
+    assert len(prints) == 3
+    deeper = tiny.model_copy(update={"num_layers": tiny.num_layers + 1})
+    assert fingerprint(build(deeper)) != fingerprint(build(tiny))
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama"])
+def test_tiny_presets_run_forward_on_cpu(name):
+    handle = resolve_model(name, device="cpu", seed=0)
+    (tokens,) = handle.make_inputs(2, 16)
+    logits = handle.module(tokens)
+    assert logits.shape == (2, 16, PRESETS[name].vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_MODELS))
+def test_small_models_run_forward_on_cpu(name):
+    handle = resolve_model(name, device="cpu", seed=0)
+    out = handle.module(*handle.make_inputs(3, 1))
+    assert out.shape[0] == 3
+    assert torch.isfinite(out).all()
+
+
+def test_aliases_resolve_and_are_listed():
+    assert resolve_model("llama3.1-8b").spec == PRESETS["llama3-8b"]
+    assert {"llama3.1-8b", "mlp", "gpt2"} <= set(list_models())
+
+
+def test_unknown_preset_lists_close_names():
+    with pytest.raises(UnknownNameError, match=r"Did you mean 'llama3-70b'"):
+        resolve_model("llama3-70")
+
+
+def test_module_function_path_resolves(monkeypatch):
+    module = types.ModuleType("user_zoo_models")
+    module.wide = lambda: (nn.Linear(4, 6), torch.randn(2, 4))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "user_zoo_models", module)
+    handle = resolve_model("user_zoo_models:wide")
+    assert handle.name == "wide"
+    assert handle.device == torch.device("meta")
+    assert handle.make_inputs(1, 1)[0].shape == (2, 4)
+
+
+def test_module_path_that_does_not_import():
+    with pytest.raises(SpecError, match="cannot import 'no_such_package_xyz'"):
+        resolve_model("no_such_package_xyz:make")
+
+
+def test_module_path_without_the_function(monkeypatch):
+    monkeypatch.setitem(sys.modules, "user_zoo_empty", types.ModuleType("user_zoo_empty"))
+    with pytest.raises(SpecError, match="has no callable 'missing'"):
+        resolve_model("user_zoo_empty:missing")
+
+
+def test_spec_file_resolves(tmp_path):
+    spec = PRESETS["tiny-llama"].model_copy(update={"name": "mine"})
+    path = tmp_path / "mine.json"
+    path.write_text(spec.to_json())
+    handle = resolve_model(str(path))
+    assert handle.spec == spec
+    assert sum(p.numel() for p in handle.module.parameters()) == spec.num_params()
+
+
+def test_spec_file_with_bad_fields_gives_one_line_per_field(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"family": "llama", "num_layers": 0, "hidden_size": 64,
+                                "num_heads": 4, "vocab_size": -3, "seq_len": 32}))  # fmt: skip
+    with pytest.raises(SpecError) as info:
+        resolve_model(str(path))
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("invalid ModelSpec in")
+    assert any(line.strip().startswith("num_layers = 0:") for line in lines)
+    assert any(line.strip().startswith("vocab_size = -3:") for line in lines)
+    assert len(lines) == 3
+
+
+def test_spec_validation_names_both_fields():
+    with pytest.raises(
+        ValueError, match=r"hidden_size \(65\) must be divisible by num_heads \(4\)"
+    ):
+        ModelSpec(family="gpt", num_layers=1, hidden_size=65, num_heads=4, vocab_size=8, seq_len=4)

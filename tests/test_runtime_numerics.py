@@ -1,0 +1,378 @@
+"""Multi-process gloo numerics: every strategy matches a single-process reference.
+
+One process group per world size (2, 4, 8) runs many cases, each on a freshly built
+model; every case trains ``STEPS`` optimizer steps on the same global batch as the
+single-process reference computed in the test process. fp32 cases must agree within
+``EXACT`` on every step; bf16 and compressed cases within their stated bound, and
+their loss must still fall.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from planner.assemble import assemble_plan
+from planner.models import ModelHandle, resolve_model
+from planner.spec import Cluster, Plan, Strategy, TPStyle, Training
+from strategies.apply import parallelize
+from strategies.runner import Trainer, local_slice, synthetic_batch
+
+STEPS = 4
+SEQ = 16
+BATCH = 8
+VOCAB = 256
+LR = 1e-2
+EXACT = 1e-5
+
+
+class TinyLM(nn.Module):
+    """A user-defined language model outside the zoo: embedding, MLP blocks, head."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleDict({str(i): _MLPBlock(hidden) for i in range(depth)})
+        self.lm_head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks.values():
+            h = block(h)
+        return self.lm_head(h)
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+TINY_LM_LAYOUT = {
+    "embed": TPStyle.VOCAB_PARALLEL,
+    "blocks.*.up": TPStyle.COLWISE,
+    "blocks.*.down": TPStyle.ROWWISE,
+    "lm_head": TPStyle.COLWISE,
+}
+HF_LLAMA_LAYOUT = {
+    "model.embed_tokens": TPStyle.VOCAB_PARALLEL,
+    "model.layers.*.self_attn.q_proj": TPStyle.COLWISE,
+    "model.layers.*.self_attn.k_proj": TPStyle.COLWISE,
+    "model.layers.*.self_attn.v_proj": TPStyle.COLWISE,
+    "model.layers.*.self_attn.o_proj": TPStyle.ROWWISE,
+    "model.layers.*.mlp.gate_proj": TPStyle.COLWISE,
+    "model.layers.*.mlp.up_proj": TPStyle.COLWISE,
+    "model.layers.*.mlp.down_proj": TPStyle.ROWWISE,
+    "lm_head": TPStyle.COLWISE,
+}
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_handle(model: str) -> ModelHandle:
+    """The case's model, seeded so every rank (and the reference) has the same weights."""
+    if model in ("tiny-gpt", "tiny-llama"):
+        return resolve_model(model, device="cpu", seed=0)
+    torch.manual_seed(0)
+    module = TinyLM() if model == "tiny-lm" else _hf_llama()
+    return ModelHandle(model, f"tests:{model}", module, lambda b, s: ())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One strategy on one model; ``bound`` is the allowed loss difference per step."""
+
+    name: str
+    model: str
+    strategy: dict[str, Any]
+    dtype: str = "fp32"
+    bound: float = EXACT
+    layout: dict[str, TPStyle] | None = field(default=None, hash=False)
+    loss_parallel: bool = False
+    apply_to: str | None = None  # build this model instead of the planned one
+    expect_error: str | None = None  # every rank must raise this before any collective
+
+    def plan(self, world_size: int) -> Plan:
+        strategy = Strategy.model_validate(self.strategy)
+        training = Training(
+            global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size, seq_len=SEQ,
+            dtype=self.dtype, optimizer="adamw",
+        )  # fmt: skip
+        cluster = Cluster(gpu="cpu", num_gpus=world_size, gpus_per_node=world_size)
+        return assemble_plan(
+            build_handle(self.model), cluster, training, strategy, tp_layout=self.layout
+        )
+
+
+def train(case: Case, world_size: int, rank: int) -> list[float]:
+    """Losses of ``STEPS`` steps of ``case`` on this rank (the global mean loss)."""
+    plan = case.plan(world_size)
+    model = build_handle(case.apply_to or case.model).module
+    parallel = parallelize(model, plan, loss_parallel=case.loss_parallel)
+    trainer = Trainer(parallel, plan, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)
+        losses.append(trainer.step(*local_slice(plan, rank, inputs, targets)))
+    return losses
+
+
+def reference(model: str, dtype: str) -> list[float]:
+    """Single-process losses on the same global batch."""
+    return train(Case("reference", model, {"micro_batch_size": BATCH}, dtype), 1, 0)
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case.name] = train(case, world_size, rank)
+        except Exception:
+            results[case.name] = traceback.format_exc()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cases(world_size: int, cases: list[Case], out: Path) -> dict[str, Any]:
+    """Run ``cases`` on ``world_size`` gloo ranks; rank 0's results by case name."""
+    mp.start_processes(
+        _worker, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
+        start_method="spawn",
+    )  # fmt: skip
+    return json.loads((out / "rank0.json").read_text())
+
+
+def _exact(name: str, model: str, **strategy: Any) -> Case:
+    return Case(name, model, strategy)
+
+
+def _per_rank(dp: int, **strategy: Any) -> dict[str, Any]:
+    """Strategy fields with the micro-batch size that makes the global batch ``BATCH``."""
+    microbatches = strategy.get("num_microbatches", 1)
+    return {"dp": dp, "micro_batch_size": BATCH // (dp * microbatches), **strategy}
+
+
+def _zoo_cases(model: str) -> list[Case]:
+    pipeline = {"pp": 2, "num_microbatches": 2}
+    return [
+        Case(f"{model} ddp", model, _per_rank(2)),
+        Case(f"{model} fsdp", model, _per_rank(2, zero=3)),
+        Case(f"{model} zero2", model, _per_rank(2, zero=2)),
+        Case(f"{model} tp", model, _per_rank(1, tp=2)),
+        Case(f"{model} tp+sp", model, _per_rank(1, tp=2, sequence_parallel=True)),
+        Case(f"{model} pp gpipe", model, _per_rank(1, **pipeline, schedule="gpipe")),
+        Case(f"{model} pp 1f1b", model, _per_rank(1, **pipeline, schedule="1f1b")),
+        Case(
+            f"{model} pp interleaved",
+            model,
+            _per_rank(1, pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
+        ),
+        Case(f"{model} pp zero-bubble", model, _per_rank(1, **pipeline, schedule="zero-bubble")),
+        Case(f"{model} recompute full", model, _per_rank(2, recompute="full")),
+        Case(f"{model} recompute selective", model, _per_rank(1, tp=2, recompute="selective")),
+        Case(
+            f"{model} recompute first-1",
+            model,
+            _per_rank(1, **pipeline, recompute="full", recompute_blocks=1),
+        ),
+    ]
+
+
+WORLD2 = [
+    *_zoo_cases("tiny-gpt"),
+    *_zoo_cases("tiny-llama"),
+    Case("tiny-llama bf16 fsdp", "tiny-llama", _per_rank(2, zero=3), dtype="bf16", bound=5e-2),
+    Case(
+        "tiny-llama fp16 hook", "tiny-llama", _per_rank(2, compression={"kind": "fp16"}), bound=1e-3
+    ),
+    Case(
+        "tiny-llama bf16 hook", "tiny-llama", _per_rank(2, compression={"kind": "bf16"}), bound=1e-2
+    ),
+    Case(
+        "tiny-llama powersgd r2",
+        "tiny-llama",
+        _per_rank(2, compression={"kind": "powersgd", "rank": 2}),
+        bound=5e-2,
+    ),
+    Case("tiny-gpt tp loss parallel", "tiny-gpt", _per_rank(1, tp=2), loss_parallel=True),
+    Case("tiny-lm (user module) ddp", "tiny-lm", _per_rank(2)),
+    Case("tiny-lm (user module) fsdp", "tiny-lm", _per_rank(2, zero=3)),
+    Case("tiny-lm (user module) tp", "tiny-lm", _per_rank(1, tp=2), layout=TINY_LM_LAYOUT),
+    Case("hf-llama ddp", "hf-llama", _per_rank(2)),
+    Case("hf-llama fsdp", "hf-llama", _per_rank(2, zero=3)),
+    Case("hf-llama tp", "hf-llama", _per_rank(1, tp=2), layout=HF_LLAMA_LAYOUT),
+    Case(
+        "bad: layout names a missing module",
+        "tiny-llama",
+        _per_rank(1, tp=2),
+        layout={"layers.*.mlp.w1": TPStyle.COLWISE},
+        expect_error="names no module",
+    ),
+    Case(
+        "bad: plan for another model",
+        "tiny-llama",
+        _per_rank(2),
+        apply_to="tiny-gpt",
+        expect_error="made for another model",
+    ),
+]
+WORLD4 = [
+    Case("tiny-gpt ddp", "tiny-gpt", _per_rank(4)),
+    Case("tiny-llama fsdp", "tiny-llama", _per_rank(4, zero=3)),
+    Case("tiny-gpt hsdp 2x2", "tiny-gpt", _per_rank(4, zero=3, dp_shard=2)),
+    Case("tiny-gpt tp4", "tiny-gpt", _per_rank(1, tp=4)),
+    Case("tiny-gpt tp x dp (zero 0)", "tiny-gpt", _per_rank(2, tp=2)),
+    Case(
+        "tiny-llama tp+sp x fsdp", "tiny-llama", _per_rank(2, tp=2, zero=3, sequence_parallel=True)
+    ),
+    Case("tiny-llama pp x dp", "tiny-llama", _per_rank(2, pp=2, num_microbatches=2)),
+    Case(
+        "tiny-llama pp x tp+sp loss parallel",
+        "tiny-llama",
+        _per_rank(1, pp=2, tp=2, sequence_parallel=True, num_microbatches=4),
+        loss_parallel=True,
+    ),
+    Case(
+        "tiny-gpt pp4 gpipe", "tiny-gpt", _per_rank(1, pp=4, num_microbatches=4, schedule="gpipe")
+    ),
+    Case(
+        "tiny-llama bf16 hook", "tiny-llama", _per_rank(4, compression={"kind": "bf16"}), bound=1e-2
+    ),
+]
+WORLD8 = [
+    Case(
+        "tiny-gpt pp x tp x dp (fsdp)",
+        "tiny-gpt",
+        _per_rank(2, pp=2, tp=2, zero=3, num_microbatches=2),
+    ),
+    Case(
+        "tiny-llama pp x tp x dp (zero 0)",
+        "tiny-llama",
+        _per_rank(2, pp=2, tp=2, num_microbatches=2),
+    ),
+    Case("tiny-gpt hsdp 2x4", "tiny-gpt", _per_rank(8, zero=3, dp_shard=4)),
+]
+
+
+def _compare(cases: list[Case], results: dict[str, Any]) -> list[str]:
+    """One line per case that failed, raised, or (inexact cases) did not decrease the loss."""
+    failures = []
+    for case in cases:
+        losses = results[case.name]
+        if case.expect_error is not None:
+            raised = isinstance(losses, str) and case.expect_error in losses
+            print(
+                f"{case.name:<40} {'raised' if raised else 'did NOT raise'} {case.expect_error!r}"
+            )
+            if not raised:
+                failures.append(f"{case.name}: expected {case.expect_error!r}, got {losses}")
+            continue
+        if isinstance(losses, str):
+            failures.append(f"{case.name}: raised\n{losses}")
+            continue
+        expected = reference(case.model, "fp32")
+        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        print(f"{case.name:<40} max |loss - reference| = {worst:.2e} (bound {case.bound:.0e})")
+        if worst > case.bound:
+            failures.append(f"{case.name}: {losses} vs reference {expected}")
+        if case.bound > EXACT and not losses[-1] < losses[0]:
+            failures.append(f"{case.name}: loss did not decrease: {losses}")
+    return failures
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "cases"),
+    [(2, WORLD2), (4, WORLD4), (8, WORLD8)],
+    ids=["world2", "world4", "world8"],
+)
+def test_strategies_match_single_process(
+    world_size: int, cases: list[Case], tmp_path: Path
+) -> None:
+    failures = _compare(cases, run_cases(world_size, cases, tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+def _searched_layout(model: str, *, sequence_parallel: bool) -> dict[str, TPStyle]:
+    """The sharding ILP's layout at tp=2 on a roofline slow enough that sharding pays."""
+    from planner.solve.layout import Roofline, solve_tp_layout
+    from planner.trace import trace
+
+    slow = Roofline(
+        peak_flops=1e9, memory_bandwidth_GBps=1, link_bandwidth_GBps=1000, link_latency_us=0
+    )
+    handle = build_handle(model)
+    if handle.spec is None:
+        handle = ModelHandle(
+            model, handle.source, handle.module, lambda b, s: (torch.randint(0, VOCAB, (b, s)),)
+        )
+    graph = trace(handle, batch_size=BATCH, seq_len=SEQ)
+    layout = solve_tp_layout(graph, tp=2, roofline=slow, sequence_parallel=sequence_parallel)
+    assert TPStyle.COLWISE in layout.styles.values(), layout.styles
+    return layout.styles
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_layouts_from_the_search(tmp_path: Path) -> None:
+    cases = [
+        Case(
+            "tiny-llama tp (ILP layout)",
+            "tiny-llama",
+            _per_rank(1, tp=2),
+            layout=_searched_layout("tiny-llama", sequence_parallel=False),
+        ),
+        Case(
+            "tiny-gpt tp+sp (ILP layout)",
+            "tiny-gpt",
+            _per_rank(1, tp=2, sequence_parallel=True),
+            layout=_searched_layout("tiny-gpt", sequence_parallel=True),
+        ),
+        Case(
+            "tiny-lm tp (ILP layout)",
+            "tiny-lm",
+            _per_rank(1, tp=2),
+            layout=_searched_layout("tiny-lm", sequence_parallel=False),
+        ),
+    ]
+    failures = _compare(cases, run_cases(2, cases, tmp_path))
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,193 @@
+"""The typed documents: validation messages, defaults, JSON round trips."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from planner.errors import SpecError
+from planner.spec import (
+    Axis,
+    Cluster,
+    Compression,
+    CompressionKind,
+    ModelSpec,
+    Plan,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    Training,
+    load_document,
+)
+
+
+def _llama() -> ModelSpec:
+    return ModelSpec(
+        family="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=128,
+        seq_len=16,
+    )
+
+
+def test_documents_are_frozen_and_reject_unknown_fields():
+    spec = _llama()
+    with pytest.raises(Exception, match="frozen"):
+        spec.num_layers = 3  # type: ignore[misc]
+    with pytest.raises(SpecError, match="num_layerz"):
+        load_document(ModelSpec, {**spec.model_dump(), "num_layerz": 3})
+
+
+def test_model_defaults_follow_the_family():
+    llama, gpt = (
+        _llama(),
+        ModelSpec(family="gpt", num_layers=1, hidden_size=64, num_heads=4, vocab_size=8, seq_len=8),
+    )
+    assert llama.act.value == "swiglu" and gpt.act.value == "gelu"
+    assert gpt.ffn_size == 256
+    assert llama.ffn_size == 256  # 2/3 * 4 * 64 = 170, rounded up to a multiple of 256
+    assert llama.kv_heads == 2 and gpt.kv_heads == 4
+    assert (
+        llama.causal
+        and not ModelSpec.model_validate({**gpt.model_dump(), "family": "encoder"}).causal
+    )
+
+
+def test_invalid_fields_give_one_line_each_with_value():
+    bad = {"family": "llama", "num_layers": 0, "hidden_size": 64, "num_heads": 4,
+           "vocab_size": 8, "seq_len": -1}  # fmt: skip
+    with pytest.raises(SpecError) as info:
+        load_document(ModelSpec, bad, source="model.json")
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid ModelSpec in model.json:"
+    assert any(line.startswith("  num_layers = 0:") for line in lines)
+    assert any(line.startswith("  seq_len = -1:") for line in lines)
+
+
+def test_head_divisibility_is_checked():
+    with pytest.raises(SpecError, match=r"hidden_size \(65\) must be divisible by num_heads \(4\)"):
+        load_document(ModelSpec, {**_llama().model_dump(), "hidden_size": 65})
+    with pytest.raises(SpecError, match=r"multiple of num_kv_heads \(3\)"):
+        load_document(ModelSpec, {**_llama().model_dump(), "num_kv_heads": 3})
+
+
+def test_strategy_derived_degrees_and_mesh():
+    strategy = Strategy(dp=8, dp_shard=4, zero=3, tp=4, pp=2, num_microbatches=8)
+    assert (strategy.shard_degree, strategy.replicate_degree) == (4, 2)
+    assert strategy.world_size == 64
+    axes = [(axis.name, axis.size) for axis in strategy.mesh_axes()]
+    assert axes == [(Axis.PP, 2), (Axis.DP_REPLICATE, 2), (Axis.DP_SHARD, 4), (Axis.TP, 4)]
+    assert Strategy(dp=8, zero=1).shard_degree == 8
+    assert Strategy(dp=8).shard_degree == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"dp": 8, "dp_shard": 3, "zero": 3}, r"dp_shard \(3\) must divide dp \(8\)"),
+        ({"dp": 4, "dp_shard": 2}, "needs zero >= 1"),
+        ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
+        ({"virtual_stages": 2}, "needs schedule 'interleaved-1f1b'"),
+        ({"pp": 2, "recompute_per_stage": ["full"]}, "has 1 entries, pp is 2"),
+    ],
+)
+def test_strategy_rejects_inconsistent_degrees(fields, message):
+    with pytest.raises(SpecError, match=message):
+        load_document(Strategy, fields)
+
+
+def test_compression_rank_rules():
+    assert Compression(kind="powersgd", rank=4).rank == 4
+    with pytest.raises(SpecError, match="needs a rank"):
+        load_document(Compression, {"kind": "powersgd"})
+    with pytest.raises(SpecError, match="only applies to powersgd"):
+        load_document(Compression, {"kind": "fp16", "rank": 2})
+
+
+def test_cluster_must_fill_whole_nodes():
+    assert Cluster(gpu="h100-sxm-80gb", num_gpus=4).num_nodes == 1
+    assert Cluster(gpu="h100-sxm-80gb", num_gpus=64).num_nodes == 8
+    with pytest.raises(SpecError, match=r"num_gpus \(12\) must be a multiple of gpus_per_node"):
+        load_document(Cluster, {"gpu": "h100-sxm-80gb", "num_gpus": 12})
+
+
+def test_plan_round_trips_through_json(tmp_path: Path):
+    strategy = Strategy(
+        dp=2,
+        tp=2,
+        pp=2,
+        zero=1,
+        sequence_parallel=True,
+        recompute=RecomputeMode.SELECTIVE,
+        schedule=Schedule.INTERLEAVED_1F1B,
+        virtual_stages=2,
+        num_microbatches=4,
+        compression=Compression(kind=CompressionKind.BF16),
+    )
+    plan = Plan(
+        planner_version="0.1.0",
+        model_name="tiny",
+        model_fingerprint="abc",
+        model=_llama(),
+        cluster=Cluster(gpu="h100-sxm-80gb", num_gpus=8),
+        training=Training(global_batch_size=16),
+        strategy=strategy,
+        mesh=strategy.mesh_axes(),
+        stages=(("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")),
+        tp_layout={"layers.*.attention.wq": "colwise"},
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    again = load_document(Plan, path)
+    assert again == plan
+    assert json.loads(path.read_text())["schema_version"] == 1
+
+
+def test_plan_mesh_must_match_strategy():
+    with pytest.raises(SpecError, match="mesh sizes multiply to 2, strategy needs 4"):
+        load_document(
+            Plan,
+            {
+                "planner_version": "0",
+                "model_name": "m",
+                "model_fingerprint": "f",
+                "cluster": {"gpu": "x", "num_gpus": 4},
+                "training": {"global_batch_size": 4},
+                "strategy": {"dp": 4},
+                "mesh": [{"name": "dp_replicate", "size": 2}],
+            },
+        )
+
+
+@given(
+    dp=st.integers(1, 16),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    pp=st.integers(1, 8),
+    zero=st.sampled_from([0, 1, 2, 3]),
+)
+def test_strategy_json_round_trip_property(dp, tp, pp, zero):
+    strategy = Strategy(dp=dp, tp=tp, pp=pp, zero=zero)
+    assert Strategy.from_json(strategy.to_json()) == strategy
+    assert strategy.world_size == dp * tp * pp
+    sizes = [axis.size for axis in strategy.mesh_axes()]
+    product = 1
+    for size in sizes:
+        product *= size
+    assert product == strategy.world_size
+
+
+def test_strategy_description_names_every_choice():
+    text = Strategy(
+        dp=4, zero=3, dp_shard=2, tp=8, sequence_parallel=True, pp=4,
+        schedule="interleaved-1f1b", virtual_stages=2, micro_batch_size=1, num_microbatches=16,
+        recompute="selective", compression={"kind": "powersgd", "rank": 4},
+    ).describe()  # fmt: skip
+    assert text == (
+        "dp4(zero3,shard2) tp8 sp pp4 interleaved-1f1bv2 mb1x16 recompute=selective "
+        "compress=powersgd(r4)"
+    )

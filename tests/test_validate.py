@@ -1,0 +1,188 @@
+"""Pure plan checks: world size, batch, compression, stages, layouts, fingerprint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch import nn
+
+from planner.assemble import assemble_plan
+from planner.errors import PlanMismatchError, SpecError
+from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
+from planner.spec import Cluster, Plan, Strategy, TPStyle, Training
+from planner.validate import (
+    check_model_against_plan,
+    expand_layout,
+    find_blocks,
+    match_fqns,
+    validate_plan_for_world,
+)
+
+
+def _plan(
+    model: str = "tiny-llama",
+    batch: int = 8,
+    stages: list[list[str]] | None = None,
+    **strategy: Any,
+) -> Plan:
+    handle = resolve_model(model)
+    parsed = Strategy.model_validate(strategy)
+    cluster = Cluster(gpu="h100", num_gpus=parsed.world_size)
+    training = Training(global_batch_size=batch)
+    return assemble_plan(handle, cluster, training, parsed, stages=stages)
+
+
+def test_world_size_message_names_every_factor() -> None:
+    plan = _plan(batch=4, dp=2, tp=2, pp=2, num_microbatches=2)
+    with pytest.raises(PlanMismatchError) as error:
+        validate_plan_for_world(plan, 4)
+    assert "dp(2) * tp(2) * pp(2) * cp(1) = 8 != world_size(4)" in str(error.value)
+
+
+def test_matching_plan_passes() -> None:
+    validate_plan_for_world(_plan(batch=8, dp=2, micro_batch_size=4), 2)
+
+
+def test_global_batch_must_match_dp_times_microbatches() -> None:
+    with pytest.raises(
+        SpecError, match=r"global_batch_size = 8 != dp\(2\) \* micro_batch_size\(1\)"
+    ):
+        validate_plan_for_world(_plan(batch=8, dp=2), 2)
+
+
+def test_context_parallel_is_refused() -> None:
+    with pytest.raises(SpecError, match="cp = 2"):
+        validate_plan_for_world(_plan(batch=1, cp=2), 2)
+
+
+def test_powersgd_needs_ddp() -> None:
+    plan = _plan(batch=2, dp=2, zero=3, compression={"kind": "powersgd", "rank": 2})
+    with pytest.raises(SpecError, match="powersgd"):
+        validate_plan_for_world(plan, 2)
+
+
+def test_compression_needs_data_parallel() -> None:
+    with pytest.raises(SpecError, match="needs dp > 1"):
+        validate_plan_for_world(_plan(batch=1, compression={"kind": "fp16"}), 1)
+
+
+def test_recompute_blocks_without_mode() -> None:
+    with pytest.raises(SpecError, match="recompute_blocks = 2"):
+        validate_plan_for_world(_plan(batch=1, recompute_blocks=2), 1)
+
+
+def test_too_few_microbatches_for_1f1b() -> None:
+    with pytest.raises(SpecError, match=r"num_microbatches = 1 < pp\(2\): the 1f1b schedule"):
+        validate_plan_for_world(_plan(batch=1, pp=2), 2)
+    validate_plan_for_world(_plan(batch=1, pp=2, schedule="gpipe"), 2)
+
+
+def test_fingerprint_mismatch_names_both() -> None:
+    plan = _plan(batch=1)
+    other = resolve_model("tiny-gpt").module
+    with pytest.raises(PlanMismatchError, match="made for another model"):
+        check_model_against_plan(plan, other)
+
+
+def test_layout_naming_a_missing_module() -> None:
+    plan = _plan(batch=1, tp=2).model_copy(update={"tp_layout": {"layers.*.attn.wq": "colwise"}})
+    with pytest.raises(SpecError, match=r"tp_layout\['layers.\*.attn.wq'\].*names no module"):
+        check_model_against_plan(plan, resolve_model("tiny-llama").module)
+
+
+def test_layout_style_must_fit_module_kind() -> None:
+    model = resolve_model("tiny-llama").module
+    with pytest.raises(SpecError, match="needs Embedding"):
+        expand_layout(model, {"output": TPStyle.VOCAB_PARALLEL})
+
+
+def test_heads_must_divide_by_tp() -> None:
+    plan = _plan(batch=1, tp=4)  # tiny-llama has 2 kv heads
+    with pytest.raises(SpecError, match=r"kv_heads = 2 is not divisible by tp\(4\)"):
+        check_model_against_plan(plan, resolve_model("tiny-llama").module)
+
+
+def test_sharded_dimension_must_divide_by_tp() -> None:
+    model = nn.Sequential(nn.Linear(6, 9), nn.Linear(9, 6))
+    plan = _plan(batch=1, tp=2).model_copy(
+        update={
+            "tp_layout": {"0": "colwise", "1": "rowwise"},
+            "model": None,
+            "model_fingerprint": fingerprint(model),
+        }
+    )
+    with pytest.raises(SpecError, match=r"size 9, not divisible by tp\(2\)"):
+        check_model_against_plan(plan, model)
+
+
+def test_too_few_blocks_for_stages() -> None:
+    names = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]
+    stages = [[name] for name in names] + [["output"]]
+    plan = _plan(
+        batch=8,
+        stages=stages,
+        pp=4,
+        num_microbatches=8,
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+    )
+    with pytest.raises(SpecError, match=r"4 blocks but pp\(4\) \* virtual_stages\(2\) = 8"):
+        check_model_against_plan(plan, resolve_model("tiny-llama").module)
+
+
+def test_stage_naming_a_missing_module() -> None:
+    plan = _plan(batch=2, pp=2, num_microbatches=2)
+    stages = (("tok_embeddings", "layers.0", "layers.9"), plan.stages[1])
+    with pytest.raises(SpecError, match=r"plan.stages\[0\] names 'layers.9'"):
+        check_model_against_plan(
+            plan.model_copy(update={"stages": stages}), resolve_model("tiny-llama").module
+        )
+
+
+def test_match_fqns_star_is_one_component() -> None:
+    names = ["layers.0.attention.wq", "layers.10.attention.wq", "layers.0.attention.wk", "wq"]
+    assert match_fqns("layers.*.attention.wq", names) == names[:2]
+
+
+def test_find_blocks_on_zoo_and_hugging_face_naming() -> None:
+    blocks = find_blocks(resolve_model("tiny-gpt").module)
+    assert [name for name, _ in blocks] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    nested = nn.Module()
+    nested.model = nn.Module()
+    nested.model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    assert [name for name, _ in find_blocks(nested)] == [
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+    ]
+
+
+def _tied_plan(**strategy: Any) -> tuple[Plan, nn.Module]:
+    spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
+    handle = ModelHandle("tied", "tied", build(spec), lambda b, s: (), spec)
+    parsed = Strategy.model_validate(strategy)
+    cluster = Cluster(gpu="h100", num_gpus=parsed.world_size)
+    training = Training(global_batch_size=parsed.dp * parsed.num_microbatches)
+    return assemble_plan(handle, cluster, training, parsed), handle.module
+
+
+def test_tied_embeddings_cannot_be_tensor_parallel() -> None:
+    plan, module = _tied_plan(tp=2)
+    with pytest.raises(SpecError, match=r"tied weights.*shards 'tok_embeddings'"):
+        check_model_against_plan(plan, module)
+
+
+def test_tied_embeddings_cannot_span_pipeline_chunks() -> None:
+    plan, module = _tied_plan(pp=2, num_microbatches=2)
+    with pytest.raises(SpecError, match=r"sit in pipeline chunks \[0, 1\]"):
+        check_model_against_plan(plan, module)
+
+
+def test_sequence_parallel_flag_needs_marked_modules() -> None:
+    plan = _plan(batch=1, tp=2, sequence_parallel=True)
+    no_norms = {k: v for k, v in plan.tp_layout.items() if v is not TPStyle.SEQUENCE_PARALLEL}
+    with pytest.raises(SpecError, match="marks no module 'sequence_parallel'"):
+        check_model_against_plan(
+            plan.model_copy(update={"tp_layout": no_norms}), resolve_model("tiny-llama").module
+        )
