@@ -14,7 +14,10 @@ __version__ = "0.1.0"
 
 from planner.errors import PlannerError
 from planner.models import fingerprint, list_models, resolve_model
+from planner.solve.make_plan import make_plan
+from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
+from planner.trace import trace
 
 if TYPE_CHECKING:
     from torch import nn
@@ -30,6 +33,10 @@ __all__ = [
     "resolve_model",
     "list_models",
     "fingerprint",
+    "make_plan",
+    "Pins",
+    "trace",
+    "load_document",
     "parallelize",
 ]
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
@@ -148,21 +148,23 @@ class Trainer:
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of all gradients, whole (not per shard): one all-reduce per sharding.
 
-    Local shards are summed per set of sharded mesh axes, and each sum is all-reduced
-    over those axes only; replicated gradients need no communication.
+    Partial-sum DTensor gradients (sequence-parallel norms) are reduced first. Local
+    shards are then summed per set of sharded mesh axes, and each sum is all-reduced over
+    those axes only; replicated gradients need no communication.
     """
     sums: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
     for grad in grads:
         groups: tuple[dist.ProcessGroup, ...] = ()
         local = grad
         if isinstance(grad, DTensor):
-            mesh = grad.device_mesh
+            whole = _without_partial(grad)
+            mesh = whole.device_mesh
             groups = tuple(
                 mesh.get_group(dim)
-                for dim, placement in enumerate(grad.placements)
-                if placement.is_shard()
+                for dim, placement in enumerate(whole.placements)
+                if not placement.is_replicate()
             )
-            local = grad.to_local()
+            local = whole.to_local()
         squares = local.detach().float().pow(2).sum()
         sums[groups] = sums[groups] + squares if groups in sums else squares
     total = torch.zeros((), device=device)
@@ -171,6 +173,14 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
             dist.all_reduce(value, group=group)
         total += value
     return total
+
+
+def _without_partial(grad: DTensor) -> DTensor:
+    """``grad`` with partial-sum placements reduced to replicated ones."""
+    if not any(placement.is_partial() for placement in grad.placements):
+        return grad
+    placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+    return grad.redistribute(placements=placements)
 
 
 def _optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:

@@ -69,13 +69,19 @@ def test_table_output(tmp_path, capsys):
         (_with("strategy", schedule="pipedream"), 'schedule = "pipedream": Input should be'),
         (_with("model", preset="gpt5"), "unknown model preset 'gpt5'"),
         (_with("strategy", dp="eight"), 'dp = "eight"'),
-        (_with("strategy", cp=3, dp=1, tp=8, pp=16, micro_batch_size=1), "world_size"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, capsys, config, message):
     code, out, err = _run(tmp_path, capsys, config, "--json")
     assert code == 2 and out == ""
     assert message in err and "Traceback" not in err
+
+
+def test_sequence_not_divisible_by_cp(tmp_path, capsys):
+    config = _with("strategy", dp=2, cp=4)
+    config["training"]["seq_len"] = 2050
+    code, _, err = _run(tmp_path, capsys, config, "--json")
+    assert code == 2 and "seq_len (2050) is not divisible by cp (4)" in err
 
 
 def test_not_fitting_says_how_much_and_why(tmp_path, capsys):

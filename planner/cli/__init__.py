@@ -21,7 +21,19 @@ from planner.errors import PlannerError
 __all__ = ["main", "build_parser"]
 
 # Subcommand modules in help order; each registers one subcommand.
-SUBCOMMANDS = ("search", "explain", "estimate", "trace", "run", "models", "schema")
+SUBCOMMANDS = (
+    "search",
+    "explain",
+    "estimate",
+    "trace",
+    "run",
+    "calibrate",
+    "measure",
+    "compare",
+    "models",
+    "profiles",
+    "schema",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(default: h100-sxm-80gb)",
     )  # fmt: skip
     cluster.add_argument("--gpus", type=positive_int, help="number of GPUs (with a profile name)")
-    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N")
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
+                         help="GPUs per node (default: 8)")  # fmt: skip
     training = parser.add_argument_group("training")
     training.add_argument("--global-batch", type=positive_int, required=True, metavar="SEQS",
                           help="sequences per optimizer step")  # fmt: skip
@@ -50,14 +51,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
     training.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adamw")
     pins = parser.add_argument_group("pins (fix a dimension, search the rest)")
-    for name in ("dp", "tp", "pp", "cp"):
-        pins.add_argument(f"--{name}", type=positive_int, metavar="N")
-    pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    pins.add_argument("--dp-shard", type=positive_int, metavar="N")
-    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
-    pins.add_argument("--recompute", choices=[r.value for r in RecomputeMode])
-    pins.add_argument("--schedule", choices=[s.value for s in Schedule])
-    pins.add_argument("--virtual-stages", type=positive_int, metavar="V")
+    degrees = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context"}
+    for name, what in degrees.items():
+        pins.add_argument(
+            f"--{name}", type=positive_int, metavar="N", help=f"{what}-parallel degree"
+        )
+    pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (3 = FSDP)")
+    pins.add_argument("--dp-shard", type=positive_int, metavar="N",
+                      help="ranks ZeRO shards over (less than dp: hybrid sharding)")  # fmt: skip
+    pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                      help="sequence parallel with tensor parallel")  # fmt: skip
+    pins.add_argument("--recompute", choices=[r.value for r in RecomputeMode],
+                      help="activation recompute")  # fmt: skip
+    pins.add_argument("--schedule", choices=[s.value for s in Schedule], help="pipeline schedule")
+    pins.add_argument("--virtual-stages", type=positive_int, metavar="V",
+                      help="model chunks per pipeline rank (interleaved-1f1b)")  # fmt: skip
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
     out.add_argument("--top-k", type=positive_int, default=5, help="runners-up to keep")

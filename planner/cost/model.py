@@ -114,6 +114,8 @@ class CostModel:
         self.compute = ComputeModel(self.profile, training.dtype, self.options)
         self._pricer = SegmentPricer(self.compute, self.options, self._axis_link)
         self._type_costs: dict[tuple[str, ShardKey, RecomputeMode], TypeCost] = {}
+        self._segment_costs: dict[tuple[object, ...], tuple[SegmentCost, ...]] = {}
+        self._recompute_flops: dict[tuple[str, RecomputeMode], float] = {}
 
     # ----- per segment type -------------------------------------------------------------
 
@@ -148,7 +150,15 @@ class CostModel:
     ) -> list[SegmentCost]:
         """Per-segment costs in execution order (``recompute`` overrides the mode per segment)."""
         key = self._shard_key(strategy)
-        modes = recompute or [strategy.recompute] * len(self.graph.segments)
+        modes = tuple(recompute or [strategy.recompute] * len(self.graph.segments))
+        cache_key = (key, modes, strategy.zero, self._zero_shard(strategy))
+        if cache_key not in self._segment_costs:
+            self._segment_costs[cache_key] = self._price_segments(strategy, key, modes)
+        return list(self._segment_costs[cache_key])
+
+    def _price_segments(
+        self, strategy: Strategy, key: ShardKey, modes: tuple[RecomputeMode, ...]
+    ) -> tuple[SegmentCost, ...]:
         costs = []
         for segment, mode in zip(self.graph.segments, modes, strict=True):
             seg_type = self.graph.segment_type(segment)
@@ -174,7 +184,7 @@ class CostModel:
                     recompute_peak_bytes=cost.recompute_peak_bytes,
                 )
             )
-        return costs
+        return tuple(costs)
 
     @staticmethod
     def _zero_shard(strategy: Strategy) -> int:
@@ -449,21 +459,32 @@ class CostModel:
 
         Only matmul, convolution and attention FLOPs count (the MFU convention).
         """
-        sequences = self.training.global_batch_size
-        model = 0.0
-        for segment in self.graph.segments:
-            nodes = self.graph.segment_type(segment).nodes
-            model += sum(n.flops_fwd + n.flops_bwd for n in nodes if n.kind in _COUNTED)
-        model *= sequences
         recomputed = 0.0
         for segment, mode in zip(self.graph.segments, modes, strict=True):
             seg_type = self.graph.segment_type(segment)
-            if seg_type.kind != "block":
-                continue
+            if seg_type.kind == "block" and mode is not RecomputeMode.NONE:
+                recomputed += self._recomputed_flops(seg_type, mode)
+        sequences = self.training.global_batch_size
+        return self._model_flops_per_sequence * sequences, recomputed * sequences
+
+    @cached_property
+    def _model_flops_per_sequence(self) -> float:
+        total = 0.0
+        for segment in self.graph.segments:
+            nodes = self.graph.segment_type(segment).nodes
+            total += sum(n.flops_fwd + n.flops_bwd for n in nodes if n.kind in _COUNTED)
+        return total
+
+    def _recomputed_flops(self, seg_type: SegmentType, mode: RecomputeMode) -> float:
+        """Forward FLOPs run again per sequence in one segment of ``seg_type`` (cached)."""
+        cache_key = (seg_type.type_id, mode)
+        if cache_key not in self._recompute_flops:
             nodes = seg_type.nodes
             again = self._pricer.recomputed_nodes(nodes, mode)
-            recomputed += sum(nodes[i].flops_fwd for i in again if nodes[i].kind in _COUNTED)
-        return model, recomputed * sequences
+            self._recompute_flops[cache_key] = sum(
+                nodes[i].flops_fwd for i in again if nodes[i].kind in _COUNTED
+            )
+        return self._recompute_flops[cache_key]
 
     def _prediction(
         self, strategy: Strategy, step: float, breakdown: dict[str, float],

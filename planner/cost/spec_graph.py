@@ -7,11 +7,13 @@ head_dim)``, matmul backward = 2x forward, causal attention counted whole, segme
 prices it exactly as a traced graph. It needs no torch and takes microseconds, which
 is why :func:`planner.cost.estimate_run` uses it for zoo-style specs.
 
-Saved-for-backward bytes follow Korthikanti et al. (2022): a GPT block keeps
-``s*b*h*34`` bytes with dropout masks (the attention scores are added by the cost
-model when the attention kernel is unfused). A norm node keeps its input and its
-output (the next linear's input), so tensor-parallel splitting of what it keeps
-follows the norm's rule.
+Memory-bound operators are the eager ones (RMSNorm's fp32 upcast steps, rotary as an
+fp32 complex multiply, SwiGLU's silu and product); ``fused_pointwise`` in the cost
+options models their fusion. Saved-for-backward bytes follow Korthikanti et al.
+(2022): a GPT block keeps ``s*b*h*34`` bytes with dropout masks (the attention scores
+are added by the cost model when the attention kernel is unfused). A norm keeps its
+input and its output (the next linear's input), so tensor-parallel splitting of what
+it keeps follows the norm's rule.
 """
 
 from __future__ import annotations

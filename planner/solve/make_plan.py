@@ -36,6 +36,7 @@ from planner.trace import trace
 __all__ = ["make_plan", "trace_for_training"]
 
 log = logging.getLogger(__name__)
+_POOL = 8  # candidates kept per runner-up shown, to pick diverse ones from
 
 
 def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
@@ -69,7 +70,7 @@ def make_plan(
         num_heads=spec.num_heads if spec else None,
         num_kv_heads=spec.kv_heads if spec else None,
     )
-    result = search(model, limits, pins=pins, top_k=top_k + 1, progress=progress)
+    result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
     best = result.best
     chunks, prediction = _refine_stages(model, best)
     layout = _tp_layout(graph, model, best.strategy, ilp_time_limit_s)
@@ -85,7 +86,7 @@ def make_plan(
         tp_layout=layout.styles if layout is not None else None,
         stages=stages if best.strategy.pp > 1 else None,
         prediction=prediction,
-        runners_up=tuple(_runner_up(best, other) for other in result.ranked[1:]),
+        runners_up=tuple(_runner_up(best, other) for other in _diverse(result.ranked, top_k)),
         solver=stats,
     )
 
@@ -161,6 +162,27 @@ def _ilp_stats(layout: TPLayout | None, base: SolverStats) -> dict[str, object]:
         "ilp_time_s": solution.solve_time_s,
         "notes": tuple(notes),
     }
+
+
+def _diverse(ranked: Sequence[Scored], count: int) -> list[Scored]:
+    """Up to ``count`` runners-up, fastest first, preferring other meshes and settings.
+
+    The fastest candidate of each mesh (dp, tp, pp, cp) and sharding comes first, so the
+    list shows real alternatives rather than the winner with another virtual-stage count.
+    """
+
+    def shape(s: Strategy) -> tuple[object, ...]:
+        return (s.dp, s.tp, s.pp, s.cp, s.zero, s.recompute)
+
+    seen = {shape(ranked[0].strategy)}
+    picked: list[Scored] = []
+    for scored in ranked[1:]:
+        if shape(scored.strategy) not in seen:
+            seen.add(shape(scored.strategy))
+            picked.append(scored)
+    rest = [s for s in ranked[1:] if s not in picked]
+    chosen = (picked + rest)[:count]
+    return sorted(chosen, key=lambda s: s.prediction.step_time_s)
 
 
 def _runner_up(best: Scored, other: Scored) -> Candidate:

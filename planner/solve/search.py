@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from planner.cost import CostModel, SegmentCost
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
@@ -43,12 +44,13 @@ from planner.spec import (
     Strategy,
 )
 
-__all__ = ["Pins", "ModelLimits", "Scored", "SearchResult", "search"]
+__all__ = ["ModelLimits", "Pins", "Scored", "SearchResult", "in_search_space", "search"]
 
 log = logging.getLogger(__name__)
 _GIB = 2**30
 _RECOMPUTE_ORDER = (RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.FULL)
 _MAX_MICRO_BATCH = 16
+_MAX_UNEVEN_VIRTUAL = 4  # virtual stages that need not divide the blocks evenly
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,17 @@ class Pins:
     def allows(self, name: str, value: object) -> bool:
         pinned = getattr(self, name)
         return pinned is None or pinned == value
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> Pins:
+        """Pins that fix every searched field to ``strategy``'s value."""
+        return cls(
+            dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, zero=strategy.zero,
+            dp_shard=strategy.shard_degree if strategy.zero else None,
+            sequence_parallel=strategy.sequence_parallel, recompute=strategy.recompute,
+            micro_batch_size=strategy.micro_batch_size, schedule=strategy.schedule,
+            virtual_stages=strategy.virtual_stages,
+        )  # fmt: skip
 
     def describe(self) -> str:
         values = ((f.name, getattr(self, f.name)) for f in fields(self))
@@ -108,9 +121,8 @@ class SearchResult:
         return self.ranked[0]
 
 
-@dataclass(frozen=True, order=True)
-class _Point:
-    """A candidate before costing (a tuple, so sorting is cheap and deterministic)."""
+class _Point(NamedTuple):
+    """A candidate before costing: a tuple, so sorting is cheap and deterministic."""
 
     bound_s: float
     dp: int
@@ -193,8 +205,12 @@ class _Space:
                     yield dp, tp, pp, cp
 
     def shardings(self, dp: int, tp: int, cp: int) -> Iterator[tuple[int, int]]:
-        """(zero, dp_shard) pairs: plain DP, ZeRO 1-3 over all of dp, hybrid over a node."""
-        if dp == 1:
+        """(zero, dp_shard) pairs: plain DP, ZeRO 1-3 over all of dp, hybrid over a node.
+
+        ZeRO shards over dp x cp (context-parallel ranks hold the same weights), so it
+        applies with dp = 1 when cp > 1.
+        """
+        if dp * cp == 1:
             if self.pins.allows("zero", 0):
                 yield 0, 1
             return
@@ -202,7 +218,7 @@ class _Space:
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero):
                 continue
-            shards = [1] if zero == 0 else sorted({dp, math.gcd(dp, per_node)} - {1})
+            shards = [1] if zero == 0 or dp == 1 else sorted({dp, math.gcd(dp, per_node)} - {1})
             for shard in shards:
                 if self.pins.allows("dp_shard", shard if zero else None):
                     yield zero, shard
@@ -218,7 +234,8 @@ class _Space:
         if not self.pins.allows("schedule", Schedule.INTERLEAVED_1F1B) or microbatches % pp:
             return
         for virtual in range(2, self.limits.num_blocks // pp + 1):
-            if self.limits.num_blocks % (pp * virtual) == 0 and self.pins.allows(
+            even = self.limits.num_blocks % (pp * virtual) == 0
+            if (even or virtual <= _MAX_UNEVEN_VIRTUAL) and self.pins.allows(
                 "virtual_stages", virtual
             ):
                 yield Schedule.INTERLEAVED_1F1B.value, virtual
@@ -242,17 +259,32 @@ class _Space:
     def _options(
         self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
     ) -> Iterator[_Point]:
+        shardings = [
+            (z, d, self._state_bytes_per_param(z, d * cp)) for z, d in self.shardings(dp, tp, cp)
+        ]
+        schedules = [
+            (
+                schedule,
+                virtual,
+                _fill_drain(schedule, pp, virtual),
+                self._in_flight(schedule, pp, microbatches, virtual),
+            )
+            for schedule, virtual in self.schedules(pp, microbatches)
+        ]
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
                 continue
             work = self.work(tp, cp, sp, mbs, rank)
-            for schedule, virtual in self.schedules(pp, microbatches):
-                bound = work.time_s / pp * (microbatches + _fill_drain(schedule, pp, virtual))
-                for zero, shard in self.shardings(dp, tp, cp):
+            params = work.params / pp
+            kept = (self.limits.num_blocks // pp) * work.block_activation_bytes
+            for schedule, virtual, fill, in_flight in schedules:
+                bound = work.time_s / pp * (microbatches + fill)
+                activations = kept * in_flight
+                for zero, shard, per_param in shardings:
                     point = _Point(
                         bound, dp, tp, pp, cp, zero, shard, sp, mbs, rank, schedule, virtual
                     )
-                    needed = self.memory_bound(point, work, microbatches)
+                    needed = params * per_param + activations
                     if needed <= self.capacity:
                         yield point
                         continue
@@ -260,19 +292,21 @@ class _Space:
                     if needed < self._leanest_bytes:
                         self.leanest, self._leanest_bytes = point, needed
 
-    def memory_bound(self, point: _Point, work: _Work, microbatches: int) -> float:
-        """A lower bound of the busiest rank's bytes: states and activations, evenest split."""
+    def _state_bytes_per_param(self, zero: int, shard: int) -> float:
+        """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
         states = model_state_bytes(
-            work.params / point.pp, zero=point.zero, shard=point.shard * point.cp,
-            optimizer=self.training.optimizer, dtype=self.training.dtype,
+            1.0, zero=zero, shard=shard, optimizer=self.training.optimizer,
+            dtype=self.training.dtype,
         )  # fmt: skip
-        in_flight = in_flight_microbatches(
-            Schedule(point.schedule), pp=point.pp, rank=0, num_microbatches=microbatches,
-            virtual_stages=point.virtual,
+        return states.total
+
+    @staticmethod
+    def _in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+        """Micro-batches the first pipeline rank keeps (the memory bound's multiplier)."""
+        return in_flight_microbatches(
+            Schedule(schedule), pp=pp, rank=0, num_microbatches=microbatches,
+            virtual_stages=virtual,
         )  # fmt: skip
-        blocks = self.limits.num_blocks // point.pp
-        activations = blocks * work.block_activation_bytes * in_flight
-        return states.total + activations
 
 
 def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
@@ -296,6 +330,12 @@ def _summarise(costs: list[SegmentCost]) -> _Work:
         block_activation_bytes=block_act,
         other_activation_bytes=sum(c.activation_bytes for c in costs if c.kind != "block"),
     )
+
+
+def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
+    """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
+    space = _Space(model, limits, Pins.of(strategy))
+    return any(True for _ in space.points()) or space.over_memory > 0
 
 
 Progress = Callable[[int, int], None]  # (candidates done, candidates), for a progress bar

@@ -1,0 +1,120 @@
+"""Planning speed and plan quality of the search.
+
+Speed (each whole search in a fresh process, tracing included):
+
+- GPT-3 175B on 1024 A100-80GB, global batch 1536 (target < 5 s);
+- Llama-3.1-405B on 16,384 H100s, seq 8192, global batch 2048 (target < 10 s).
+
+Quality: for every run in ``published_runs.csv`` with a global batch, the search on the
+same model, GPUs, global batch and software options must contain the published
+configuration and choose a plan predicted at least as fast that fits. Prints, per row,
+the published and chosen configurations and both predicted throughputs.
+
+    python benchmarks/bench_search.py [--csv PATH] [--skip-speed] [--skip-quality]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_accuracy import DEFAULT_CSV, Case, load_cases
+
+from planner.cost import CostModel, RunConfig, graph_from_spec
+from planner.solve.search import ModelLimits, Pins, in_search_space, search
+
+SPEED_CASES = {
+    "gpt3-175b on 1024 x a100-sxm-80gb, gbs 1536 (target < 5 s)": [
+        "--model", "gpt3-175b", "--cluster", "a100-sxm-80gb", "--gpus", "1024",
+        "--global-batch", "1536",
+    ],
+    "llama3.1-405b on 16384 x h100-sxm-80gb, seq 8192, gbs 2048 (target < 10 s)": [
+        "--model", "llama3.1-405b", "--cluster", "h100-sxm-80gb", "--gpus", "16384",
+        "--global-batch", "2048", "--seq", "8192",
+    ],
+}  # fmt: skip
+
+
+def speed() -> None:
+    print("planning time, whole `plan` command in a fresh process (import, trace, search, ILP):")
+    for label, args in SPEED_CASES.items():
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-m", "planner", *args, "--json"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        wall = time.perf_counter() - started
+        solver = __import__("json").loads(result.stdout)["solver"]
+        print(
+            f"  {label}: {wall:.2f} s wall, search {solver['search_time_s']:.2f} s, "
+            f"{solver['candidates_enumerated']:,} candidates, {solver['candidates_costed']:,} costed"
+        )
+
+
+def _limits(run: RunConfig) -> ModelLimits:
+    spec = run.model
+    return ModelLimits(
+        num_blocks=spec.num_layers,
+        seq_len=spec.seq_len,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.kv_heads,
+    )
+
+
+def quality_row(case: Case) -> tuple[str, bool]:
+    """One table row and whether the row meets the bar."""
+    run = RunConfig.from_dict(case.config, case.label)
+    free_batch = run.training.model_copy(update={"micro_batch_size": None})
+    graph = graph_from_spec(run.model, dtype=run.training.dtype)
+    model = CostModel(graph, run.cluster, free_batch, options=run.options)
+    published = model.estimate(run.strategy)
+    inside = in_search_space(model, _limits(run), run.strategy)
+    started = time.perf_counter()
+    best = search(model, _limits(run), pins=Pins(), top_k=1).best
+    took = time.perf_counter() - started
+    chosen = best.prediction
+    ok = inside and chosen.fits and chosen.step_time_s <= published.step_time_s * (1 + 1e-9)
+    gain = published.step_time_s / chosen.step_time_s - 1
+    text = (
+        f"{case.label[:34]:<34} {run.strategy.describe()[:44]:<44} "
+        f"{published.tokens_per_s_per_gpu:>8.0f} {'yes' if published.fits else 'NO':>4} "
+        f"{'yes' if inside else 'NO':>6} | {best.strategy.describe()[:52]:<52} "
+        f"{chosen.tokens_per_s_per_gpu:>8.0f} {gain:>+7.1%} {took:>6.2f}s {'ok' if ok else 'FAIL'}"
+    )
+    return text, ok
+
+
+def quality(csv: Path) -> bool:
+    cases = [c for c in load_cases(csv) if c.config["training"]["global_batch_size"]]
+    print(
+        f"\n{'published run':<34} {'published config':<44} {'tok/s/g':>8} {'fits':>4} "
+        f"{'in space':>6} | {'chosen config':<52} {'tok/s/g':>8} {'gain':>7} {'search':>7}"
+    )
+    results = [quality_row(case) for case in cases]
+    for text, _ in results:
+        print(text)
+    passed = sum(ok for _, ok in results)
+    print(f"\n{passed}/{len(results)} rows: published config in the space, chosen plan fits "
+          "and is predicted at least as fast")  # fmt: skip
+    return passed == len(results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_speed:
+        speed()
+    ok = True
+    if not args.skip_quality:
+        ok = quality(args.csv)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Calibration: microbenchmarks, fits and refits that make the cost model match a machine.
+
+- :mod:`~planner.calibrate.microbench` GEMM, memory-bound and attention sweeps (torch
+  only; collectives are in :mod:`strategies.microbench`);
+- :mod:`~planner.calibrate.fit` the ``scipy.optimize.least_squares`` fits;
+- :mod:`~planner.calibrate.profile` samples to a :class:`~planner.hardware.HardwareProfile`;
+- :mod:`~planner.calibrate.refit` refit a profile to measured runs;
+- :mod:`~planner.calibrate.options` the cost options of the measured runtime.
+"""
+
+from __future__ import annotations
+
+from planner.calibrate.fit import CalibrationError, FitResult, fit_alpha_beta, fit_matmul
+from planner.calibrate.options import measured_run_options
+from planner.calibrate.refit import RefitReport, predict_plan, refit_profile
+
+__all__ = [
+    "CalibrationError",
+    "FitResult",
+    "RefitReport",
+    "fit_alpha_beta",
+    "fit_matmul",
+    "measured_run_options",
+    "predict_plan",
+    "refit_profile",
+]

@@ -1,0 +1,216 @@
+"""Least-squares fits of the profile's physical parameters (``scipy.optimize.least_squares``).
+
+Three closed forms, each the cost model's own formula, so a fitted number means what
+the profile field means:
+
+- GEMM: ``t = F / (peak * efficiency) + overhead`` (seconds; ``F`` FLOPs);
+- memory-bound kernel: ``t = B / (bandwidth * efficiency) + overhead`` (``B`` bytes);
+- collective: ``t = steps * latency + factor * S / busbw`` (alpha-beta with the
+  nccl-tests bus factor; ``S`` bytes of the whole array).
+
+Residuals are relative (``t_model / t_measured - 1``), so small and large problems
+weigh alike. A fit that does not converge, or whose parameters leave their physical
+range (an efficiency above 1, a negative overhead), raises :class:`CalibrationError`
+and nothing is written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.optimize import least_squares
+
+from planner.cost.communication import Collective, bus_factor, latency_steps
+from planner.errors import PlannerError
+
+__all__ = [
+    "CalibrationError",
+    "Bound",
+    "FitResult",
+    "fit_parameters",
+    "fit_matmul",
+    "fit_memory",
+    "fit_streaming",
+    "fit_alpha_beta",
+]
+
+log = logging.getLogger(__name__)
+
+Array = NDArray[np.float64]
+# A fit is "converged" when scipy says so and the residuals are this small (relative, RMS).
+MAX_RMS_RELATIVE_ERROR = 0.5
+
+
+class CalibrationError(PlannerError):
+    """A calibration fit failed or left physical bounds; the existing profile is untouched."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Physical range of one parameter, inclusive (``high=None``: unbounded above)."""
+
+    name: str
+    low: float
+    high: float | None = None
+    unit: str = ""
+
+    def check(self, value: float, hint: str) -> None:
+        if value < self.low or (self.high is not None and value > self.high):
+            upper = "inf" if self.high is None else f"{self.high:g}"
+            raise CalibrationError(
+                f"fitted {self.name} = {value:.4g}{self.unit} is outside its physical range "
+                f"[{self.low:g}, {upper}]: {hint}"
+            )
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Fitted parameters by name and the fit's relative RMS error before and after."""
+
+    values: dict[str, float]
+    rms_before: float
+    rms_after: float
+    samples: int
+
+
+def _rms(residuals: Array) -> float:
+    return float(np.sqrt(np.mean(np.square(residuals)))) if residuals.size else 0.0
+
+
+def fit_parameters(
+    residuals: Callable[[Array], Array],
+    start: Sequence[float],
+    bounds: Sequence[Bound],
+    *,
+    what: str,
+    hint: str,
+    max_rms: float = MAX_RMS_RELATIVE_ERROR,
+) -> FitResult:
+    """Minimise ``residuals(x)`` over positive ``x`` (fitted in log space) and check bounds.
+
+    ``start`` are initial values (all > 0); ``bounds`` the physical range of each;
+    ``what`` names the fit and ``hint`` says what to change when it fails.
+    """
+    x0 = np.log(np.asarray(start, dtype=float))
+    if not np.all(np.isfinite(x0)):
+        raise CalibrationError(f"{what}: start values must be positive, got {list(start)}")
+
+    def in_log(z: Array) -> Array:
+        return residuals(np.exp(z))
+
+    before = in_log(x0)
+    result = least_squares(in_log, x0, method="trf", x_scale="jac", max_nfev=400)
+    after = in_log(result.x)
+    rms = _rms(after)
+    if not result.success or not np.all(np.isfinite(after)):
+        raise CalibrationError(f"{what}: the fit did not converge ({result.message}); {hint}")
+    if rms > max_rms:
+        raise CalibrationError(
+            f"{what}: the fit did not converge to the data (relative RMS error {rms:.0%} > "
+            f"{max_rms:.0%}); {hint}"
+        )
+    values = dict(zip((b.name for b in bounds), np.exp(result.x).tolist(), strict=True))
+    for bound in bounds:
+        bound.check(values[bound.name], hint)
+    log.info("%s: relative RMS error %.1f%% -> %.1f%%", what, 100 * _rms(before), 100 * rms)
+    return FitResult(values, _rms(before), rms, len(after))
+
+
+def _arrays(work: Sequence[float], seconds: Sequence[float], what: str) -> tuple[Array, Array]:
+    x, t = np.asarray(work, dtype=float), np.asarray(seconds, dtype=float)
+    if x.shape != t.shape or x.size < 2:
+        raise CalibrationError(
+            f"{what}: need at least two (size, seconds) samples of equal length, got "
+            f"{x.size} sizes and {t.size} times"
+        )
+    if np.any(t <= 0) or np.any(x <= 0):
+        raise CalibrationError(f"{what}: sizes and times must be positive")
+    return x, t
+
+
+def _start_rate_overhead(x: Array, t: Array) -> tuple[float, float]:
+    """Initial (rate, overhead) from the largest sample and the smallest time."""
+    overhead = max(0.5 * float(t.min()), 1e-9)
+    largest = int(np.argmax(x))
+    rate = float(x[largest]) / max(float(t[largest]) - overhead, 1e-12)
+    return rate, overhead
+
+
+def fit_matmul(flops: Sequence[float], seconds: Sequence[float], peak_flops: float) -> FitResult:
+    """Fit ``matmul_efficiency`` (fraction of ``peak_flops``) and ``matmul_overhead_us``."""
+    x, t = _arrays(flops, seconds, "matmul fit")
+    rate, overhead = _start_rate_overhead(x, t)
+
+    def residuals(p: Array) -> Array:
+        return (x / (peak_flops * p[0]) + p[1] * 1e-6) / t - 1
+
+    return fit_parameters(
+        residuals, [min(rate / peak_flops, 1.0), overhead * 1e6],
+        [Bound("matmul_efficiency", 1e-3, 1.0), Bound("matmul_overhead_us", 0.0, 1e5, " us")],
+        what="matmul fit",
+        hint="raise peak_tflops if GEMMs ran faster than peak, or re-run on an idle machine",
+    )  # fmt: skip
+
+
+def fit_memory(nbytes: Sequence[float], seconds: Sequence[float], bandwidth: float) -> FitResult:
+    """Fit ``memory_efficiency`` (fraction of ``bandwidth`` bytes/s) and ``kernel_overhead_us``."""
+    x, t = _arrays(nbytes, seconds, "memory-bound fit")
+    rate, overhead = _start_rate_overhead(x, t)
+
+    def residuals(p: Array) -> Array:
+        return (x / (bandwidth * p[0]) + p[1] * 1e-6) / t - 1
+
+    return fit_parameters(
+        residuals, [min(rate / bandwidth, 1.0), overhead * 1e6],
+        [Bound("memory_efficiency", 1e-3, 1.0), Bound("kernel_overhead_us", 0.0, 1e5, " us")],
+        what="memory-bound fit",
+        hint="raise memory_bandwidth_GBps if kernels ran faster, or re-run on an idle machine",
+    )  # fmt: skip
+
+
+def fit_streaming(nbytes: Sequence[float], seconds: Sequence[float]) -> FitResult:
+    """Fit the achieved ``memory_bandwidth_GBps`` and ``kernel_overhead_us`` (no datasheet)."""
+    x, t = _arrays(nbytes, seconds, "memory-bound fit")
+    rate, overhead = _start_rate_overhead(x, t)
+
+    def residuals(p: Array) -> Array:
+        return (x / (p[0] * 1e9) + p[1] * 1e-6) / t - 1
+
+    return fit_parameters(
+        residuals, [rate / 1e9, overhead * 1e6],
+        [Bound("memory_bandwidth_GBps", 1e-3, 1e5, " GB/s"),
+         Bound("kernel_overhead_us", 0.0, 1e5, " us")],
+        what="memory-bound fit",
+        hint="re-run on an idle machine with larger --memory sizes",
+    )  # fmt: skip
+
+
+def fit_alpha_beta(
+    samples: Sequence[tuple[Collective, int, float, float]],
+) -> FitResult:
+    """Fit one link's ``latency_us`` and ``busbw_GBps`` to (kind, ranks, bytes, seconds) samples.
+
+    Every collective shares the two parameters, as the cost model prices them.
+    """
+    if len(samples) < 2:
+        raise CalibrationError(f"collective fit: need at least two samples, got {len(samples)}")
+    steps = np.array([latency_steps(k, n) for k, n, _, _ in samples], dtype=float)
+    moved = np.array([bus_factor(k, n) * s for k, n, s, _ in samples], dtype=float)
+    t = np.array([sec for *_, sec in samples], dtype=float)
+    if np.any(t <= 0) or np.any(moved <= 0):
+        raise CalibrationError("collective fit: sizes and times must be positive (ranks >= 2)")
+    rate, latency = _start_rate_overhead(moved, t)
+
+    def residuals(p: Array) -> Array:
+        return (steps * p[0] * 1e-6 + moved / (p[1] * 1e9)) / t - 1
+
+    return fit_parameters(
+        residuals, [latency * 1e6 / max(float(steps.min()), 1.0), rate / 1e9],
+        [Bound("latency_us", 0.0, 1e6, " us"), Bound("busbw_GBps", 1e-4, 1e5, " GB/s")],
+        what="collective fit",
+        hint="check that every rank ran the same collectives, or re-run on an idle machine",
+    )  # fmt: skip

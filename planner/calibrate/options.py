@@ -1,0 +1,30 @@
+"""The software facts of the runtime in ``strategies/`` that calibration prices runs with.
+
+:class:`~planner.cost.CostOptions` defaults describe a GPU training stack (cuBLAS/NCCL
+workspaces, a caching allocator's slack). Runs measured by ``plan measure`` count
+tensor bytes (MemTracker on CPU, ``max_memory_allocated`` on GPU), use DDP's default
+25 MiB gradient buckets and, on CPU, run gloo's reductions on the same cores as the
+compute (nothing overlaps).
+"""
+
+from __future__ import annotations
+
+from planner.cost import CostOptions
+from planner.hardware import HardwareProfile
+
+__all__ = ["DDP_BUCKET_MIB", "measured_run_options"]
+
+DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb default
+
+
+def measured_run_options(profile: HardwareProfile) -> CostOptions:
+    """Cost options matching what ``plan measure`` runs and counts on ``profile``'s device."""
+    if profile.device_kind == "cpu":
+        return CostOptions(
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            dp_bucket_mib=DDP_BUCKET_MIB,
+            allocator_margin=0.0,
+            workspace_gib=0.0,
+        )
+    return CostOptions(dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0)

@@ -1,0 +1,214 @@
+"""Turn microbenchmark samples into a :class:`~planner.hardware.HardwareProfile`.
+
+Fitted numbers replace the base profile's (datasheet) ones and say so in ``sources``
+("measured <date> on <host>: <method>"). Without a base profile (a CPU), the peak GEMM
+rate is estimated from the clock and vector width and the memory bandwidth is the
+achieved streaming rate (efficiency 1); both sources say how they were obtained.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.calibrate.fit import (
+    Bound,
+    CalibrationError,
+    FitResult,
+    fit_alpha_beta,
+    fit_matmul,
+    fit_memory,
+    fit_parameters,
+    fit_streaming,
+)
+from planner.calibrate.microbench import Sample
+from planner.cost.communication import Collective
+from planner.hardware import HardwareProfile
+from planner.spec import DType
+
+__all__ = ["Measurements", "CalibrationReport", "build_profile", "cpu_peak_tflops", "ram_gib"]
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything one ``plan calibrate`` run measured on one device type."""
+
+    dtype: DType
+    matmul: Sequence[Sample]
+    memory: Sequence[Sample]
+    attention: Sequence[Sample]
+    collectives: Sequence[tuple[Collective, int, float, float]]  # kind, ranks, bytes, seconds
+    ranks_per_node: int
+
+
+@dataclass(frozen=True)
+class CalibrationReport:
+    """The fits behind a profile, for printing: name -> fit."""
+
+    fits: dict[str, FitResult]
+
+
+def cpu_peak_tflops(threads: int) -> tuple[float, str]:
+    """Dense fp32 peak of ``threads`` CPU cores from /proc/cpuinfo, and how it was derived.
+
+    FLOPs per cycle per core: 64 with AVX-512 (two 512-bit FMA units), 32 with AVX2+FMA,
+    8 otherwise; times the reported clock.
+    """
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    mhz = re.search(r"cpu MHz\s*:\s*([\d.]+)", text)
+    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split()) if "flags" in text else set()  # type: ignore[union-attr]
+    if mhz is None:
+        raise CalibrationError(
+            "cannot read the CPU clock from /proc/cpuinfo to estimate the peak: pass "
+            "--peak-tflops (fp32 TFLOP/s per rank)"
+        )
+    per_cycle = 64 if "avx512f" in flags else 32 if {"avx2", "fma"} <= flags else 8
+    tflops = float(mhz.group(1)) * 1e6 * per_cycle * threads / 1e12
+    how = f"estimated: {float(mhz.group(1)):.0f} MHz x {per_cycle} fp32 FLOP/cycle x {threads} thread(s)"
+    return tflops, how
+
+
+def ram_gib(ranks_per_node: int) -> float:
+    """This machine's physical memory in GiB, divided among ``ranks_per_node`` ranks."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / 2**30 / ranks_per_node
+
+
+def _attention_fit(samples: Sequence[Sample], peak: float, gemm_overhead_s: float) -> FitResult:
+    work = [s.work for s in samples]
+    seconds = [s.seconds for s in samples]
+
+    def residuals(p: object) -> object:
+        import numpy as np
+
+        x, t = np.asarray(work), np.asarray(seconds)
+        return (x / (peak * p[0]) + 3 * gemm_overhead_s) / t - 1  # type: ignore[index]
+
+    return fit_parameters(
+        residuals, [0.3], [Bound("attention_efficiency", 1e-3, 1.0)],  # type: ignore[arg-type]
+        what="attention fit",
+        hint="raise peak_tflops if attention ran faster than peak",
+    )  # fmt: skip
+
+
+def build_profile(
+    measured: Measurements,
+    *,
+    name: str,
+    stamp: str,
+    device_kind: str,
+    base: HardwareProfile | None,
+    peak_tflops: float | None,
+    peak_source: str,
+    memory_capacity_gib: float,
+) -> tuple[HardwareProfile, CalibrationReport]:
+    """A profile whose efficiencies, overheads, bandwidths and links are fitted.
+
+    ``stamp`` ("measured 2026-11-30 on host: ...") prefixes every fitted source.
+    ``peak_tflops`` (per device, ``measured.dtype``) defaults to the base profile's.
+    """
+    dtype = measured.dtype
+    if peak_tflops is None:
+        if base is None or dtype not in base.peak_tflops:
+            raise CalibrationError(
+                f"no peak_tflops for {dtype.value}: pass --base PROFILE (a datasheet profile) "
+                "or --peak-tflops"
+            )
+        peak_tflops, peak_source = base.peak_tflops[dtype], base.sources.get("peak_tflops", "")
+    peak = peak_tflops * 1e12
+    fits: dict[str, FitResult] = {}
+    fits["matmul"] = fit_matmul([s.work for s in measured.matmul],
+                                [s.seconds for s in measured.matmul], peak)  # fmt: skip
+    gemm_overhead_s = fits["matmul"].values["matmul_overhead_us"] * 1e-6
+    fits["attention"] = _attention_fit(measured.attention, peak, gemm_overhead_s)
+    memory_fields = _memory_fields(measured, base, fits, stamp)
+    sources = {
+        "peak_tflops." + dtype.value: peak_source,
+        "matmul_efficiency": f"{stamp}: GEMM sweep, least-squares fit",
+        "matmul_overhead_us": f"{stamp}: GEMM sweep, least-squares fit",
+        "attention_efficiency": f"{stamp}: causal SDPA forward+backward sweep, fit",
+        "memory_capacity_gib": f"{stamp}: physical memory per rank",
+        "gpus_per_node": f"{stamp}: ranks per node in the calibration run",
+        **memory_fields[1],
+    }
+    links, link_sources = _links(measured, base, fits, stamp)
+    sources.update(link_sources)
+    peaks = dict(base.peak_tflops) if base is not None else {}
+    peaks[dtype] = peak_tflops
+    for other in peaks:
+        if other is not dtype and base is not None:
+            sources[f"peak_tflops.{other.value}"] = base.sources.get(f"peak_tflops.{other.value}", "")
+    profile = HardwareProfile.model_validate(
+        {
+            "name": name,
+            "description": f"calibrated on {stamp.removeprefix('measured ')}",
+            "device_kind": device_kind,
+            "peak_tflops": {d.value: v for d, v in peaks.items()},
+            "matmul_efficiency": fits["matmul"].values["matmul_efficiency"],
+            "matmul_overhead_us": fits["matmul"].values["matmul_overhead_us"],
+            "attention_efficiency": fits["attention"].values["attention_efficiency"],
+            "memory_capacity_gib": memory_capacity_gib,
+            **memory_fields[0],
+            "gpus_per_node": measured.ranks_per_node,
+            "links": links,
+            "sources": sources,
+        }
+    )
+    return profile, CalibrationReport(fits)
+
+
+def _memory_fields(
+    measured: Measurements, base: HardwareProfile | None, fits: dict[str, FitResult], stamp: str
+) -> tuple[dict[str, float], dict[str, str]]:
+    work = [s.work for s in measured.memory]
+    seconds = [s.seconds for s in measured.memory]
+    how = f"{stamp}: elementwise multiply sweep, least-squares fit"
+    if base is None:
+        fits["memory"] = fit_streaming(work, seconds)
+        values = {**fits["memory"].values, "memory_efficiency": 1.0}
+        text = {"memory_efficiency": f"{stamp}: 1, memory_bandwidth_GBps is the achieved rate"}
+        return values, {"memory_bandwidth_GBps": how, "kernel_overhead_us": how, **text}
+    fits["memory"] = fit_memory(work, seconds, base.memory_bandwidth_GBps * 1e9)
+    values = {**fits["memory"].values, "memory_bandwidth_GBps": base.memory_bandwidth_GBps}
+    source = base.sources.get("memory_bandwidth_GBps", "")
+    return values, {"memory_efficiency": how, "kernel_overhead_us": how,
+                    "memory_bandwidth_GBps": source}  # fmt: skip
+
+
+def _links(
+    measured: Measurements, base: HardwareProfile | None, fits: dict[str, FitResult], stamp: str
+) -> tuple[dict[str, object], dict[str, str]]:
+    """Intra-node link from the collective fit; inter-node kept from the base (or copied)."""
+    if not measured.collectives:
+        if base is None:
+            raise CalibrationError(
+                "no collectives were measured (a single process) and there is no base profile "
+                "for the links: run under torchrun with 2 or more ranks, or pass --base"
+            )
+        sources = {k: v for k, v in base.sources.items() if k.startswith("links.")}
+        return base.links.model_dump(), sources
+    fits["collectives"] = fit_alpha_beta(measured.collectives)
+    intra = {
+        "bandwidth_GBps": fits["collectives"].values["busbw_GBps"],
+        "latency_us": fits["collectives"].values["latency_us"],
+        "busbw_efficiency": 1.0,
+    }
+    how = f"{stamp}: collective sweep over the process group, alpha-beta fit"
+    sources = {
+        "links.intra_node.bandwidth_GBps": how + " (achieved bus bandwidth)",
+        "links.intra_node.latency_us": how,
+        "links.intra_node.busbw_efficiency": f"{stamp}: 1, bandwidth_GBps is the achieved busbw",
+    }
+    if base is not None:
+        inter = base.links.inter_node.model_dump()
+        sources.update({k: v for k, v in base.sources.items() if k.startswith("links.inter_node")})
+    else:
+        inter = dict(intra)
+        for field in intra:
+            sources[f"links.inter_node.{field}"] = (
+                f"{stamp}: copy of intra_node (one host measured, no network)"
+            )
+    return {"intra_node": intra, "inter_node": inter}, sources

@@ -1,0 +1,212 @@
+"""``plan calibrate``: measure this machine into a hardware profile, or refit one to runs.
+
+Microbenchmarks (launch under torchrun so the collectives run over the process group)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m planner calibrate -o my-cpu.json
+    torchrun --nproc-per-node 8 -m planner calibrate --base h100-sxm-80gb -o my-h100.json
+
+Refit to measured runs (no torchrun)::
+
+    plan calibrate --profile my-cpu.json --from m1.json m2.json -o my-cpu-fit.json
+
+The profile is written atomically; a failed fit writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import platform
+from pathlib import Path
+
+import torch
+
+from planner.calibrate import microbench
+from planner.calibrate.fit import CalibrationError
+from planner.calibrate.options import measured_run_options
+from planner.calibrate.profile import Measurements, build_profile, cpu_peak_tflops, ram_gib
+from planner.calibrate.refit import RefitReport, refit_profile
+from planner.errors import SpecError
+from planner.hardware import HardwareProfile, load_profile, save_profile
+from planner.measured import MeasuredProfile
+from planner.spec import DType, load_document
+
+_TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+_GPU_MATMUL = tuple((n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192))
+_GPU_MEMORY = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
+_GPU_ATTENTION = ((16, 1024, 128), (32, 2048, 128), (32, 4096, 128))
+_GPU_COLLECTIVE_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="microbenchmark this machine into a hardware profile, or refit one to runs",
+        description="Without --from: GEMM, memory-bound, attention and collective sweeps "
+        "(under torchrun), fitted into a hardware profile. With --from: refit --profile's "
+        "efficiencies, overheads and bandwidths to measured profiles.",
+    )
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="profile.json")
+    parser.add_argument("--name", help="profile name (default: the output file's stem)")
+    parser.add_argument(
+        "--base", metavar="PROFILE",
+        help="datasheet profile for peak FLOP/s, memory bandwidth and the inter-node link "
+        "(GPUs: e.g. h100-sxm-80gb); CPUs need none",
+    )  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, help="override the peak per rank (TFLOP/s)")
+    parser.add_argument("--dtype", choices=[d.value for d in _TORCH_DTYPES],
+                        help="GEMM dtype (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    refit = parser.add_argument_group("refit to measured runs")
+    refit.add_argument("--from", dest="runs", nargs="+", type=Path, metavar="measured.json",
+                       help="measured profiles written by 'plan measure'")  # fmt: skip
+    refit.add_argument("--profile", metavar="PROFILE", help="the profile to refit (with --from)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.output.parent.is_dir():
+        raise SpecError(f"--output {args.output}: directory {args.output.parent} does not exist")
+    if args.runs:
+        return _refit(args)
+    if args.profile:
+        raise SpecError("--profile is the profile to refit: use it together with --from")
+    return _microbenchmark(args)
+
+
+def _stamp() -> str:
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    return f"measured {today} on {platform.node()} (torch {torch.__version__})"
+
+
+def _refit(args: argparse.Namespace) -> int:
+    if not args.profile:
+        raise SpecError("--from needs --profile PROFILE: the profile whose parameters to refit")
+    profile = load_profile(args.profile)
+    runs = [load_document(MeasuredProfile, path) for path in args.runs]
+    fitted, report = refit_profile(
+        profile, runs, options=measured_run_options(profile), stamp=_stamp()
+    )
+    fitted = fitted.model_copy(update={"name": args.name or args.output.stem})
+    save_profile(fitted, args.output)
+    print(format_refit(report))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def format_refit(report: RefitReport) -> str:
+    """Per-run error before and after, then each parameter's start and fitted value."""
+    width = max(len(e.label) for e in report.before)
+    lines = [f"{'run':<{width}}  {'measured':>9}  {'before':>16}  {'after':>16}"]
+    for old, new in zip(report.before, report.after, strict=True):
+        lines.append(
+            f"{old.label:<{width}}  {old.measured_s * 1e3:7.1f}ms  "
+            f"{old.predicted_s * 1e3:7.1f}ms {old.error:+6.1%}  "
+            f"{new.predicted_s * 1e3:7.1f}ms {new.error:+6.1%}"
+        )
+    lines.append(
+        f"mean |error|: {_mean_abs(report.before):.1%} before, {_mean_abs(report.after):.1%} after"
+    )
+    for name, start in report.start.items():
+        lines.append(f"  {name:<34} {start:10.4g} -> {report.fitted[name]:10.4g}")
+    return "\n".join(lines)
+
+
+def _mean_abs(errors: list) -> float:  # type: ignore[type-arg]
+    return sum(abs(e.error) for e in errors) / len(errors)
+
+
+def _microbenchmark(args: argparse.Namespace) -> int:
+    runner = importlib.import_module("strategies.runner")  # torch.distributed only there
+    collectives = importlib.import_module("strategies.microbench")
+    gpu = torch.cuda.is_available()
+    dtype = DType(args.dtype or ("bf16" if gpu else "fp32"))
+    base = load_profile(args.base) if args.base else None
+    with runner.process_group_from_env() as rank:
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        measured = _measure(args, device, dtype, collectives)
+        if rank != 0:
+            return 0
+        peak, peak_source = _peak(args, base, gpu, dtype)
+        profile, report = build_profile(
+            measured, name=args.name or args.output.stem, stamp=_stamp(),
+            device_kind="gpu" if gpu else "cpu", base=base, peak_tflops=peak,
+            peak_source=peak_source, memory_capacity_gib=_capacity(gpu, measured.ranks_per_node),
+        )  # fmt: skip
+        save_profile(profile, args.output)
+        print(format_profile(profile, report))
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _peak(
+    args: argparse.Namespace, base: HardwareProfile | None, gpu: bool, dtype: DType
+) -> tuple[float | None, str]:
+    if args.peak_tflops is not None:
+        return args.peak_tflops, "given on the command line (--peak-tflops)"
+    if base is not None:
+        return None, ""
+    if gpu:
+        raise CalibrationError(
+            f"no peak for {torch.cuda.get_device_name()}: pass --base PROFILE (see 'plan "
+            "profiles') or --peak-tflops"
+        )
+    if dtype is not DType.FP32:
+        raise CalibrationError(
+            f"the CPU peak estimate is for fp32, not {dtype.value}: pass --peak-tflops"
+        )
+    return cpu_peak_tflops(torch.get_num_threads())
+
+
+def _capacity(gpu: bool, ranks_per_node: int) -> float:
+    if gpu:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    return ram_gib(ranks_per_node)
+
+
+def _measure(
+    args: argparse.Namespace, device: torch.device, dtype: DType, collectives: object
+) -> Measurements:
+    import torch.distributed as dist
+
+    gpu = device.type == "cuda"
+    repeats = 5 if args.quick else 15
+    torch_dtype = _TORCH_DTYPES[dtype]
+    matmul = microbench.matmul_sweep(
+        device, torch_dtype,
+        _GPU_MATMUL if gpu else microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1],
+        repeats=repeats,
+    )  # fmt: skip
+    memory = microbench.memory_sweep(
+        device, torch_dtype, _GPU_MEMORY if gpu else microbench.DEFAULT_MEMORY_ELEMENTS,
+        repeats=repeats,
+    )  # fmt: skip
+    attention = microbench.attention_sweep(
+        device, torch_dtype,
+        _GPU_ATTENTION if gpu else microbench.DEFAULT_ATTENTION_SHAPES[: 3 if args.quick else None],
+        repeats=max(3, repeats // 2),
+    )  # fmt: skip
+    samples: list[tuple[object, int, float, float]] = []
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        sizes = _GPU_COLLECTIVE_BYTES if gpu else collectives.DEFAULT_COLLECTIVE_BYTES  # type: ignore[attr-defined]
+        for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):  # type: ignore[attr-defined]
+            samples.append((s.kind, s.ranks, float(s.size_bytes), s.seconds))
+    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", world))
+    return Measurements(dtype, matmul, memory, attention, samples, local)  # type: ignore[arg-type]
+
+
+def format_profile(profile: HardwareProfile, report: object) -> str:
+    """The fitted parameters with each fit's relative RMS error before and after."""
+    fits = report.fits  # type: ignore[attr-defined]
+    lines = [f"profile {profile.name} ({profile.device_kind})"]
+    for name, fit in fits.items():
+        values = ", ".join(f"{k} = {v:.4g}" for k, v in fit.values.items())
+        lines.append(
+            f"  {name:<12} {values}  (rms error {fit.rms_before:.1%} -> {fit.rms_after:.1%}, "
+            f"{fit.samples} samples)"
+        )
+    peaks = ", ".join(f"{d.value} {v:.3g}" for d, v in profile.peak_tflops.items())
+    lines.append(f"  peak TFLOP/s: {peaks}; memory {profile.memory_capacity_gib:.1f} GiB per rank")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""``plan compare``: predicted against measured, component by component, and a PNG.
+
+::
+
+    plan compare plan.json measured.json            # a 'plan measure' profile
+    plan compare plan.json trace.json --profile P   # a torch.profiler Chrome/Kineto trace
+
+The prediction is the plan's own (``plan search`` stores it); ``--profile`` re-prices
+the plan with another hardware profile instead (needed for traces, whose operator
+classes are priced from the profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from planner.calibrate.options import measured_run_options
+from planner.calibrate.refit import predict_op_classes, predict_plan
+from planner.compare import (
+    TraceSummary,
+    compare_measured,
+    compare_trace,
+    format_comparison,
+    load_measured_side,
+    plot_comparison,
+)
+from planner.errors import SpecError
+from planner.hardware import load_profile
+from planner.spec import Plan, Prediction, load_document
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="predicted against measured (a measured profile or a torch.profiler trace)",
+        description="Print the plan's predicted step time, phases and peak memory next to a "
+        "measured profile or a torch.profiler trace, with the error of each, and plot them.",
+    )
+    parser.add_argument("plan", type=Path, help="plan JSON file")
+    parser.add_argument("measured", type=Path, help="measured profile JSON or trace JSON")
+    parser.add_argument(
+        "--profile", metavar="PROFILE",
+        help="re-price the plan with this hardware profile (default: the plan's prediction, "
+        "or for traces the plan's cluster profile)",
+    )  # fmt: skip
+    parser.add_argument("--png", type=Path, metavar="PATH",
+                        help="bar chart (default: next to the measured file, *-compare.png)")  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_document(Plan, args.plan)
+    measured = load_measured_side(args.measured)
+    if isinstance(measured, TraceSummary):
+        profile = load_profile(args.profile or plan.cluster.gpu)
+        options = measured_run_options(profile)
+        prediction = predict_plan(plan, profile, options)
+        classes = predict_op_classes(plan, profile, options)
+        comparison = compare_trace(plan, measured, prediction, classes)
+    else:
+        comparison = compare_measured(plan, measured, _prediction(plan, args.profile))
+    png = args.png or args.measured.with_name(f"{args.measured.stem}-compare.png")
+    plot_comparison(comparison, png)
+    print(format_comparison(comparison))
+    print(f"wrote {png}")
+    return 0
+
+
+def _prediction(plan: Plan, profile_name: str | None) -> Prediction:
+    if profile_name is not None:
+        profile = load_profile(profile_name)
+        return predict_plan(plan, profile, measured_run_options(profile))
+    if plan.prediction is None:
+        raise SpecError(
+            "the plan carries no prediction: pass --profile PROFILE to price it "
+            "(e.g. the profile 'plan calibrate' wrote)"
+        )
+    return plan.prediction

@@ -1,0 +1,25 @@
+"""``plan profiles``: list the hardware profiles shipped in ``profiles/``."""
+
+from __future__ import annotations
+
+import argparse
+
+from planner.hardware import list_profiles, load_profile
+from planner.spec import DType
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("profiles", help="list the built-in hardware profiles")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"{'name':<18}{'bf16 TFLOP/s':>13}{'memory GiB':>12}{'HBM GB/s':>10}  description")
+    for name in list_profiles():
+        profile = load_profile(name)
+        tflops = profile.peak_flops(DType.BF16) / 1e12
+        print(
+            f"{name:<18}{tflops:>13.0f}{profile.memory_capacity_gib:>12.1f}"
+            f"{profile.memory_bandwidth_GBps:>10.0f}  {profile.description}"
+        )
+    return 0

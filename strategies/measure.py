@@ -1,0 +1,313 @@
+"""``plan measure``: run a plan for some steps and record what it cost.
+
+After ``warmup`` untimed steps, ``steps`` steps are timed (one step's time is the
+slowest rank's); one more step runs under ``torch.profiler`` for the phase breakdown
+and one under a memory tracker for the peak memory of every rank. Phases are the
+exclusive CPU time of the training thread's profiler events, classified as forward
+(inside the model's ``forward``), backward (autograd), optimizer (``Optimizer.step``)
+and communication (c10d/gloo/NCCL calls, per mesh axis when the plan has one axis);
+their shares are scaled to the median step time because profiling slows a step down.
+Peak memory: ``torch.cuda.max_memory_allocated`` on GPU, ``MemTracker`` (tensor
+allocations) on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import platform
+import re
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler_util import FunctionEvent
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from planner.errors import SpecError
+from planner.measured import MeasuredProfile, Provenance, plan_fingerprint, step_statistics
+from planner.models import build
+from planner.spec import Plan
+from strategies.apply import parallelize
+from strategies.mesh import device_type
+from strategies.pipeline import PipelineRunner
+from strategies.runner import Trainer, local_slice, synthetic_batch
+
+__all__ = ["measure_plan", "classify_phases", "COMM_PATTERN", "FORWARD_LABEL"]
+
+log = logging.getLogger(__name__)
+
+FORWARD_LABEL = "planner::forward"
+COMM_PATTERN = re.compile(
+    r"c10d|gloo|nccl|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+    r"broadcast|barrier|isend|irecv|send|recv",
+    re.IGNORECASE,
+)
+_BACKWARD_PATTERN = re.compile(r"autograd::engine::evaluate_function|Backward\d*$")
+
+
+def _category(event: FunctionEvent) -> str | None:
+    if COMM_PATTERN.search(event.name):
+        return "comm"
+    if event.name.startswith("Optimizer."):
+        return "optimizer"
+    if _BACKWARD_PATTERN.search(event.name):
+        return "backward"
+    if event.name == FORWARD_LABEL:
+        return "forward"
+    return None
+
+
+def _phase_of(event: FunctionEvent) -> str:
+    """Communication wins over any enclosing phase; otherwise the nearest labelled ancestor."""
+    found: str | None = None
+    current: FunctionEvent | None = event
+    while current is not None:
+        category = _category(current)
+        if category == "comm":
+            return "comm"
+        if found is None:
+            found = category
+        current = current.cpu_parent
+    return found or "other"
+
+
+def classify_phases(events: list[FunctionEvent], thread: int) -> dict[str, float]:
+    """Exclusive seconds per phase of the events that ran on ``thread``."""
+    phases: dict[str, float] = {}
+    for event in events:
+        if event.thread != thread:
+            continue
+        phase = _phase_of(event)
+        phases[phase] = phases.get(phase, 0.0) + event.self_cpu_time_total * 1e-6
+    return phases
+
+
+def _roots(parallel: nn.Module | PipelineRunner) -> list[nn.Module]:
+    return list(parallel.modules) if isinstance(parallel, PipelineRunner) else [parallel]
+
+
+@contextlib.contextmanager
+def _forward_labels(parallel: nn.Module | PipelineRunner) -> Iterator[None]:
+    """Wrap every root module's forward in a profiler range named :data:`FORWARD_LABEL`."""
+    open_ranges: list[Any] = []
+
+    def enter(module: nn.Module, args: object) -> None:
+        scope = torch.profiler.record_function(FORWARD_LABEL)
+        scope.__enter__()
+        open_ranges.append(scope)
+
+    def leave(module: nn.Module, args: object, output: object) -> None:
+        open_ranges.pop().__exit__(None, None, None)
+
+    handles = []
+    for root in _roots(parallel):
+        handles.append(root.register_forward_pre_hook(enter))
+        handles.append(root.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Batches:
+    """This rank's share of the seeded synthetic global batch of each step."""
+
+    def __init__(self, plan: Plan, seed: int) -> None:
+        assert plan.model is not None
+        self.plan, self.seed = plan, seed
+        self.seq_len = plan.training.seq_len or plan.model.seq_len
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, ...]:
+        assert self.plan.model is not None
+        tokens = synthetic_batch(
+            self.plan.model.vocab_size, self.plan.training.global_batch_size, self.seq_len,
+            seed=self.seed, step=step,
+        )  # fmt: skip
+        return local_slice(self.plan, self.rank, *tokens)
+
+
+def _slowest(seconds: float) -> float:
+    """The slowest rank's value (every rank calls this)."""
+    if not dist.is_initialized():
+        return seconds
+    value = torch.tensor([seconds], dtype=torch.float64, device=device_type())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _timed_step(trainer: Trainer, batches: _Batches, step: int) -> float:
+    if dist.is_initialized():
+        dist.barrier()
+    inputs, targets = batches(step)
+    start = time.perf_counter()
+    trainer.step(inputs, targets)
+    if device_type() == "cuda":
+        torch.cuda.synchronize()
+    return _slowest(time.perf_counter() - start)
+
+
+def _profiled_phases(
+    trainer: Trainer, batches: _Batches, step: int
+) -> tuple[dict[str, float], float]:
+    with (
+        _forward_labels(trainer.parallel),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
+        wall = _timed_step(trainer, batches, step)
+    events = list(prof.events())
+    labelled = [e for e in events if e.name == FORWARD_LABEL]
+    if not labelled:
+        raise SpecError("the profiled step ran no forward: nothing to measure")
+    phases = classify_phases(events, labelled[0].thread)
+    phases.pop("other", None)
+    phases["other"] = max(0.0, wall - sum(phases.values()))  # incl. Python outside operators
+    return phases, wall
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created under it, plus those :meth:`add`-ed.
+
+    Every operator's tensor outputs (DTensors by their local shard) are counted once per
+    storage until the storage is freed. Storages made outside Python's dispatcher (DDP's
+    gradient buckets, gloo buffers) are not seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def add(self, tensor: object) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            return
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.is_meta:
+            return
+        storage = local.untyped_storage()
+        key = storage._cdata
+        if key in self.live or storage.nbytes() == 0:
+            return
+        self.live[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            self.add(leaf)
+        return out
+
+
+def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[float, str]:
+    if device_type() == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        _timed_step(trainer, batches, step)
+        return torch.cuda.max_memory_allocated() / 2**30, "torch.cuda.max_memory_allocated"
+    tracker = TensorMemoryTracker()
+    for param in trainer.parallel.parameters():
+        tracker.add(param)
+        tracker.add(param.grad)
+    for state in trainer.optimizer.state.values():
+        for value in state.values():
+            tracker.add(value)
+    with tracker:
+        _timed_step(trainer, batches, step)
+    method = (
+        "peak of live tensor storages during one step (parameters, gradients and optimizer "
+        "states held at its start, plus every operator output; DDP buckets not seen)"
+    )
+    return tracker.peak / 2**30, method
+
+
+def _gather(value: object) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _phases_per_axis(plan: Plan, phases: dict[str, float]) -> dict[str, float]:
+    """Rename "comm" to "comm_<axis>" when the plan has a single mesh axis."""
+    if "comm" in phases and len(plan.mesh) == 1:
+        phases = dict(phases)
+        phases[f"comm_{plan.mesh[0].name.value}"] = phases.pop("comm")
+    return phases
+
+
+def measure_plan(
+    plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, command: str = ""
+) -> MeasuredProfile:
+    """Run ``plan`` (on the current process group) and return what it measured.
+
+    Every rank must call this; every rank returns the same profile.
+    """
+    if plan.model is None:
+        raise SpecError(
+            f"plan for {plan.model_name!r} has no model spec: 'plan measure' runs zoo or "
+            "spec-file transformers"
+        )
+    if steps < 1 or warmup < 0:
+        raise SpecError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = build(plan.model, device="cpu", seed=seed)
+    trainer = Trainer(parallelize(model, plan), plan, lr=lr)
+    batches = _Batches(plan, seed)
+    for step in range(warmup):
+        _timed_step(trainer, batches, step)
+    times = [_timed_step(trainer, batches, warmup + i) for i in range(steps)]
+    phases, profiled_wall = _profiled_phases(trainer, batches, warmup + steps)
+    peak, memory_method = _peak_memory_gib(trainer, batches, warmup + steps + 1)
+    median, p10, p90 = step_statistics(times)
+    scale = median / profiled_wall
+    phases = {name: seconds * scale for name, seconds in phases.items()}
+    return MeasuredProfile(
+        model_name=plan.model_name,
+        model_fingerprint=plan.model_fingerprint,
+        plan_fingerprint=plan_fingerprint(plan),
+        plan=plan,
+        world_size=world,
+        warmup_steps=warmup,
+        step_times_s=tuple(times),
+        step_time_median_s=median,
+        step_time_p10_s=p10,
+        step_time_p90_s=p90,
+        phases_s=_phases_per_axis(plan, _gather(phases)[0]),
+        peak_memory_gib=tuple(_gather(peak)),
+        memory_method=memory_method,
+        provenance=_provenance(world, command),
+    )
+
+
+def _provenance(world: int, command: str) -> Provenance:
+    if device_type() == "cuda":
+        device = f"{torch.cuda.get_device_name()} (nccl, {world} ranks)"
+    else:
+        device = f"cpu (gloo, {world} ranks, {torch.get_num_threads()} thread(s) each)"
+    return Provenance(
+        host=platform.node(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        torch_version=torch.__version__,
+        device=device,
+        method=(
+            "step time: slowest rank's wall time per step after warm-up; phases: exclusive "
+            "profiler time of rank 0's training thread, scaled to the median step; "
+            + (command and f"command: {command}")
+        ).rstrip("; "),
+    )

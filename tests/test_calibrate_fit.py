@@ -1,0 +1,167 @@
+"""Calibration fits on synthetic data with known parameters (recovered within 5%)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.assemble import assemble_plan
+from planner.calibrate import CalibrationError, measured_run_options, predict_plan
+from planner.calibrate.fit import fit_alpha_beta, fit_matmul, fit_memory, fit_streaming
+from planner.calibrate.refit import REFIT_BOUNDS, refit_profile, with_parameters
+from planner.cost.communication import Collective, bus_factor, latency_steps
+from planner.hardware import HardwareProfile, save_profile
+from planner.measured import MeasuredProfile, Provenance, plan_fingerprint
+from planner.models import resolve_model
+from planner.spec import Cluster, Plan, Strategy, Training
+
+RNG = np.random.default_rng(0)
+PEAK = 2e11  # FLOP/s
+
+
+def _noisy(values: np.ndarray, level: float = 0.01) -> list[float]:
+    return (values * (1 + level * RNG.standard_normal(values.shape))).tolist()
+
+
+def test_matmul_fit_recovers_efficiency_and_overhead() -> None:
+    flops = np.geomspace(1e5, 1e10, 12)
+    seconds = flops / (PEAK * 0.42) + 7e-6
+    fit = fit_matmul(flops.tolist(), _noisy(seconds), PEAK)
+    assert fit.values["matmul_efficiency"] == pytest.approx(0.42, rel=0.05)
+    assert fit.values["matmul_overhead_us"] == pytest.approx(7.0, rel=0.05)
+    assert fit.rms_after < fit.rms_before
+
+
+def test_memory_fits_recover_bandwidth_and_overhead() -> None:
+    nbytes = np.geomspace(1e3, 1e9, 10)
+    seconds = nbytes / 12e9 + 4e-6
+    streaming = fit_streaming(nbytes.tolist(), _noisy(seconds))
+    assert streaming.values["memory_bandwidth_GBps"] == pytest.approx(12.0, rel=0.05)
+    assert streaming.values["kernel_overhead_us"] == pytest.approx(4.0, rel=0.05)
+    relative = fit_memory(nbytes.tolist(), _noisy(seconds), 20e9)
+    assert relative.values["memory_efficiency"] == pytest.approx(0.6, rel=0.05)
+
+
+def test_alpha_beta_fit_recovers_latency_and_bus_bandwidth() -> None:
+    samples = []
+    for kind in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.SEND_RECV):
+        for n in (2, 4, 8):
+            for size in np.geomspace(1e3, 1e8, 6):
+                t = latency_steps(kind, n) * 30e-6 + bus_factor(kind, n) * size / 2.5e9
+                samples.append((kind, n, float(size), _noisy(np.array([t]))[0]))
+    fit = fit_alpha_beta(samples)
+    assert fit.values["latency_us"] == pytest.approx(30.0, rel=0.05)
+    assert fit.values["busbw_GBps"] == pytest.approx(2.5, rel=0.05)
+
+
+def test_faster_than_peak_leaves_physical_bounds() -> None:
+    flops = np.geomspace(1e6, 1e10, 8)
+    with pytest.raises(CalibrationError, match="matmul_efficiency .* outside its physical range"):
+        fit_matmul(flops.tolist(), (flops / (PEAK * 3.0)).tolist(), PEAK)
+
+
+def test_data_the_model_cannot_follow_does_not_converge() -> None:
+    flops = np.geomspace(1e6, 1e10, 8)
+    scattered = np.where(np.arange(8) % 2, 1.0, 1e-6)  # time jumps up and down with size
+    with pytest.raises(CalibrationError, match="did not converge"):
+        fit_matmul(flops.tolist(), scattered.tolist(), PEAK)
+
+
+def test_too_few_samples_is_a_clear_error() -> None:
+    with pytest.raises(CalibrationError, match="at least two"):
+        fit_matmul([1e9], [1.0], PEAK)
+
+
+# ----- refit to measured runs ---------------------------------------------------------------
+
+
+def _cpu_profile(**changes: float) -> HardwareProfile:
+    link = {"bandwidth_GBps": 1.5, "latency_us": 100.0, "busbw_efficiency": 1.0}
+    data = {
+        "name": "synthetic-cpu", "device_kind": "cpu", "peak_tflops": {"fp32": 0.2},
+        "matmul_efficiency": 0.4, "matmul_overhead_us": 5.0, "attention_efficiency": 0.1,
+        "memory_capacity_gib": 8.0, "memory_bandwidth_GBps": 10.0, "memory_efficiency": 1.0,
+        "kernel_overhead_us": 8.0, "gpus_per_node": 2,
+        "links": {"intra_node": link, "inter_node": link}, "sources": {},
+    }  # fmt: skip
+    data["sources"] = dict.fromkeys(_number_paths(data), "synthetic")
+    profile = HardwareProfile.model_validate(data)
+    return with_parameters(profile, changes, "synthetic truth") if changes else profile
+
+
+def _number_paths(data: dict, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and key != "sources":
+            paths += _number_paths(value, path + ".")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            paths.append(path)
+    return paths
+
+
+def _plan(model: str, **strategy: object) -> Plan:
+    handle = resolve_model(model)
+    training = Training(global_batch_size=4, dtype="fp32")
+    cluster = Cluster(gpu="synthetic-cpu", num_gpus=2, gpus_per_node=2)
+    return assemble_plan(handle, cluster, training, Strategy(**strategy))
+
+
+def _measured(plan: Plan, seconds: float) -> MeasuredProfile:
+    return MeasuredProfile(
+        model_name=plan.model_name, model_fingerprint=plan.model_fingerprint,
+        plan_fingerprint=plan_fingerprint(plan), plan=plan, world_size=2, warmup_steps=1,
+        step_times_s=(seconds,), step_time_median_s=seconds, step_time_p10_s=seconds,
+        step_time_p90_s=seconds,
+        provenance=Provenance(host="test", date="2026-01-01", torch_version="x", device="cpu",
+                              method="synthetic"),
+    )  # fmt: skip
+
+
+PLANS = (
+    ("tiny-gpt", {"dp": 2, "micro_batch_size": 2}),
+    ("tiny-gpt", {"tp": 2, "micro_batch_size": 4}),
+    ("tiny-gpt", {"pp": 2, "micro_batch_size": 1, "num_microbatches": 4}),
+    ("tiny-llama", {"dp": 2, "micro_batch_size": 1, "num_microbatches": 2}),
+    ("tiny-llama", {"dp": 2, "zero": 3, "micro_batch_size": 2}),
+)
+
+
+def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
+    truth = _cpu_profile(matmul_overhead_us=20.0, kernel_overhead_us=3.0)
+    options = measured_run_options(truth)
+    runs = []
+    for model, strategy in PLANS:
+        plan = _plan(model, **strategy)
+        runs.append(_measured(plan, predict_plan(plan, truth, options).step_time_s))
+    start = _cpu_profile()
+    wanted = [b for b in REFIT_BOUNDS if b.name in ("matmul_overhead_us", "kernel_overhead_us")]
+    fitted, report = refit_profile(start, runs, options=options, stamp="test", bounds=wanted)
+    assert fitted.matmul_overhead_us == pytest.approx(20.0, rel=0.05)
+    assert fitted.kernel_overhead_us == pytest.approx(3.0, rel=0.05)
+    assert max(abs(e.error) for e in report.after) < 0.02 < max(abs(e.error) for e in report.before)
+    assert start.matmul_overhead_us == 5.0  # the input profile is not modified
+
+
+def test_failed_refit_leaves_the_profile_file_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.json"
+    save_profile(_cpu_profile(), path)
+    before = path.read_text()
+    plan = _plan("tiny-gpt", dp=2, micro_batch_size=2)
+    impossible = tmp_path / "m.json"
+    impossible.write_text(_measured(plan, 1e-9).model_dump_json())  # faster than any machine
+    result = subprocess.run(
+        [sys.executable, "-m", "planner", "calibrate", "--profile", str(path), "--from",
+         str(impossible), "-o", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "error: refit to measured runs" in result.stderr
+    assert "physical range" in result.stderr or "did not converge" in result.stderr
+    assert path.read_text() == before
+    assert json.loads(before)["name"] == "synthetic-cpu"

@@ -1,0 +1,138 @@
+"""'plan compare': measured profiles, self-recorded torch.profiler traces, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planner.calibrate import measured_run_options, predict_plan
+from planner.calibrate.refit import predict_op_classes
+from planner.compare import (
+    compare_measured,
+    compare_trace,
+    format_comparison,
+    load_measured_side,
+    plot_comparison,
+    read_trace,
+)
+from planner.errors import PlanMismatchError, SpecError
+from planner.hardware import load_profile
+from planner.models import build
+from tests.test_measure import fake_measured, make_plan
+
+
+def _record_trace(path: Path, steps: int = 3) -> None:
+    """Train tiny-gpt for ``steps`` profiled steps on CPU and export a Chrome trace."""
+    plan = make_plan()
+    assert plan.model is not None
+    model = build(plan.model, device="cpu", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, plan.model.vocab_size, (4, plan.model.seq_len))
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                schedule=schedule) as prof:  # fmt: skip
+        for _ in range(steps + 1):
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    prof.export_chrome_trace(str(path))
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    _record_trace(path)
+    return path
+
+
+def test_trace_operators_are_matched_to_operator_classes(trace_path: Path) -> None:
+    summary = read_trace(trace_path)
+    assert summary.steps == 3
+    assert summary.source == "cpu operators"
+    assert summary.class_s["matmul"] > 0 and summary.class_s["optimizer"] > 0
+    assert summary.class_s["attention"] > 0 and summary.class_s["communication"] == 0
+    assert sum(summary.class_s.values()) <= summary.step_time_s * 1.01
+
+
+def test_compare_trace_rows_cover_every_class(trace_path: Path) -> None:
+    plan = make_plan()
+    profile = load_profile("a100-sxm-80gb")
+    options = measured_run_options(profile)
+    comparison = compare_trace(
+        plan, read_trace(trace_path), predict_plan(plan, profile, options),
+        predict_op_classes(plan, profile, options),
+    )  # fmt: skip
+    names = [row.name for row in comparison.rows]
+    assert names == ["step", "matmul", "attention", "memory-bound", "communication", "optimizer"]
+    assert comparison.rows[1].predicted > 0 and comparison.rows[1].measured > 0
+
+
+def test_truncated_trace_is_a_clear_error(trace_path: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "cut.json"
+    text = trace_path.read_text()
+    truncated.write_text(text[: len(text) // 2])
+    with pytest.raises(SpecError, match="not valid JSON .* truncated"):
+        load_measured_side(truncated)
+
+
+def test_foreign_json_is_a_clear_error(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(SpecError, match="neither a measured profile nor a torch.profiler trace"):
+        load_measured_side(foreign)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": [{"ph": "M", "name": "process_name"}]}))
+    with pytest.raises(SpecError, match="no complete"):
+        load_measured_side(empty)
+
+
+def test_compare_measured_rows_and_errors() -> None:
+    plan = make_plan()
+    assert plan.model is not None
+    profile = load_profile("a100-sxm-80gb")
+    prediction = predict_plan(plan, profile, measured_run_options(profile))
+    measured = fake_measured(plan, seconds=2 * prediction.step_time_s)
+    comparison = compare_measured(plan, measured, prediction)
+    step = comparison.rows[0]
+    assert step.name == "step" and step.error == pytest.approx(-0.5)
+    assert "peak memory" in format_comparison(comparison)
+    with pytest.raises(PlanMismatchError):
+        compare_measured(make_plan(recompute="full"), measured, prediction)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    plan = make_plan()
+    profile = load_profile("a100-sxm-80gb")
+    prediction = predict_plan(plan, profile, measured_run_options(profile))
+    comparison = compare_measured(plan, fake_measured(plan), prediction)
+    png = tmp_path / "c.png"
+    plot_comparison(comparison, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_compare_with_a_trace_and_a_mismatched_profile(trace_path: Path, tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(make_plan().to_json())
+    png = tmp_path / "out.png"
+    ok = subprocess.run(
+        [sys.executable, "-m", "planner", "compare", str(plan_path), str(trace_path),
+         "--profile", "a100-sxm-80gb", "--png", str(png)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert "matmul" in ok.stdout and png.is_file()
+    other = tmp_path / "measured.json"
+    other.write_text(fake_measured(make_plan(recompute="full")).model_dump_json())
+    bad = subprocess.run(
+        [sys.executable, "-m", "planner", "compare", str(plan_path), str(other)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "measure this plan" in bad.stderr

@@ -1,0 +1,108 @@
+"""Measured profiles: schema, fingerprints, and 'plan measure' on one and on two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.assemble import assemble_plan
+from planner.errors import PlanMismatchError, SpecError
+from planner.measured import (
+    MeasuredProfile,
+    Provenance,
+    check_same_plan,
+    plan_fingerprint,
+    step_statistics,
+)
+from planner.models import resolve_model
+from planner.spec import Cluster, Plan, Strategy, Training, load_document
+
+
+def make_plan(model: str = "tiny-gpt", gpus: int = 1, **strategy: object) -> Plan:
+    training = Training(global_batch_size=4, dtype="fp32")
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=gpus, gpus_per_node=max(gpus, 1))
+    fields = {"micro_batch_size": 4, **strategy}
+    return assemble_plan(resolve_model(model), cluster, training, Strategy(**fields))
+
+
+def fake_measured(plan: Plan, seconds: float = 0.1, **changes: object) -> MeasuredProfile:
+    data = {
+        "model_name": plan.model_name, "model_fingerprint": plan.model_fingerprint,
+        "plan_fingerprint": plan_fingerprint(plan), "plan": plan,
+        "world_size": plan.strategy.world_size, "warmup_steps": 1,
+        "step_times_s": (seconds,), "step_time_median_s": seconds, "step_time_p10_s": seconds,
+        "step_time_p90_s": seconds,
+        "phases_s": {"forward": 0.3 * seconds, "backward": 0.6 * seconds,
+                     "optimizer": 0.1 * seconds},
+        "peak_memory_gib": (0.01,) * plan.strategy.world_size,
+        "provenance": Provenance(host="h", date="2026-01-01", torch_version="t",
+                                 device="cpu", method="synthetic"),
+        **changes,
+    }  # fmt: skip
+    return MeasuredProfile.model_validate(data)
+
+
+def test_step_statistics_median_and_spread() -> None:
+    median, p10, p90 = step_statistics([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert median == 3.0
+    assert p10 < 2.0 < 4.0 < p90
+
+
+def test_plan_fingerprint_ignores_the_prediction_but_not_the_strategy() -> None:
+    plan = make_plan()
+    from_search = plan.model_copy(update={"solver": plan.solver.model_copy(update={"ilp_status": "x"})})
+    assert plan_fingerprint(plan) == plan_fingerprint(from_search)
+    assert plan_fingerprint(plan) != plan_fingerprint(make_plan(recompute="full"))
+
+
+def test_measurement_of_another_plan_is_rejected() -> None:
+    measured = fake_measured(make_plan())
+    with pytest.raises(PlanMismatchError, match="measure this plan"):
+        check_same_plan(make_plan(recompute="full"), measured)
+    with pytest.raises(PlanMismatchError, match="measured on model 'tiny-gpt'"):
+        check_same_plan(make_plan("tiny-llama"), measured)
+
+
+def test_edited_measured_profile_fails_validation(tmp_path: Path) -> None:
+    data = json.loads(fake_measured(make_plan()).model_dump_json())
+    data["plan"]["strategy"]["recompute"] = "full"
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match="plan_fingerprint .* does not match"):
+        load_document(MeasuredProfile, path)
+
+
+def test_measure_one_process_records_phases_and_memory(tmp_path: Path) -> None:
+    from strategies.measure import measure_plan
+
+    plan = make_plan()
+    measured = measure_plan(plan, steps=2, warmup=1)
+    assert len(measured.step_times_s) == 2
+    assert {"forward", "backward", "optimizer"} <= set(measured.phases_s)
+    assert sum(measured.phases_s.values()) == pytest.approx(measured.step_time_median_s, rel=0.01)
+    params = sum(p.numel() for p in resolve_model("tiny-gpt").module.parameters())
+    states = params * 4 * 4  # fp32 weights, gradients, two Adam moments
+    assert measured.peak_memory_gib[0] * 2**30 > states
+
+
+@pytest.mark.distributed
+def test_plan_measure_under_torchrun_writes_a_profile(tmp_path: Path) -> None:
+    plan_path, out = tmp_path / "plan.json", tmp_path / "measured.json"
+    plan = make_plan(gpus=2, dp=2, micro_batch_size=2)
+    plan_path.write_text(plan.to_json())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "-m", "planner", "measure", str(plan_path), "-o", str(out), "--steps", "2",
+               "--warmup", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = load_document(MeasuredProfile, out)
+    assert measured.world_size == 2 and len(measured.peak_memory_gib) == 2
+    assert measured.plan_fingerprint == plan_fingerprint(plan)
+    assert "comm_dp_replicate" in measured.phases_s
+    assert "step time: median" in result.stdout

@@ -1,0 +1,160 @@
+"""The strategy search: optimality against brute force, pins, errors, plan assembly."""
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cli import main
+from planner.cost import CostModel, graph_from_spec
+from planner.errors import InfeasibleError, PlannerError, SpecError
+from planner.models import get_preset, resolve_model
+from planner.solve.make_plan import make_plan
+from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
+from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
+
+
+def _setup(preset="gpt3-1.3b", gpus=16, batch=64, gpu="a100-sxm-80gb", seq=None):
+    spec = get_preset(preset)
+    if seq is not None:
+        spec = spec.with_seq_len(seq)
+    graph = graph_from_spec(spec)
+    cluster = Cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=min(8, gpus))
+    model = CostModel(graph, cluster, Training(global_batch_size=batch))
+    limits = ModelLimits(spec.num_layers, spec.seq_len, spec.num_heads, spec.kv_heads)
+    return model, limits
+
+
+def test_branch_and_bound_finds_the_brute_force_optimum():
+    model, limits = _setup(gpus=8, batch=32)
+    result = search(model, limits, top_k=3)
+    space = _Space(model, limits, Pins())
+    every = [model.estimate(p.strategy(32)) for p in space.points()]
+    fastest = min(p.step_time_s for p in every if p.fits)
+    assert result.best.prediction.step_time_s == pytest.approx(fastest, rel=1e-12)
+    times = [s.prediction.step_time_s for s in result.ranked]
+    assert times == sorted(times) and len(times) == 3
+    assert result.stats.candidates_costed < len(every)  # the bound pruned something
+
+
+def test_results_are_deterministic():
+    model, limits = _setup()
+    first = search(model, limits, top_k=4)
+    second = search(model, limits, top_k=4)
+    assert [s.strategy for s in first.ranked] == [s.strategy for s in second.ranked]
+
+
+def test_pins_are_respected_and_degrees_multiply():
+    model, limits = _setup(gpus=32, batch=64)
+    pins = Pins(tp=4, pp=2, recompute=RecomputeMode.FULL, zero=1)
+    for scored in search(model, limits, pins=pins, top_k=3).ranked:
+        s = scored.strategy
+        assert (s.tp, s.pp, s.recompute, s.zero) == (4, 2, RecomputeMode.FULL, 1)
+        assert s.dp * s.tp * s.pp * s.cp == 32
+        assert s.dp * s.micro_batch_size * s.num_microbatches == 64
+        assert scored.prediction.fits
+
+
+def test_tp_must_divide_heads():
+    model, limits = _setup(preset="llama3-8b", gpus=16, batch=32, gpu="h100-sxm-80gb", seq=2048)
+    for scored in search(model, limits, top_k=5).ranked:
+        assert 8 % scored.strategy.tp == 0  # 8 kv heads
+
+
+def test_pins_that_cannot_hold_name_the_factors():
+    model, limits = _setup(gpus=16)
+    with pytest.raises(SpecError, match=r"tp=3"):
+        search(model, limits, pins=Pins(tp=3))
+
+
+def test_no_fit_says_how_much_memory_and_what_to_change():
+    model, limits = _setup(preset="gpt3-175b", gpus=8, batch=8)
+    with pytest.raises(InfeasibleError) as info:
+        search(model, limits)
+    message = str(info.value)
+    assert "GiB per GPU" in message and "To fit" in message and "GPUs" in message
+
+
+def test_published_style_configs_are_inside_the_space():
+    model, limits = _setup(preset="gpt3-175b", gpus=64, batch=64)
+    strategy = load_document(
+        type(search(*_setup(gpus=8, batch=32)).best.strategy),
+        {"dp": 1, "tp": 8, "pp": 8, "recompute": "full", "num_microbatches": 64,
+         "schedule": "interleaved-1f1b", "virtual_stages": 3},
+    )  # fmt: skip
+    assert in_search_space(model, limits, strategy)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 12),
+    heads=st.sampled_from([1, 2, 4, 8, 12]),
+    head_dim=st.sampled_from([32, 64, 128]),
+    gpus=st.sampled_from([1, 2, 4, 8, 16, 24, 32, 64]),
+    batch=st.integers(1, 64),
+    seq=st.sampled_from([128, 512, 2048]),
+    gpu=st.sampled_from(["a100-sxm-40gb", "h100-sxm-80gb"]),
+)
+def test_random_setups_give_a_valid_plan_or_a_clear_error(
+    layers, heads, head_dim, gpus, batch, seq, gpu
+):
+    spec = ModelSpec(
+        family="gpt", num_layers=layers, hidden_size=heads * head_dim, num_heads=heads,
+        vocab_size=32000, seq_len=seq,
+    )  # fmt: skip
+    cluster = Cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=min(8, gpus))
+    model = CostModel(graph_from_spec(spec), cluster, Training(global_batch_size=batch))
+    limits = ModelLimits(layers, seq, heads, heads)
+    try:
+        best = search(model, limits, top_k=2).best
+    except PlannerError as exc:
+        assert str(exc)
+        return
+    s = best.strategy
+    assert s.dp * s.tp * s.pp * s.cp == gpus
+    assert batch % s.dp == 0 and s.dp * s.micro_batch_size * s.num_microbatches == batch
+    assert heads % s.tp == 0 and s.pp <= layers
+    assert (
+        best.prediction.fits and best.prediction.peak_memory_gib <= best.prediction.memory_limit_gib
+    )
+
+
+def test_make_plan_assembles_a_runnable_plan():
+    handle = resolve_model("llama2-7b", seq_len=1024)
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=8)
+    plan = make_plan(handle, cluster, Training(global_batch_size=16), pins=Pins(tp=2, pp=2))
+    assert plan.strategy.tp == 2 and plan.strategy.pp == 2
+    modules = [fqn for stage in plan.stages for fqn in stage]
+    assert modules[0] == "tok_embeddings" and modules[-1] == "output"
+    assert len(plan.stages) == plan.strategy.num_stages
+    assert plan.tp_layout["layers.*.attention.wq"].value == "colwise"
+    assert plan.tp_layout["layers.*.feed_forward.w2"].value == "rowwise"
+    assert plan.solver.ilp_status == "optimal"
+    assert Plan.from_json(plan.to_json()) == plan
+    for runner_up in plan.runners_up:
+        assert "slower" in runner_up.lost_because
+
+
+def test_plan_command_writes_and_explains(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--model", "tiny-gpt", "--cluster", "h100-sxm-80gb", "--gpus", "4",
+            "--global-batch", "8", "-o", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Plan for tiny-gpt on 4 x h100-sxm-80gb" in printed and "Runners-up" in printed
+    plan = load_document(Plan, out)
+    assert plan.strategy.world_size == 4
+    assert main(["explain", str(out)]) == 0
+    assert "Predicted" in capsys.readouterr().out
+    assert main([*args[:-2], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"]["dp"] >= 1
+
+
+def test_plan_command_reports_user_errors(capsys):
+    assert main(["--model", "tiny-gpt", "--cluster", "h100-sxm-80gb", "--global-batch", "8"]) == 2
+    assert "needs --gpus" in capsys.readouterr().err
+    args = ["--model", "gpt3-175b", "--cluster", "a100-sxm-40gb", "--gpus", "8",
+            "--global-batch", "8"]  # fmt: skip
+    assert main(args) == 2
+    assert "To fit" in capsys.readouterr().err
