@@ -67,11 +67,11 @@ def parallelize(
     if mesh is not None and plan.strategy.pp > 1:
         pp_rank = axis_rank(mesh, Axis.PP)
         chunks = [
-            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, loss_parallel))
+            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, loss_parallel, index == 0))
             for index, chunk in pipeline.split(model, mesh, plan)
         ]
         return pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
-    return _apply_dimensions(model, mesh, plan, 0, loss_parallel)
+    return _apply_dimensions(model, mesh, plan, 0, loss_parallel, True)
 
 
 def _check_materialised(model: nn.Module) -> None:
@@ -92,11 +92,18 @@ def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
 
 
 def _apply_dimensions(
-    model: nn.Module, mesh: DeviceMesh | None, plan: Plan, pp_rank: int, loss_parallel: bool
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: Plan,
+    pp_rank: int,
+    loss_parallel: bool,
+    holds_input: bool,
 ) -> nn.Module:
     if device_type() == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
-    model = tensor_parallel.apply(model, mesh, plan, loss_parallel=loss_parallel)
+    model = tensor_parallel.apply(
+        model, mesh, plan, loss_parallel=loss_parallel, holds_input=holds_input
+    )
     model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
     model = fsdp.apply(model, mesh, plan)
     model = data_parallel.apply(model, mesh, plan)

@@ -1,7 +1,8 @@
 """ZeRO / FSDP2: ``fully_shard`` per block and at the root over the data-parallel axes.
 
 ``zero = 3`` reshards weights after forward (gathered again in backward); ``zero = 1``
-and ``2`` keep them gathered between forward and backward (``reshard_after_forward=False``,
+and ``2`` (and ``zero = 0`` replication run through FSDP2, see :mod:`strategies.data_parallel`)
+keep them gathered between forward and backward (``reshard_after_forward=False``,
 so memory lies between ZeRO-2 and ZeRO-3: FSDP2 has no separate ZeRO-1/2 modes). A 2-D
 (dp_replicate, dp_shard) mesh gives hybrid sharding (HSDP). ``MixedPrecisionPolicy``
 takes the parameter dtype from ``training.dtype`` and the gradient-reduction dtype from
@@ -59,7 +60,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
 
 def shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, reason: str) -> None:
     """``fully_shard`` each block, then the root, over ``dp_mesh`` (1-D, or 2-D for HSDP)."""
-    reshard = plan.strategy.zero == 3 or plan.strategy.zero == 0
+    reshard = plan.strategy.zero == 3
     policy = mixed_precision(plan)
     blocks = find_blocks(model)
     for _, block in blocks:

@@ -17,7 +17,7 @@ Any ``{fqn: style}`` dict is accepted, not only the zoo's names:
 
 Under sequence parallel the residual stream is a local tensor sharded on the sequence
 dim (dim 1). It enters that form at the parent of the first sequence-parallel module
-(the first block) of the chunk that holds the embedding; a module holding a
+(the first block) of the chunk that takes the model's input; a module holding a
 colwise/rowwise pair (attention, MLP) all-gathers its input and the rowwise output is
 reduce-scattered back; the gathered ``colwise`` head all-gathers its input.
 """
@@ -58,25 +58,28 @@ def concrete_layout(model: nn.Module, layout: dict[str, TPStyle]) -> dict[str, T
 
 
 def apply(
-    model: nn.Module, mesh: DeviceMesh | None, plan: Plan, *, loss_parallel: bool = False
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: Plan,
+    *,
+    loss_parallel: bool = False,
+    holds_input: bool = True,
 ) -> nn.Module:
     """Shard ``model``'s modules over the ``tp`` axis as ``plan.tp_layout`` says (in place).
 
     With ``loss_parallel`` the output head keeps its logits sharded on the vocabulary
     (a DTensor); compute the loss under :func:`torch.distributed.tensor.parallel.loss_parallel`.
+    ``holds_input`` says the model (chunk) receives the model's input, so under sequence
+    parallel it is where the residual stream gets sliced (false for later pipeline chunks).
     """
     if plan.strategy.tp == 1 or mesh is None:
         return model
     layout = concrete_layout(model, plan.tp_layout)
     sequence_parallel = plan.strategy.sequence_parallel
-    modules = dict(model.named_modules())
-    styles = {
-        fqn: _style(fqn, modules[fqn], style, layout, sequence_parallel, loss_parallel)
-        for fqn, style in layout.items()
-        if style is not TPStyle.REPLICATE
-    }
+    styles = _styles(model, layout, sequence_parallel, loss_parallel)
     if sequence_parallel:
-        styles.update(_sequence_parallel_entry(model, layout))
+        if holds_input:
+            styles.update(_sequence_parallel_entry(model, layout))
         styles.update(_gather_before_pairs(layout))
     in_block = [] if sequence_parallel else _sequence_parallel_modules(layout)
     tp_mesh = mesh["tp"]
@@ -93,6 +96,17 @@ def apply(
         ", loss parallel" if loss_parallel else "",
     )
     return model
+
+
+def _styles(
+    model: nn.Module, layout: dict[str, TPStyle], sp: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    modules = dict(model.named_modules())
+    return {
+        fqn: _style(fqn, modules[fqn], style, layout, sp, loss_parallel)
+        for fqn, style in layout.items()
+        if style is not TPStyle.REPLICATE
+    }
 
 
 def _style(
@@ -166,12 +180,11 @@ def _sequence_parallel_entry(
     model: nn.Module, layout: dict[str, TPStyle]
 ) -> dict[str, ParallelStyle]:
     """Slice the full residual stream to a sequence shard where it enters the SP region."""
-    holds_embedding = any(isinstance(module, nn.Embedding) for module in model.modules())
     first_sp = next(
         (fqn for fqn, _ in model.named_modules() if layout.get(fqn) is TPStyle.SEQUENCE_PARALLEL),
         None,
     )
-    if not holds_embedding or first_sp is None:
+    if first_sp is None:
         return {}
     entry = first_sp.rpartition(".")[0]
     return {

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 Array = NDArray[np.float64]
 # A fit is "converged" when scipy says so and the residuals are this small (relative, RMS).
-MAX_RMS_RELATIVE_ERROR = 0.5
+MAX_RMS_RELATIVE_ERROR = 0.75
 
 
 class CalibrationError(PlannerError):
