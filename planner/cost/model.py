@@ -13,11 +13,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
 from planner.cost.compute import ComputeModel
 from planner.cost.flops import FLOP_CONVENTION
-from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.cost.memory import ModelStateBytes, in_flight_microbatches, model_state_bytes
 from planner.cost.options import CostOptions
 from planner.cost.pipeline import balanced_chunks, pipeline_time, rank_chunks
 from planner.cost.segment import SegmentPricer, TypeCost
@@ -63,23 +64,56 @@ class SegmentCost:
         return self.forward_s + self.backward_s + self.recompute_s + self.comm_tp_s + self.comm_cp_s
 
 
+_TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s")
+_SUMMED = (*_TIMES, "param_count", "body_activation_bytes", "head_activation_bytes")
+
+
+class _SegmentTable:
+    """Per-segment costs with prefix sums, so a rank's totals cost O(chunks), not O(segments).
+
+    Model-state bytes are left out: they are linear in the parameter count, so a rank's
+    follow from its summed ``param_count`` under any ZeRO stage.
+    """
+
+    def __init__(self, kinds: list[str], costs: list[TypeCost]) -> None:
+        self.kinds = kinds
+        self.type_costs = costs
+        pairs = list(zip(kinds, costs, strict=True))
+        columns = {field: [getattr(c, field) for c in costs] for field in (*_TIMES, "param_count")}
+        columns["body_activation_bytes"] = [
+            0.0 if k == "head" else c.activation_bytes for k, c in pairs
+        ]
+        columns["head_activation_bytes"] = [
+            c.activation_bytes if k == "head" else 0.0 for k, c in pairs
+        ]
+        self.prefix = {field: [0.0, *accumulate(values)] for field, values in columns.items()}
+        self.recompute_peak = [c.recompute_peak_bytes for c in costs]
+        self.params = columns["param_count"]
+
+    def span(self, field: str, start: int, stop: int) -> float:
+        prefix = self.prefix[field]
+        return prefix[stop] - prefix[start]
+
+
 @dataclass
 class _Rank:
-    """What one pipeline rank holds and spends."""
+    """What one pipeline rank holds and spends: sums over its segments."""
 
-    segments: list[SegmentCost]
+    totals: dict[str, float]  # per micro-batch times (s) and model-state sizes (bytes)
     activation_bytes: float  # at its peak, all in-flight micro-batches
+    recompute_peak_bytes: float  # the largest transient of one recomputed segment
+    largest_params: tuple[float, ...]  # parameter counts of its two largest segments
 
     @property
     def time_s(self) -> float:
-        return sum(s.time_s for s in self.segments)
+        return sum(self.totals[field] for field in _TIMES)
 
     @property
     def params(self) -> float:
-        return sum(s.param_count for s in self.segments)
+        return self.totals["param_count"]
 
     def total(self, field: str) -> float:
-        return sum(getattr(s, field) for s in self.segments)
+        return self.totals[field]
 
 
 class CostModel:
@@ -114,8 +148,11 @@ class CostModel:
         self.compute = ComputeModel(self.profile, training.dtype, self.options)
         self._pricer = SegmentPricer(self.compute, self.options, self._axis_link)
         self._type_costs: dict[tuple[str, ShardKey, RecomputeMode], TypeCost] = {}
-        self._segment_costs: dict[tuple[object, ...], tuple[SegmentCost, ...]] = {}
         self._recompute_flops: dict[tuple[str, RecomputeMode], float] = {}
+        self._tables: dict[tuple[object, ...], _SegmentTable] = {}
+        self._stages: dict[tuple[int, int], list[list[int]]] = {}
+        self._modes: dict[tuple[object, ...], list[RecomputeMode]] = {}
+        self._step_flops: dict[tuple[RecomputeMode, ...], tuple[float, float]] = {}
 
     # ----- per segment type -------------------------------------------------------------
 
@@ -149,28 +186,15 @@ class CostModel:
         self, strategy: Strategy, *, recompute: Sequence[RecomputeMode] | None = None
     ) -> list[SegmentCost]:
         """Per-segment costs in execution order (``recompute`` overrides the mode per segment)."""
-        key = self._shard_key(strategy)
-        modes = tuple(recompute or [strategy.recompute] * len(self.graph.segments))
-        cache_key = (key, modes, strategy.zero, self._zero_shard(strategy))
-        if cache_key not in self._segment_costs:
-            self._segment_costs[cache_key] = self._price_segments(strategy, key, modes)
-        return list(self._segment_costs[cache_key])
-
-    def _price_segments(
-        self, strategy: Strategy, key: ShardKey, modes: tuple[RecomputeMode, ...]
-    ) -> tuple[SegmentCost, ...]:
+        table = self._table(strategy, recompute)
+        rows = zip(self.graph.segments, table.kinds, table.type_costs, strict=True)
         costs = []
-        for segment, mode in zip(self.graph.segments, modes, strict=True):
-            seg_type = self.graph.segment_type(segment)
-            cost = self._type_cost(seg_type, key, mode)
-            states = model_state_bytes(
-                cost.param_count, zero=strategy.zero, shard=self._zero_shard(strategy),
-                optimizer=self.training.optimizer, dtype=self.training.dtype,
-            )  # fmt: skip
+        for segment, kind, cost in rows:
+            states = self._states(strategy, cost.param_count)
             costs.append(
                 SegmentCost(
                     fqn=segment.fqn,
-                    kind=seg_type.kind,
+                    kind=kind,
                     forward_s=cost.forward_s,
                     backward_s=cost.backward_s,
                     recompute_s=cost.recompute_s,
@@ -184,7 +208,27 @@ class CostModel:
                     recompute_peak_bytes=cost.recompute_peak_bytes,
                 )
             )
-        return tuple(costs)
+        return costs
+
+    def _states(self, strategy: Strategy, params: float) -> ModelStateBytes:
+        """Weights, gradients and optimizer bytes of ``params`` under the strategy's ZeRO."""
+        return model_state_bytes(
+            params, zero=strategy.zero, shard=self._zero_shard(strategy),
+            optimizer=self.training.optimizer, dtype=self.training.dtype,
+        )  # fmt: skip
+
+    def _table(
+        self, strategy: Strategy, recompute: Sequence[RecomputeMode] | None
+    ) -> _SegmentTable:
+        key = self._shard_key(strategy)
+        modes = tuple(recompute or [strategy.recompute] * len(self.graph.segments))
+        table = self._tables.get((key, modes))
+        if table is None:
+            types = [self.graph.segment_type(segment) for segment in self.graph.segments]
+            costs = [self._type_cost(t, key, mode) for t, mode in zip(types, modes, strict=True)]
+            table = _SegmentTable([t.kind for t in types], costs)
+            self._tables[(key, modes)] = table
+        return table
 
     @staticmethod
     def _zero_shard(strategy: Strategy) -> int:
@@ -194,6 +238,12 @@ class CostModel:
 
     def default_stages(self, strategy: Strategy) -> list[list[int]]:
         """Segment indices per model chunk: blocks split evenly, embedding first, head last."""
+        key = (strategy.pp, strategy.virtual_stages)
+        if key not in self._stages:
+            self._stages[key] = self._even_stages(strategy)
+        return [list(chunk) for chunk in self._stages[key]]
+
+    def _even_stages(self, strategy: Strategy) -> list[list[int]]:
         segments = self.graph.segments
         kinds = [self.graph.segment_type(s).kind for s in segments]
         blocks = [i for i, kind in enumerate(kinds) if kind == "block"]
@@ -232,11 +282,14 @@ class CostModel:
     ) -> Prediction:
         """Predicted step time, throughput, MFU/HFU and peak memory for ``strategy``."""
         self._check_batch(strategy)
-        chunks = [list(c) for c in stages] if stages is not None else self.default_stages(strategy)
-        self._check_stages(chunks, strategy)
+        if stages is None:
+            chunks = self.default_stages(strategy)
+        else:
+            chunks = [list(c) for c in stages]
+            self._check_stages(chunks, strategy)
         modes = self._recompute_modes(strategy, chunks)
-        costs = self.segment_costs(strategy, recompute=modes)
-        ranks = self._ranks(strategy, chunks, costs)
+        table = self._table(strategy, modes)
+        ranks = self._ranks(strategy, chunks, table)
         return self._predict(strategy, ranks, modes)
 
     def _check_batch(self, strategy: Strategy) -> None:
@@ -249,6 +302,17 @@ class CostModel:
             )
 
     def _recompute_modes(self, strategy: Strategy, chunks: list[list[int]]) -> list[RecomputeMode]:
+        key = (
+            strategy.recompute, strategy.recompute_per_stage, strategy.recompute_blocks,
+            strategy.pp, tuple(tuple(chunk) for chunk in chunks),
+        )  # fmt: skip
+        if key not in self._modes:
+            self._modes[key] = self._modes_per_segment(strategy, chunks)
+        return self._modes[key]
+
+    def _modes_per_segment(
+        self, strategy: Strategy, chunks: list[list[int]]
+    ) -> list[RecomputeMode]:
         modes = [strategy.recompute] * len(self.graph.segments)
         for index, chunk in enumerate(chunks):
             rank = index % strategy.pp
@@ -263,22 +327,28 @@ class CostModel:
         return modes
 
     def _ranks(
-        self, strategy: Strategy, chunks: list[list[int]], costs: list[SegmentCost]
+        self, strategy: Strategy, chunks: list[list[int]], table: _SegmentTable
     ) -> list[_Rank]:
+        # the head's backward follows its forward at once: one micro-batch (GPipe: all)
+        head_in_flight = strategy.num_microbatches if strategy.schedule is Schedule.GPIPE else 1
         ranks = []
         for rank, chunk_ids in enumerate(rank_chunks(strategy.pp, strategy.virtual_stages)):
-            segments = [costs[i] for c in chunk_ids for i in chunks[c]]
+            spans = [(chunks[c][0], chunks[c][-1] + 1) for c in chunk_ids if chunks[c]]
+            totals = {
+                field: sum(table.span(field, a, b) for a, b in spans)
+                for field in (*_SUMMED, "body_activation_bytes", "head_activation_bytes")
+            }
             in_flight = in_flight_microbatches(
                 strategy.schedule, pp=strategy.pp, rank=rank,
                 num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
             )  # fmt: skip
-            # the head's backward follows its forward at once: one micro-batch (GPipe: all)
-            head_in_flight = strategy.num_microbatches if strategy.schedule is Schedule.GPIPE else 1
-            activations = sum(
-                s.activation_bytes * (head_in_flight if s.kind == "head" else in_flight)
-                for s in segments
+            activations = (
+                totals["body_activation_bytes"] * in_flight
+                + totals["head_activation_bytes"] * head_in_flight
             )
-            ranks.append(_Rank(segments, activations))
+            peak = max((max(table.recompute_peak[a:b]) for a, b in spans), default=0.0)
+            params = sorted((p for a, b in spans for p in table.params[a:b]), reverse=True)
+            ranks.append(_Rank(totals, activations, peak, tuple(params[:2])))
         return ranks
 
     # ----- step time --------------------------------------------------------------------
@@ -399,18 +469,19 @@ class CostModel:
 
     def _rank_memory(self, strategy: Strategy, rank: _Rank, *, last: bool) -> dict[str, float]:
         """Bytes by term at this rank's peak."""
-        weights, grads = rank.total("param_bytes"), rank.total("grad_bytes")
+        states = self._states(strategy, rank.params)
+        weights, grads = states.weights, states.gradients
         if strategy.zero >= 3:
             unsharded = self._fsdp_working_params(strategy, rank)
             weights += 2 * unsharded
             grads += 4 * unsharded  # FSDP2 reduces (and, with pp > 1, accumulates) in fp32
         logits = self._logits_bytes(strategy) if last else 0.0
         activations = rank.activation_bytes - logits
-        transient = max((s.recompute_peak_bytes for s in rank.segments), default=0.0)
+        transient = rank.recompute_peak_bytes
         parts = {
             "weights": weights,
             "gradients": grads,
-            "optimizer": rank.total("optimizer_bytes"),
+            "optimizer": states.optimizer,
             "activations": activations + transient,
             "logits": logits,
             "buffers": self._buffer_bytes(strategy, rank),
@@ -422,8 +493,7 @@ class CostModel:
         """Parameters held unsharded: the whole stage with pp > 1, else two blocks (prefetch)."""
         if strategy.pp > 1:
             return rank.params
-        largest = sorted((s.param_count for s in rank.segments), reverse=True)
-        return sum(largest[:2])
+        return sum(rank.largest_params)
 
     def _logits_bytes(self, strategy: Strategy) -> float:
         head = self.graph.segment_type(self.graph.segments[-1])
@@ -459,6 +529,12 @@ class CostModel:
 
         Only matmul, convolution and attention FLOPs count (the MFU convention).
         """
+        key = tuple(modes)
+        if key not in self._step_flops:
+            self._step_flops[key] = self._count_step_flops(modes)
+        return self._step_flops[key]
+
+    def _count_step_flops(self, modes: list[RecomputeMode]) -> tuple[float, float]:
         recomputed = 0.0
         for segment, mode in zip(self.graph.segments, modes, strict=True):
             seg_type = self.graph.segment_type(segment)

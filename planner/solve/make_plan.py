@@ -36,7 +36,7 @@ from planner.trace import trace
 __all__ = ["make_plan", "trace_for_training"]
 
 log = logging.getLogger(__name__)
-_POOL = 8  # candidates kept per runner-up shown, to pick diverse ones from
+_POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
 
 
 def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
