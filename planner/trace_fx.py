@@ -292,12 +292,22 @@ class _ShapeProp(torch.fx.Interpreter):
     """Runs a graph on meta tensors and stores each node's result in ``meta["tensor_meta"]``.
 
     Unlike ``torch.fx.passes.shape_prop.ShapeProp`` it prints nothing and names the
-    node that failed.
+    node that failed. A call of a block whose structure (``block_hashes``: module id ->
+    structural hash) and inputs match an earlier call is not run again: its output is a
+    fresh meta tensor shaped like the earlier one, so 126 identical blocks run once.
     """
+
+    def __init__(self, module: torch.fx.GraphModule, block_hashes: dict[int, str] | None = None):
+        super().__init__(module)
+        self.block_hashes = block_hashes or {}
+        self.block_outputs: dict[tuple[object, ...], torch.Tensor] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
-            result = super().run_node(n)
+            result = self._repeated_block(n)
+            if result is None:
+                result = super().run_node(n)
+                self._remember_block(n, result)
         except Exception as exc:
             target = getattr(n.target, "__name__", n.target)
             raise RuntimeError(
@@ -305,6 +315,30 @@ class _ShapeProp(torch.fx.Interpreter):
             ) from exc
         n.meta["tensor_meta"] = result
         return result
+
+    def _block_key(self, n: torch.fx.Node) -> tuple[object, ...] | None:
+        if n.op != "call_module" or n.kwargs:
+            return None
+        block_hash = self.block_hashes.get(id(self.fetch_attr(str(n.target))))
+        args = [self.env.get(a) if isinstance(a, torch.fx.Node) else a for a in n.args]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if block_hash is None or len(tensors) != len(args):
+            return None
+        return (block_hash, *((t.shape, t.dtype, t.requires_grad) for t in tensors))
+
+    def _repeated_block(self, n: torch.fx.Node) -> torch.Tensor | None:
+        key = self._block_key(n)
+        earlier = self.block_outputs.get(key) if key is not None else None
+        if earlier is None:
+            return None
+        return torch.empty(
+            earlier.shape, dtype=earlier.dtype, device="meta", requires_grad=earlier.requires_grad
+        )
+
+    def _remember_block(self, n: torch.fx.Node, result: Any) -> None:
+        key = self._block_key(n)
+        if key is not None and isinstance(result, torch.Tensor):
+            self.block_outputs[key] = result
 
 
 class _Tracer(torch.fx.Tracer):
@@ -356,7 +390,7 @@ def trace_fx(
     that into a fallback or a :class:`~planner.errors.TraceError`.
     """
     gm = _symbolic_trace(root, frozenset(id(b) for b in blocks.values()))
-    _ShapeProp(gm).run(*inputs)
+    _ShapeProp(gm, {id(b): structural_hash(b) for b in blocks.values()}).run(*inputs)
     reader = _GraphReader(root, [t.requires_grad for t in inputs], _fx_param_of(root))
     items: list[RawOp | BlockCall] = []
     seen: set[str] = set()
