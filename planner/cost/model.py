@@ -189,8 +189,13 @@ class CostModel:
         table = self._table(strategy, recompute)
         rows = zip(self.graph.segments, table.kinds, table.type_costs, strict=True)
         costs = []
+        states_of: dict[float, ModelStateBytes] = {}  # blocks share parameter counts
         for segment, kind, cost in rows:
-            states = self._states(strategy, cost.param_count)
+            states = states_of.get(cost.param_count)
+            if states is None:
+                states = states_of.setdefault(
+                    cost.param_count, self._states(strategy, cost.param_count)
+                )
             costs.append(
                 SegmentCost(
                     fqn=segment.fqn,

@@ -8,14 +8,17 @@ Every candidate is a point of the space
     virtual stages
 
 restricted by the model (heads divisible by tp, blocks for every pipeline chunk,
-sequence divisible by 2 cp) and the user's pins. Candidates are plain tuples until
+sequence divisible by 2 cp; interleaving with more than 4 virtual stages only when
+they divide the blocks evenly) and the user's pins. ZeRO-1 is searched only when
+pinned: ZeRO-2 sends the same bytes and keeps fewer, so it dominates. Candidates are plain tuples until
 they are costed. Two bounds, both computed from per-(tp, cp, sp, micro-batch,
 recompute) segment costs that :class:`~planner.cost.CostModel` caches:
 
 - memory: model states plus kept activations of the evenest split, a lower bound of
   the cost model's peak; a candidate over the GPU's memory is dropped uncosted;
-- time: ``work / pp * num_microbatches``, the busiest rank's compute when the stages
-  are perfectly balanced, a lower bound of the step time.
+- time: ``work / pp * (num_microbatches + fill)``, the busiest rank's compute and the
+  schedule's least fill and drain when the stages are perfectly balanced, a lower
+  bound of the step time.
 
 Candidates are costed in order of the time bound; the search stops when the bound
 exceeds the ``top_k``-th best step time found, so the answer is the cost model's
@@ -121,6 +124,27 @@ class SearchResult:
         return self.ranked[0]
 
 
+class _Group(NamedTuple):
+    """Candidates alike but for ZeRO: one time bound, several (zero, dp_shard) that fit."""
+
+    bound_s: float
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    sp: bool
+    mbs: int
+    recompute_rank: int
+    schedule: str
+    virtual: int
+    shardings: tuple[tuple[int, int], ...]
+
+    def points(self) -> Iterator[_Point]:
+        head, tail = self[:5], self[5:10]
+        for zero, shard in self.shardings:
+            yield _Point(*head, zero, shard, *tail)
+
+
 class _Point(NamedTuple):
     """A candidate before costing: a tuple, so sorting is cheap and deterministic."""
 
@@ -173,6 +197,7 @@ class _Space:
         self.training = model.training
         self.capacity = model.profile.memory_capacity_gib * _GIB
         self.over_memory = 0  # candidates dropped by the memory bound
+        self.enumerated = 0  # candidates that passed it
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
         self._work: dict[tuple[int, int, bool, int, int], _Work] = {}
@@ -216,8 +241,8 @@ class _Space:
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
         for zero in (0, 1, 2, 3):
-            if not self.pins.allows("zero", zero):
-                continue
+            if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
+                continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
             shards = [1] if zero == 0 or dp == 1 else sorted({dp, math.gcd(dp, per_node)} - {1})
             for shard in shards:
                 if self.pins.allows("dp_shard", shard if zero else None):
@@ -247,29 +272,25 @@ class _Space:
             sizes = [m for m in sizes if m == self.training.micro_batch_size]
         return [m for m in sizes if self.pins.allows("micro_batch_size", m)]
 
-    def points(self) -> Iterator[_Point]:
+    def groups(self) -> Iterator[_Group]:
+        """Candidates that differ only in ZeRO sharding, with the shardings that fit."""
         for dp, tp, pp, cp in self.meshes():
             for mbs in self.micro_batches(dp):
                 microbatches = self.training.global_batch_size // (dp * mbs)
                 for sp in (False, True) if tp > 1 else (False,):
                     if not self.pins.allows("sequence_parallel", sp):
                         continue
-                    yield from self._options(dp, tp, pp, cp, mbs, microbatches, sp)
+                    yield from self._groups(dp, tp, pp, cp, mbs, microbatches, sp)
 
-    def _options(
+    def _groups(
         self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
-    ) -> Iterator[_Point]:
+    ) -> Iterator[_Group]:
         shardings = [
             (z, d, self._state_bytes_per_param(z, d * cp)) for z, d in self.shardings(dp, tp, cp)
         ]
         schedules = [
-            (
-                schedule,
-                virtual,
-                _fill_drain(schedule, pp, virtual),
-                self._in_flight(schedule, pp, microbatches, virtual),
-            )
-            for schedule, virtual in self.schedules(pp, microbatches)
+            (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
+            for s, v in self.schedules(pp, microbatches)
         ]
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
@@ -279,18 +300,20 @@ class _Space:
             kept = (self.limits.num_blocks // pp) * work.block_activation_bytes
             for schedule, virtual, fill, in_flight in schedules:
                 bound = work.time_s / pp * (microbatches + fill)
-                activations = kept * in_flight
+                group = (bound, dp, tp, pp, cp, sp, mbs, rank, schedule, virtual)
+                fitting = []
                 for zero, shard, per_param in shardings:
-                    point = _Point(
-                        bound, dp, tp, pp, cp, zero, shard, sp, mbs, rank, schedule, virtual
-                    )
-                    needed = params * per_param + activations
+                    needed = params * per_param + kept * in_flight
                     if needed <= self.capacity:
-                        yield point
+                        fitting.append((zero, shard))
                         continue
                     self.over_memory += 1
                     if needed < self._leanest_bytes:
-                        self.leanest, self._leanest_bytes = point, needed
+                        self.leanest = _Point(*group[:5], zero, shard, *group[5:])
+                        self._leanest_bytes = needed
+                if fitting:
+                    self.enumerated += len(fitting)
+                    yield _Group(*group, tuple(fitting))
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
         """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
@@ -335,7 +358,7 @@ def _summarise(costs: list[SegmentCost]) -> _Work:
 def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
     """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
     space = _Space(model, limits, Pins.of(strategy))
-    return any(True for _ in space.points()) or space.over_memory > 0
+    return any(True for _ in space.groups()) or space.over_memory > 0
 
 
 Progress = Callable[[int, int], None]  # (candidates done, candidates), for a progress bar
@@ -357,8 +380,8 @@ def search(
     started = time.perf_counter()
     pins = pins or Pins()
     space = _Space(model, limits, pins)
-    points = sorted(space.points())
-    if not points and not space.over_memory:
+    groups = sorted(space.groups())
+    if not groups and not space.over_memory:
         raise SpecError(
             f"no strategy for {model.cluster.num_gpus} GPUs satisfies the pins ({pins.describe()}) "
             f"and the model (heads {limits.num_heads}, kv heads {limits.num_kv_heads}, "
@@ -369,35 +392,38 @@ def search(
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
     costed = 0
     closest: Scored | None = None
-    for index, point in enumerate(points):
-        if len(best) >= top_k and point.bound_s > -best[0][0]:
+    for index, group in enumerate(groups):
+        if len(best) >= top_k and group.bound_s > -best[0][0]:
             break
-        scored = _cost(model, point.strategy(model.training.global_batch_size))
-        costed += 1
-        if progress is not None and costed % 256 == 0:
-            progress(index, len(points))
-        if scored is None:
-            continue
-        if not scored.prediction.fits:
-            closest = _less_memory(closest, scored)
-            continue
-        entry = (-scored.prediction.step_time_s, -index, scored)
-        if len(best) < top_k:
-            heapq.heappush(best, entry)
-        elif entry > best[0]:
-            heapq.heapreplace(best, entry)
+        if progress is not None and index % 64 == 0:
+            progress(index, len(groups))
+        for point in group.points():
+            scored = _cost(model, point.strategy(model.training.global_batch_size))
+            costed += 1
+            if scored is None:
+                continue
+            if not scored.prediction.fits:
+                closest = _less_memory(closest, scored)
+                continue
+            entry = (-scored.prediction.step_time_s, -costed, scored)
+            if len(best) < top_k:
+                heapq.heappush(best, entry)
+            elif entry > best[0]:
+                heapq.heapreplace(best, entry)
     if progress is not None:
-        progress(len(points), len(points))
+        progress(len(groups), len(groups))
     if not best:
         raise _nothing_fits(model, space, closest)
     ranked = tuple(entry[2] for entry in sorted(best, key=lambda e: (-e[0], -e[1])))
     stats = SolverStats(
-        candidates_enumerated=len(points) + space.over_memory,
+        candidates_enumerated=space.enumerated + space.over_memory,
         candidates_costed=costed,
         pruned_by_memory=space.over_memory,
         search_time_s=time.perf_counter() - started,
     )
-    log.info("search: %d candidates, %d costed in %.2f s", len(points), costed, stats.search_time_s)
+    log.info(
+        "search: %d candidates, %d costed in %.2f s", space.enumerated, costed, stats.search_time_s
+    )
     return SearchResult(ranked, stats)
 
 
