@@ -40,7 +40,7 @@ def _prediction_rows(p: Prediction) -> list[tuple[str, str]]:
         ("step time", f"{p.step_time_s:.3f} s"),
         ("tokens/s per GPU", f"{p.tokens_per_s_per_gpu:,.0f}"),
         ("model TFLOP/s per GPU", f"{p.model_tflops_per_gpu:.1f}"),
-        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}  ({p.flop_convention})"),
+        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}  ({p.flop_convention.split(' (')[0]})"),
         ("peak memory per GPU", f"{p.peak_memory_gib:.1f} of {p.memory_limit_gib:.1f} GiB ({fit})"),
     ]
 
