@@ -33,7 +33,13 @@ from planner.hardware import load_profile
 from planner.measured import MeasuredProfile
 from planner.models import ModelHandle, build
 from planner.spec import (
-    Cluster, ModelSpec, Plan, Prediction, Strategy, Training, load_document,
+    Cluster,
+    ModelSpec,
+    Plan,
+    Prediction,
+    Strategy,
+    Training,
+    load_document,
 )  # fmt: skip
 
 VOCAB = 2048
@@ -72,19 +78,24 @@ def _plan_file(spec: ModelSpec, name: str, workdir: Path) -> Path:
     return path
 
 
-def _plan(*args: str, torchrun: bool = False) -> str:
-    prefix = ["torchrun", "--nproc-per-node", "2", "-m", "planner"] if torchrun else ["plan"]
+def _plan(*args: str, torchrun: bool = False, attempts: int = 1) -> str:
+    """Run ``plan ARGS`` (under torchrun with 2 ranks); its stdout. Exits on failure."""
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"] if torchrun else []
+    command = [sys.executable, *launcher, "-m", "planner", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*prefix, *args], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        sys.exit(f"{' '.join([*prefix, *args])} failed:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
+    for attempt in range(1, attempts + 1):
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        if result.returncode == 0:
+            return result.stdout
+        tail = "\n".join(line for line in result.stderr.splitlines()[-15:] if "USDT" not in line)
+        print(f"attempt {attempt} of {attempts} failed: {' '.join(command)}\n{tail}")
+    sys.exit(f"giving up on: {' '.join(command)}")
 
 
 def _measure(plan: Path, steps: int, warmup: int) -> MeasuredProfile:
     out = plan.with_name(plan.name.replace("plan-", "measured-"))
     _plan("measure", str(plan), "-o", str(out), "--steps", str(steps), "--warmup", str(warmup),
-          torchrun=True)  # fmt: skip
+          torchrun=True, attempts=2)  # fmt: skip
     return load_document(MeasuredProfile, out)
 
 

@@ -48,9 +48,8 @@ def parallelize(model: nn.Module, plan: Plan | str | Path, **options: Any) -> An
     whose degrees are all 1). Returns the parallel model, or for pipeline plans a
     runner with ``step(inputs, targets) -> loss``, ``parameters()`` and ``state_dict()``.
     ``options`` go to :func:`strategies.apply.parallelize` (``loss_fn``,
-    ``loss_parallel``). Raises
-    :class:`PlannerError` before any collective when the plan does not fit the model
-    or the world size.
+    ``loss_parallel``). Raises :class:`PlannerError` before any collective when the
+    plan does not fit the model or the world size.
     """
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 

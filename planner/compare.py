@@ -22,7 +22,7 @@ from typing import Any
 
 from planner.errors import SpecError
 from planner.measured import MeasuredProfile, check_same_plan
-from planner.spec import Plan, Prediction
+from planner.spec import Plan, Prediction, load_document
 
 __all__ = [
     "Row",
@@ -163,7 +163,9 @@ def _exclusive_us(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], fl
                 done = stack.pop()
                 result.append((done[0], float(done[0]["dur"]) - done[1], done[2]))
             if stack:
-                stack[-1][1] += min(end, float(stack[-1][0]["ts"]) + float(stack[-1][0]["dur"])) - start
+                stack[-1][1] += (
+                    min(end, float(stack[-1][0]["ts"]) + float(stack[-1][0]["dur"])) - start
+                )
             own = _classify(str(event.get("name", "")))
             parent = stack[-1][2] if stack else None
             inherited = parent or (own if own in ("optimizer", "communication") else None)
@@ -192,7 +194,9 @@ def read_trace(path: Path) -> TraceSummary:
     if steps:
         step_time = statistics.median(float(e["dur"]) for e in steps) * 1e-6
     else:
-        span = max(float(e["ts"]) + float(e["dur"]) for e in timed) - min(float(e["ts"]) for e in timed)
+        span = max(float(e["ts"]) + float(e["dur"]) for e in timed) - min(
+            float(e["ts"]) for e in timed
+        )
         step_time = span * 1e-6
     return TraceSummary(count, step_time, {k: v / count for k, v in totals.items()}, source)
 
@@ -203,7 +207,9 @@ def compare_trace(
     """Rows per operator class for a trace of ``plan`` (traces carry no fingerprint)."""
     rows = [Row("step", prediction.step_time_s, trace.step_time_s)]
     pred = dict(predicted_classes)
-    pred["communication"] = _comm(prediction.breakdown_s) + prediction.breakdown_s.get("bubble", 0.0)
+    pred["communication"] = _comm(prediction.breakdown_s) + prediction.breakdown_s.get(
+        "bubble", 0.0
+    )
     pred["optimizer"] = prediction.breakdown_s.get("optimizer", 0.0)
     rows += [Row(name, pred.get(name, 0.0), trace.class_s.get(name, 0.0)) for name in OP_CLASSES]
     notes = (
@@ -224,8 +230,6 @@ def load_measured_side(path: Path) -> MeasuredProfile | TraceSummary:
     if isinstance(head, dict) and "traceEvents" in head:
         return read_trace(path)
     if isinstance(head, dict) and "plan_fingerprint" in head:
-        from planner.spec import load_document
-
         return load_document(MeasuredProfile, path)
     raise SpecError(
         f"{path} is neither a measured profile ('plan measure' output) nor a torch.profiler "

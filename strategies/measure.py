@@ -5,10 +5,12 @@ slowest rank's); one more step runs under ``torch.profiler`` for the phase break
 and one under a memory tracker for the peak memory of every rank. Phases are the
 exclusive CPU time of the training thread's profiler events, classified as forward
 (inside the model's ``forward``), backward (autograd), optimizer (``Optimizer.step``)
-and communication (c10d/gloo/NCCL calls, per mesh axis when the plan has one axis);
-their shares are scaled to the median step time because profiling slows a step down.
-Peak memory: ``torch.cuda.max_memory_allocated`` on GPU, ``MemTracker`` (tensor
-allocations) on CPU.
+and communication (c10d/gloo/NCCL calls, per mesh axis when the plan has one axis), and
+"other": the rest of the step's wall time (Python outside operators, waits). Their
+shares are scaled to the median step time because profiling slows a step down.
+Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak of live
+tensor storages (:class:`TensorMemoryTracker`; ``MemTracker`` refuses modules called
+more than once per step, as pipelines and gradient accumulation do) plus DDP's buckets.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.autograd.profiler_util import FunctionEvent
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -230,9 +233,20 @@ def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[fl
         _timed_step(trainer, batches, step)
     method = (
         "peak of live tensor storages during one step (parameters, gradients and optimizer "
-        "states held at its start, plus every operator output; DDP buckets not seen)"
+        "states held at its start, plus every operator output) plus DDP's gradient buckets "
+        "(DDP logging data)"
     )
-    return tracker.peak / 2**30, method
+    return (tracker.peak + _ddp_bucket_bytes(trainer.parallel)) / 2**30, method
+
+
+def _ddp_bucket_bytes(parallel: nn.Module | PipelineRunner) -> int:
+    """Bytes of DDP's gradient buckets, which DDP allocates outside Python's dispatcher."""
+    total = 0
+    for root in _roots(parallel):
+        if isinstance(root, DistributedDataParallel) and not root.gradient_as_bucket_view:
+            sizes = str(root._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(size) for size in sizes.split(",") if size.strip())
+    return total
 
 
 def _gather(value: object) -> list[Any]:

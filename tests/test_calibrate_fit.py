@@ -61,7 +61,7 @@ def test_alpha_beta_fit_recovers_latency_and_bus_bandwidth() -> None:
 
 def test_faster_than_peak_leaves_physical_bounds() -> None:
     flops = np.geomspace(1e6, 1e10, 8)
-    with pytest.raises(CalibrationError, match="matmul_efficiency .* outside its physical range"):
+    with pytest.raises(CalibrationError, match=r"matmul_efficiency .* outside its physical range"):
         fit_matmul(flops.tolist(), (flops / (PEAK * 3.0)).tolist(), PEAK)
 
 
@@ -141,7 +141,9 @@ def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
         runs.append(_measured(plan, predict_plan(plan, truth, options).step_time_s))
     start = _cpu_profile()
     wanted = [b for b in REFIT_BOUNDS if b.name in ("matmul_overhead_us", "kernel_overhead_us")]
-    fitted, report = refit_profile(start, runs, options=options, stamp="test", bounds=wanted)
+    fitted, report = refit_profile(
+        start, runs, options=options, stamp="test", bounds=wanted, prior_weight=0.0
+    )
     assert fitted.matmul_overhead_us == pytest.approx(20.0, rel=0.05)
     assert fitted.kernel_overhead_us == pytest.approx(3.0, rel=0.05)
     assert max(abs(e.error) for e in report.after) < 0.02 < max(abs(e.error) for e in report.before)

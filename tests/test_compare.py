@@ -34,16 +34,17 @@ def _record_trace(path: Path, steps: int = 3) -> None:
     model = build(plan.model, device="cpu", seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, plan.model.vocab_size, (4, plan.model.seq_len))
-    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                schedule=schedule) as prof:  # fmt: skip
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+    ) as prof:
         for _ in range(steps + 1):
             loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             prof.step()
-    prof.export_chrome_trace(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_trace_operators_are_matched_to_operator_classes(trace_path: Path) -> No
     assert summary.source == "cpu operators"
     assert summary.class_s["matmul"] > 0 and summary.class_s["optimizer"] > 0
     assert summary.class_s["attention"] > 0 and summary.class_s["communication"] == 0
-    assert sum(summary.class_s.values()) <= summary.step_time_s * 1.01
+    assert 0.5 * summary.step_time_s < sum(summary.class_s.values()) < 1.25 * summary.step_time_s
 
 
 def test_compare_trace_rows_cover_every_class(trace_path: Path) -> None:
@@ -79,14 +80,16 @@ def test_truncated_trace_is_a_clear_error(trace_path: Path, tmp_path: Path) -> N
     truncated = tmp_path / "cut.json"
     text = trace_path.read_text()
     truncated.write_text(text[: len(text) // 2])
-    with pytest.raises(SpecError, match="not valid JSON .* truncated"):
+    with pytest.raises(SpecError, match=r"not valid JSON .* truncated"):
         load_measured_side(truncated)
 
 
 def test_foreign_json_is_a_clear_error(tmp_path: Path) -> None:
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps({"hello": "world"}))
-    with pytest.raises(SpecError, match="neither a measured profile nor a torch.profiler trace"):
+    with pytest.raises(
+        SpecError, match=r"neither a measured profile .* nor a torch.profiler trace"
+    ):
         load_measured_side(foreign)
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"traceEvents": [{"ph": "M", "name": "process_name"}]}))
@@ -118,7 +121,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_compare_with_a_trace_and_a_mismatched_profile(trace_path: Path, tmp_path: Path) -> None:
+def test_cli_compare_with_a_trace_and_a_mismatched_profile(
+    trace_path: Path, tmp_path: Path
+) -> None:
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(make_plan().to_json())
     png = tmp_path / "out.png"

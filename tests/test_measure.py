@@ -55,7 +55,9 @@ def test_step_statistics_median_and_spread() -> None:
 
 def test_plan_fingerprint_ignores_the_prediction_but_not_the_strategy() -> None:
     plan = make_plan()
-    from_search = plan.model_copy(update={"solver": plan.solver.model_copy(update={"ilp_status": "x"})})
+    from_search = plan.model_copy(
+        update={"solver": plan.solver.model_copy(update={"ilp_status": "x"})}
+    )
     assert plan_fingerprint(plan) == plan_fingerprint(from_search)
     assert plan_fingerprint(plan) != plan_fingerprint(make_plan(recompute="full"))
 
@@ -73,7 +75,7 @@ def test_edited_measured_profile_fails_validation(tmp_path: Path) -> None:
     data["plan"]["strategy"]["recompute"] = "full"
     path = tmp_path / "m.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(SpecError, match="plan_fingerprint .* does not match"):
+    with pytest.raises(SpecError, match=r"plan_fingerprint .* does not match"):
         load_document(MeasuredProfile, path)
 
 

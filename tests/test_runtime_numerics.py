@@ -133,8 +133,8 @@ class Case:
         )
 
 
-def train(case: Case, world_size: int, rank: int) -> list[float]:
-    """Losses of ``STEPS`` steps of ``case`` on this rank (the global mean loss)."""
+def train(case: Case, world_size: int, rank: int) -> dict[str, list[Any]]:
+    """Losses of ``STEPS`` steps of ``case`` (the global mean) and this rank's state keys."""
     plan = case.plan(world_size)
     model = build_handle(case.apply_to or case.model).module
     parallel = parallelize(model, plan, loss_parallel=case.loss_parallel)
@@ -143,12 +143,13 @@ def train(case: Case, world_size: int, rank: int) -> list[float]:
     for step in range(STEPS):
         inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)
         losses.append(trainer.step(*local_slice(plan, rank, inputs, targets)))
-    return losses
+    return {"losses": losses, "state_keys": sorted(parallel.state_dict())}
 
 
 def reference(model: str, optimizer: str) -> list[float]:
     """Single-process fp32 losses on the same global batch."""
-    return train(Case("reference", model, {"micro_batch_size": BATCH}, optimizer=optimizer), 1, 0)
+    case = Case("reference", model, {"micro_batch_size": BATCH}, optimizer=optimizer)
+    return train(case, 1, 0)["losses"]
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
@@ -173,13 +174,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_cases(world_size: int, cases: list[Case], out: Path) -> dict[str, Any]:
-    """Run ``cases`` on ``world_size`` gloo ranks; rank 0's results by case name."""
+def run_cases(world_size: int, cases: list[Case], out: Path) -> list[dict[str, Any]]:
+    """Run ``cases`` on ``world_size`` gloo ranks; each rank's results by case name."""
     mp.start_processes(
         _worker, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
         start_method="spawn",
     )  # fmt: skip
-    return json.loads((out / "rank0.json").read_text())
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def _exact(name: str, model: str, **strategy: Any) -> Case:
@@ -305,22 +306,20 @@ WORLD8 = [
 ]
 
 
-def _compare(cases: list[Case], results: dict[str, Any]) -> list[str]:
+def _compare(cases: list[Case], per_rank: list[dict[str, Any]]) -> list[str]:
     """One line per case that failed, raised, or (inexact cases) did not decrease the loss."""
     failures = []
     for case in cases:
-        losses = results[case.name]
+        results = [rank_results[case.name] for rank_results in per_rank]
         if case.expect_error is not None:
-            raised = isinstance(losses, str) and case.expect_error in losses
-            print(
-                f"{case.name:<40} {'raised' if raised else 'did NOT raise'} {case.expect_error!r}"
-            )
-            if not raised:
-                failures.append(f"{case.name}: expected {case.expect_error!r}, got {losses}")
+            failures += _expected_error(case, results)
             continue
-        if isinstance(losses, str):
-            failures.append(f"{case.name}: raised\n{losses}")
+        raised = next((result for result in results if isinstance(result, str)), None)
+        if raised is not None:
+            failures.append(f"{case.name}: raised\n{raised}")
             continue
+        failures += _consistent_ranks(case, results)
+        losses = results[0]["losses"]
         expected = reference(case.model, case.optimizer)
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
         print(f"{case.name:<40} max |loss - reference| = {worst:.2e} (bound {case.bound:.0e})")
@@ -328,6 +327,26 @@ def _compare(cases: list[Case], results: dict[str, Any]) -> list[str]:
             failures.append(f"{case.name}: {losses} vs reference {expected}")
         if case.bound > EXACT and not losses[-1] < losses[0]:
             failures.append(f"{case.name}: loss did not decrease: {losses}")
+    return failures
+
+
+def _expected_error(case: Case, results: list[Any]) -> list[str]:
+    """Every rank raised ``case.expect_error`` (so none was left waiting in a collective)."""
+    raised = all(isinstance(result, str) and case.expect_error in result for result in results)
+    print(f"{case.name:<40} {'raised' if raised else 'did NOT raise'} {case.expect_error!r}")
+    return [] if raised else [f"{case.name}: expected {case.expect_error!r}, got {results}"]
+
+
+def _consistent_ranks(case: Case, results: list[dict[str, Any]]) -> list[str]:
+    """All ranks report the same losses; pipeline ranks' state dicts cover the whole model."""
+    failures = []
+    if any(result["losses"] != results[0]["losses"] for result in results):
+        failures.append(f"{case.name}: ranks disagree on the loss: {results}")
+    if case.strategy.get("pp", 1) > 1:
+        held = set().union(*(result["state_keys"] for result in results))
+        whole = set(build_handle(case.model).module.state_dict())
+        if held != whole:
+            failures.append(f"{case.name}: pipeline state_dict keys {sorted(held ^ whole)} differ")
     return failures
 
 

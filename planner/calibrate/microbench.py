@@ -8,6 +8,7 @@ Only plain ``torch`` (no ``torch.distributed``): the collectives live in
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +36,11 @@ DEFAULT_MATMUL_SHAPES: tuple[tuple[int, int, int], ...] = (
 DEFAULT_MEMORY_ELEMENTS: tuple[int, ...] = (1 << 8, 1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
 # (batch * heads, seq, head_dim) for causal scaled-dot-product attention
 DEFAULT_ATTENTION_SHAPES: tuple[tuple[int, int, int], ...] = (
-    (8, 128, 64), (6, 256, 64), (12, 256, 32), (4, 512, 64), (8, 512, 64),
+    (8, 128, 64),
+    (6, 256, 64),
+    (12, 256, 32),
+    (4, 512, 64),
+    (8, 512, 64),
 )
 
 
@@ -81,7 +86,7 @@ def matmul_sweep(
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = time_call(lambda a=a, b=b: a @ b, device, repeats=repeats)
+        seconds = time_call(functools.partial(torch.matmul, a, b), device, repeats=repeats)
         samples.append(Sample(f"mm {m}x{k}x{n}", 2.0 * m * k * n, seconds))
     return samples
 
@@ -101,7 +106,7 @@ def memory_sweep(
     for count in elements:
         x = torch.randn(count, device=device, dtype=dtype)
         y = torch.randn(count, device=device, dtype=dtype)
-        seconds = time_call(lambda x=x, y=y: torch.mul(x, y), device, repeats=repeats)
+        seconds = time_call(functools.partial(torch.mul, x, y), device, repeats=repeats)
         samples.append(Sample(f"mul {count}", 3.0 * count * x.element_size(), seconds))
     return samples
 

@@ -3,8 +3,8 @@
 :class:`~planner.cost.CostOptions` defaults describe a GPU training stack (cuBLAS/NCCL
 workspaces, a caching allocator's slack). Runs measured by ``plan measure`` count
 tensor bytes (MemTracker on CPU, ``max_memory_allocated`` on GPU), use DDP's default
-25 MiB gradient buckets and, on CPU, run gloo's reductions on the same cores as the
-compute (nothing overlaps).
+25 MiB gradient buckets and, on CPU, overlap DDP's bucket all-reduces (gloo's own
+thread) with the backward but not FSDP's all-gathers (no CUDA streams to prefetch on).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def measured_run_options(profile: HardwareProfile) -> CostOptions:
     """Cost options matching what ``plan measure`` runs and counts on ``profile``'s device."""
     if profile.device_kind == "cpu":
         return CostOptions(
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
+            overlap_grad_reduce=True,  # gloo reduces DDP buckets on its own thread
+            overlap_param_gather=False,  # no streams: FSDP2 gathers before it computes
             dp_bucket_mib=DDP_BUCKET_MIB,
             allocator_margin=0.0,
             workspace_gib=0.0,

@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from planner.calibrate.fit import (
+    Array,
     Bound,
     CalibrationError,
     FitResult,
@@ -78,17 +81,15 @@ def ram_gib(ranks_per_node: int) -> float:
 
 
 def _attention_fit(samples: Sequence[Sample], peak: float, gemm_overhead_s: float) -> FitResult:
-    work = [s.work for s in samples]
-    seconds = [s.seconds for s in samples]
+    """Fit ``attention_efficiency``; each forward+backward pays three GEMM overheads."""
+    work = np.array([s.work for s in samples])
+    seconds = np.array([s.seconds for s in samples])
 
-    def residuals(p: object) -> object:
-        import numpy as np
-
-        x, t = np.asarray(work), np.asarray(seconds)
-        return (x / (peak * p[0]) + 3 * gemm_overhead_s) / t - 1  # type: ignore[index]
+    def residuals(p: Array) -> Array:
+        return np.log((work / (peak * p[0]) + 3 * gemm_overhead_s) / seconds)
 
     return fit_parameters(
-        residuals, [0.3], [Bound("attention_efficiency", 1e-3, 1.0)],  # type: ignore[arg-type]
+        residuals, [0.3], [Bound("attention_efficiency", 1e-3, 1.0)],
         what="attention fit",
         hint="raise peak_tflops if attention ran faster than peak",
     )  # fmt: skip
@@ -140,7 +141,9 @@ def build_profile(
     peaks[dtype] = peak_tflops
     for other in peaks:
         if other is not dtype and base is not None:
-            sources[f"peak_tflops.{other.value}"] = base.sources.get(f"peak_tflops.{other.value}", "")
+            sources[f"peak_tflops.{other.value}"] = base.sources.get(
+                f"peak_tflops.{other.value}", ""
+            )
     profile = HardwareProfile.model_validate(
         {
             "name": name,

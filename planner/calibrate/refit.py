@@ -2,7 +2,9 @@
 
 Each :class:`~planner.measured.MeasuredProfile` carries its plan, so the cost model
 re-prices it under trial parameters; ``scipy.optimize.least_squares`` minimises the log
-ratio of predicted to measured step time over all runs, plus a weak pull of every
+ratio of predicted to measured step time over all runs, the same for the optimizer
+phase where it was measured (at half weight: it is what separates memory bandwidth
+from per-kernel overheads), plus a weak pull of every
 parameter towards its starting value (so a parameter the runs cannot see stays where
 the microbenchmarks put it). The parameters are few and physical -- efficiencies,
 per-kernel overheads, bandwidths and the link latency -- so a fit on some runs
@@ -17,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 import torch
+from numpy.typing import NDArray
 from torch import nn
 
 from planner.calibrate.fit import Bound, CalibrationError, fit_parameters
 from planner.cost import CostModel, CostOptions
-from planner.errors import SpecError
 from planner.cost.sharding import ShardKey
+from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind
 from planner.hardware import HardwareProfile
 from planner.measured import MeasuredProfile
@@ -56,6 +58,7 @@ REFIT_BOUNDS: tuple[Bound, ...] = (
     Bound("links.intra_node.latency_us", 0.0, 1e6, " us"),
 )
 PRIOR_WEIGHT = 0.05  # residual per unit log deviation of a parameter from its start
+OPTIMIZER_WEIGHT = 0.5  # the optimizer phase pins the memory bandwidth (a step-time share)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ def _get(profile: HardwareProfile, path: str) -> float:
     return float(value)
 
 
-def with_parameters(profile: HardwareProfile, values: dict[str, float], source: str) -> HardwareProfile:
+def with_parameters(
+    profile: HardwareProfile, values: dict[str, float], source: str
+) -> HardwareProfile:
     """A copy of ``profile`` with dotted-path fields set to ``values``, sourced ``source``."""
     data = profile.model_dump(mode="json")
     for path, value in values.items():
@@ -151,7 +156,9 @@ class _Pricer:
         ]
 
 
-def _estimate(plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions) -> Prediction:
+def _estimate(
+    plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions
+) -> Prediction:
     training = plan.training.model_copy(update={"seq_len": None})
     model = CostModel(graph, plan.cluster, training, profile=profile, options=options)
     return model.estimate(plan.strategy, stages=stage_indices(graph, plan))
@@ -209,8 +216,12 @@ def refit_profile(
     options: CostOptions,
     stamp: str,
     bounds: Sequence[Bound] = REFIT_BOUNDS,
+    prior_weight: float = PRIOR_WEIGHT,
 ) -> tuple[HardwareProfile, RefitReport]:
     """Fit ``bounds``' parameters of ``profile`` to the step times of ``runs``.
+
+    ``prior_weight`` is the residual per unit log deviation of a parameter from its
+    starting value (0: trust the runs alone).
 
     Raises :class:`CalibrationError` when the fit does not converge or a parameter
     leaves its physical range; ``profile`` itself is never modified.
@@ -219,6 +230,8 @@ def refit_profile(
         raise CalibrationError("calibrate --from: give at least one measured profile")
     pricer = _Pricer([run.plan for run in runs], options)
     measured = np.array([run.step_time_median_s for run in runs])
+    measured_opt = np.array([run.phases_s.get("optimizer", 0.0) for run in runs])
+    seen = measured_opt > 0
     names = [b.name for b in bounds]
     start = [max(_get(profile, name), 1e-3) for name in names]
     source = f"{stamp}: refitted to {len(runs)} measured run(s), least squares"
@@ -229,9 +242,12 @@ def refit_profile(
         return with_parameters(profile, values, source)
 
     def residuals(x: NDArray[np.float64]) -> NDArray[np.float64]:
-        predicted = np.array([p.step_time_s for p in pricer.predict(trial(x))])
-        prior = PRIOR_WEIGHT * np.log(x / np.asarray(start))
-        return np.concatenate([np.log(predicted / measured), prior])
+        predictions = pricer.predict(trial(x))
+        predicted = np.array([p.step_time_s for p in predictions])
+        optimizer = np.array([p.breakdown_s.get("optimizer", 0.0) for p in predictions])
+        prior = prior_weight * np.log(x / np.asarray(start))
+        phase = OPTIMIZER_WEIGHT * np.log(np.maximum(optimizer[seen], 1e-12) / measured_opt[seen])
+        return np.concatenate([np.log(predicted / measured), phase, prior])
 
     before = _errors(runs, pricer.predict(profile))
     fit = fit_parameters(

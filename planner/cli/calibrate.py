@@ -17,16 +17,25 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import os
 import platform
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from planner.calibrate import microbench
 from planner.calibrate.fit import CalibrationError
 from planner.calibrate.options import measured_run_options
-from planner.calibrate.profile import Measurements, build_profile, cpu_peak_tflops, ram_gib
-from planner.calibrate.refit import RefitReport, refit_profile
+from planner.calibrate.profile import (
+    CalibrationReport,
+    Measurements,
+    build_profile,
+    cpu_peak_tflops,
+    ram_gib,
+)
+from planner.calibrate.refit import RefitReport, RunError, refit_profile
+from planner.cost.communication import Collective
 from planner.errors import SpecError
 from planner.hardware import HardwareProfile, load_profile, save_profile
 from planner.measured import MeasuredProfile
@@ -113,7 +122,7 @@ def format_refit(report: RefitReport) -> str:
     return "\n".join(lines)
 
 
-def _mean_abs(errors: list) -> float:  # type: ignore[type-arg]
+def _mean_abs(errors: list[RunError]) -> float:
     return sum(abs(e.error) for e in errors) / len(errors)
 
 
@@ -166,45 +175,41 @@ def _capacity(gpu: bool, ranks_per_node: int) -> float:
 
 
 def _measure(
-    args: argparse.Namespace, device: torch.device, dtype: DType, collectives: object
+    args: argparse.Namespace, device: torch.device, dtype: DType, collectives: ModuleType
 ) -> Measurements:
-    import torch.distributed as dist
-
     gpu = device.type == "cuda"
     repeats = 5 if args.quick else 15
     torch_dtype = _TORCH_DTYPES[dtype]
+    cpu_shapes = microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1]
     matmul = microbench.matmul_sweep(
-        device, torch_dtype,
-        _GPU_MATMUL if gpu else microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1],
-        repeats=repeats,
-    )  # fmt: skip
+        device, torch_dtype, _GPU_MATMUL if gpu else cpu_shapes, repeats=repeats
+    )
     memory = microbench.memory_sweep(
         device, torch_dtype, _GPU_MEMORY if gpu else microbench.DEFAULT_MEMORY_ELEMENTS,
         repeats=repeats,
     )  # fmt: skip
+    cpu_attention = microbench.DEFAULT_ATTENTION_SHAPES[: 3 if args.quick else None]
     attention = microbench.attention_sweep(
-        device, torch_dtype,
-        _GPU_ATTENTION if gpu else microbench.DEFAULT_ATTENTION_SHAPES[: 3 if args.quick else None],
-        repeats=max(3, repeats // 2),
-    )  # fmt: skip
-    samples: list[tuple[object, int, float, float]] = []
-    world = dist.get_world_size() if dist.is_initialized() else 1
+        device, torch_dtype, _GPU_ATTENTION if gpu else cpu_attention, repeats=max(3, repeats // 2)
+    )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    samples: list[tuple[Collective, int, float, float]] = []
     if world > 1:
-        sizes = _GPU_COLLECTIVE_BYTES if gpu else collectives.DEFAULT_COLLECTIVE_BYTES  # type: ignore[attr-defined]
-        for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):  # type: ignore[attr-defined]
+        sizes = _GPU_COLLECTIVE_BYTES if gpu else collectives.DEFAULT_COLLECTIVE_BYTES
+        for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):
             samples.append((s.kind, s.ranks, float(s.size_bytes), s.seconds))
-    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", world))
-    return Measurements(dtype, matmul, memory, attention, samples, local)  # type: ignore[arg-type]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Measurements(dtype, matmul, memory, attention, samples, local)
 
 
-def format_profile(profile: HardwareProfile, report: object) -> str:
-    """The fitted parameters with each fit's relative RMS error before and after."""
-    fits = report.fits  # type: ignore[attr-defined]
+def format_profile(profile: HardwareProfile, report: CalibrationReport) -> str:
+    """The fitted parameters with each fit's RMS log error (~relative) before and after."""
+    fits = report.fits
     lines = [f"profile {profile.name} ({profile.device_kind})"]
     for name, fit in fits.items():
         values = ", ".join(f"{k} = {v:.4g}" for k, v in fit.values.items())
         lines.append(
-            f"  {name:<12} {values}  (rms error {fit.rms_before:.1%} -> {fit.rms_after:.1%}, "
+            f"  {name:<12} {values}  (RMS log error {fit.rms_before:.2f} -> {fit.rms_after:.2f}, "
             f"{fit.samples} samples)"
         )
     peaks = ", ".join(f"{d.value} {v:.3g}" for d, v in profile.peak_tflops.items())

@@ -27,6 +27,7 @@ from planner.compare import (
 )
 from planner.errors import SpecError
 from planner.hardware import load_profile
+from planner.measured import check_same_plan
 from planner.spec import Plan, Prediction, load_document
 
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         classes = predict_op_classes(plan, profile, options)
         comparison = compare_trace(plan, measured, prediction, classes)
     else:
+        check_same_plan(plan, measured, source=str(args.measured))  # before any pricing
         comparison = compare_measured(plan, measured, _prediction(plan, args.profile))
     png = args.png or args.measured.with_name(f"{args.measured.stem}-compare.png")
     plot_comparison(comparison, png)

@@ -43,7 +43,12 @@ def run(args: argparse.Namespace) -> int:
         )
         steps = [_report(record, show=rank == 0 and not args.json) for record in records]
         if rank == 0 and args.json:
-            summary = {"plan": plan.strategy.describe(), "model": plan.model_name, "steps": steps}
+            summary = {
+                "plan": plan.strategy.describe(),
+                "model": plan.model_name,
+                "world_size": plan.strategy.world_size,
+                "steps": steps,
+            }
             print(json.dumps(summary, indent=2))
     return 0
 
