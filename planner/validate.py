@@ -26,6 +26,7 @@ __all__ = [
     "expand_layout",
     "match_fqns",
     "find_blocks",
+    "pipeline_splittable",
 ]
 
 
@@ -206,6 +207,18 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
         prefix = f"{name}." if name else ""
         best = [(prefix + key, child) for key, child in children]
     return best
+
+
+def pipeline_splittable(module: nn.Module) -> bool:
+    """Whether the runtime can split ``module`` into pipeline stages: its blocks sit in an
+    ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it shares no parameters."""
+    blocks = find_blocks(module)
+    if not blocks:
+        return False
+    container = module.get_submodule(blocks[0][0].rpartition(".")[0])
+    every = [param for _, param in module.named_parameters(remove_duplicate=False)]
+    shared = len({id(param) for param in every}) < len(every)
+    return isinstance(container, nn.ModuleDict) and not shared
 
 
 def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle]:

@@ -32,6 +32,7 @@ from planner.spec import (
     Training,
 )
 from planner.trace import trace
+from planner.validate import check_model_against_plan, pipeline_splittable, validate_plan_for_world
 
 __all__ = ["make_plan", "trace_for_training"]
 
@@ -69,6 +70,7 @@ def make_plan(
         seq_len=graph.seq_len,
         num_heads=spec.num_heads if spec else None,
         num_kv_heads=spec.kv_heads if spec else None,
+        pipeline=pipeline_splittable(handle.module),
     )
     result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
     best = result.best
@@ -78,7 +80,7 @@ def make_plan(
         update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
     )
     stages = [[fqn for i in chunk for fqn in graph.segments[i].modules] for chunk in chunks]
-    return assemble_plan(
+    plan = assemble_plan(
         handle,
         cluster,
         training,
@@ -89,6 +91,9 @@ def make_plan(
         runners_up=tuple(_runner_up(best, other) for other in _diverse(result.ranked, top_k)),
         solver=stats,
     )
+    validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
+    check_model_against_plan(plan, handle.module)
+    return plan
 
 
 def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Prediction]:

@@ -100,6 +100,7 @@ class ModelLimits:
     seq_len: int
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    pipeline: bool = True  # whether the runtime can split the blocks into stages
 
     def allows_tp(self, tp: int) -> bool:
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
@@ -227,6 +228,8 @@ class _Space:
                         continue
                     if pp > limits.num_blocks or self.training.global_batch_size % dp:
                         continue
+                    if pp > 1 and not limits.pipeline:
+                        continue
                     yield dp, tp, pp, cp
 
     def shardings(self, dp: int, tp: int, cp: int) -> Iterator[tuple[int, int]]:
@@ -254,6 +257,8 @@ class _Space:
                 yield Schedule.ONE_F_ONE_B.value, 1
             return
         for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+            if schedule is Schedule.ONE_F_ONE_B and microbatches < pp:
+                continue  # 1F1B needs a micro-batch per stage
             if self.pins.allows("schedule", schedule) and self.pins.allows("virtual_stages", 1):
                 yield schedule.value, 1
         if not self.pins.allows("schedule", Schedule.INTERLEAVED_1F1B) or microbatches % pp:
