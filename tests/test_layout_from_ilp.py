@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.models import ModelHandle, resolve_model
@@ -255,3 +256,33 @@ def test_any_mlp_stack_gets_a_layout_covering_every_linear(widths, tp, batch, sq
         assert matching[0] in {COL, ROW, REP}
         if tp == 1:
             assert matching[0] is REP
+
+
+class _HeadNamedHead(nn.Module):
+    """Residual MLP blocks and a top-level module called ``head``: the head segment's label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(3)
+        )
+        self.head = nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_a_module_named_like_its_segment_keeps_its_own_fqn():
+    with torch.device("meta"):
+        module = _HeadNamedHead()
+    handle = ModelHandle(
+        "heads", "test", module, lambda b, s: (torch.empty(b, 64, 256, device="meta"),)
+    )
+    graph = trace(handle, batch_size=8)
+    roofline = Roofline(1e12, 1000, 100, 5)
+    layout = solve_tp_layout(graph, tp=2, roofline=roofline, memory_budget_bytes=6e6)
+    names = {name for name, _ in module.named_modules()}
+    assert "head" in layout.styles
+    assert set(layout.styles) <= names

@@ -781,21 +781,24 @@ class TPLayout:
     solution: ShardingSolution
 
 
-def _segment_root(segment: Segment) -> str:
+def _segment_root(graph: OpGraph, segment: Segment) -> str:
     """A block segment is rooted at its module (``layers.3``); the runs before and after
-    the blocks (``embedding``, ``head``) at the model, their names being labels."""
-    return segment.fqn if segment.modules == (segment.fqn,) else ""
+    the blocks (``embedding``, ``head``) at the model, their names being labels (a label
+    may equal a module's name, as a head module called ``head``)."""
+    return segment.fqn if graph.types[segment.type_id].kind == "block" else ""
 
 
 def _root_patterns(graph: OpGraph, type_id: str) -> list[str]:
     """The roots of a type's segments: one ``*`` pattern (``layers.*``) when it names them
     and no segment of another type, else each root."""
-    roots = list(dict.fromkeys(_segment_root(s) for s in graph.segments if s.type_id == type_id))
+    roots = list(
+        dict.fromkeys(_segment_root(graph, s) for s in graph.segments if s.type_id == type_id)
+    )
     parts = [root.split(".") for root in roots]
     if len(parts) == 1 or len({len(p) for p in parts}) != 1:
         return roots
     pattern = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts, strict=True))
-    others = (_segment_root(s) for s in graph.segments if s.type_id != type_id)
+    others = (_segment_root(graph, s) for s in graph.segments if s.type_id != type_id)
     return roots if any(fnmatchcase(other, pattern) for other in others) else [pattern]
 
 
