@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from planner.errors import PlannerError
-from planner.models import fingerprint, list_models, resolve_model
+from planner.errors import PlannerError, SpecError
+from planner.models import fingerprint, handle_for_module, list_models, resolve_model
 from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
@@ -41,18 +41,37 @@ __all__ = [
 ]
 
 
-def parallelize(model: nn.Module, plan: Plan | str | Path, **options: Any) -> Any:
+def parallelize(
+    model: nn.Module,
+    plan: Plan | str | Path | None = None,
+    *,
+    cluster: Cluster | None = None,
+    training: Training | None = None,
+    pins: Pins | None = None,
+    **options: Any,
+) -> Any:
     """Apply ``plan`` (a :class:`Plan` or a path to its JSON) to ``model`` with torch.distributed.
 
     Call on every rank of an initialised process group (or in one process for a plan
     whose degrees are all 1). Returns the parallel model, or for pipeline plans a
     runner with ``step(inputs, targets) -> loss``, ``parameters()`` and ``state_dict()``.
-    ``options`` go to :func:`strategies.apply.parallelize` (``loss_fn``,
-    ``loss_parallel``). Raises :class:`PlannerError` before any collective when the
-    plan does not fit the model or the world size.
+    One-shot form: pass ``cluster`` (``num_gpus`` = the world size) and ``training``
+    instead of a plan, and the model is planned first (:func:`make_plan`, with
+    ``pins``); every rank computes the same plan. ``options`` go to
+    :func:`strategies.apply.parallelize` (``loss_fn``, ``loss_parallel``). Raises
+    :class:`PlannerError` before any collective when the plan does not fit the model
+    or the world size.
     """
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 
+    if plan is None:
+        if cluster is None or training is None:
+            raise SpecError(
+                "parallelize needs a plan, or cluster= and training= to plan the model first"
+            )
+        plan = make_plan(handle_for_module(model), cluster, training, pins=pins)
+    elif cluster is not None or training is not None or pins is not None:
+        raise SpecError("give parallelize either a plan or cluster=/training=, not both")
     if not isinstance(plan, Plan):
         plan = load_document(Plan, Path(plan))
     return apply_plan(model, plan, **options)

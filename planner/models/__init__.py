@@ -31,6 +31,7 @@ __all__ = [
     "Block",
     "build",
     "get_preset",
+    "handle_for_module",
     "list_models",
     "resolve_model",
     "fingerprint",
@@ -163,6 +164,15 @@ def _from_module(name: str, source: str, module: nn.Module, inputs: object) -> M
         return ModelHandle(name, source, module, make)
     fixed = inputs if isinstance(inputs, tuple) else (inputs,)
     return ModelHandle(name, source, module, lambda batch_size, seq_len: fixed)
+
+
+def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHandle:
+    """A handle for a module built by the caller: zoo transformers take token ids, other
+    modules need an ``example_inputs(batch_size)`` method."""
+    if isinstance(module, Transformer):
+        inputs = _token_inputs(module.spec.vocab_size, next(module.parameters()).device)
+        return ModelHandle(name or module.spec.name, "module", module, inputs, module.spec)
+    return _from_module(name or type(module).__name__, "module", module, None)
 
 
 def _import_function(path: str) -> Callable[[], object]:

@@ -1,0 +1,71 @@
+"""From the search to a run: what ``plan`` writes, ``torchrun ... plan run`` trains exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import planner
+from planner.assemble import assemble_plan
+from planner.cli import main
+from planner.models import resolve_model
+from planner.spec import Cluster, Plan, Strategy, Training, load_document
+
+
+def _losses(command: list[str]) -> list[float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [step["loss"] for step in json.loads(done.stdout)["steps"]]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_searched_plan_runs_under_torchrun_like_one_process(tmp_path: Path) -> None:
+    searched = tmp_path / "searched.json"
+    args = ["--model", "tiny-llama", "--cluster", "a100-sxm-80gb", "--gpus", "2",
+            "--global-batch", "8", "--seq", "16", "--dtype", "fp32", "--tp", "2",
+            "-o", str(searched)]  # fmt: skip
+    assert main(args) == 0
+    plan = load_document(Plan, searched)
+    assert plan.strategy.tp == 2 and plan.tp_layout
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    single = assemble_plan(
+        resolve_model("tiny-llama", seq_len=16), Cluster(gpu="a100-sxm-80gb", num_gpus=1),
+        training, Strategy(micro_batch_size=8),
+    )  # fmt: skip
+    (tmp_path / "single.json").write_text(single.to_json())
+    run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    distributed = _losses([*torchrun, "-m", "planner", *run, str(searched)])
+    reference = _losses([sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")])
+    assert distributed == pytest.approx(reference, abs=1e-5)
+    assert distributed[-1] < distributed[0]
+
+
+def test_one_shot_parallelize_plans_then_applies() -> None:
+    model = resolve_model("tiny-gpt", device="cpu", seed=0).module
+    training = Training(global_batch_size=4, seq_len=16, dtype="fp32")
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=1)
+    parallel = planner.parallelize(model, cluster=cluster, training=training)
+    logits = parallel(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256)
+
+
+def test_parallelize_needs_a_plan_or_a_cluster() -> None:
+    model = resolve_model("tiny-gpt", device="cpu", seed=0).module
+    with pytest.raises(planner.PlannerError, match="cluster= and training="):
+        planner.parallelize(model)
