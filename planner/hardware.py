@@ -13,8 +13,6 @@ direction, ``_us`` microseconds, ``_gib`` 2^30 bytes; efficiencies are fractions
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Literal, Self
@@ -22,6 +20,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import SpecError, UnknownNameError
+from planner.io import write_text_atomic
 from planner.spec import DType, load_document
 
 __all__ = [
@@ -151,12 +150,4 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 def save_profile(profile: HardwareProfile, path: Path) -> None:
     """Write ``profile`` as JSON atomically (temporary file, then rename)."""
-    text = json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")

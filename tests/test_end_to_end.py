@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _plan_run import TORCHRUN, plan_run_losses
 
 import planner
 from planner.assemble import assemble_plan
 from planner.cli import main
 from planner.models import resolve_model
 from planner.spec import Cluster, Plan, Strategy, Training, load_document
-
-
-def _losses(command: list[str]) -> list[float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [step["loss"] for step in json.loads(done.stdout)["steps"]]
 
 
 @pytest.mark.distributed
@@ -42,16 +33,10 @@ def test_searched_plan_runs_under_torchrun_like_one_process(tmp_path: Path) -> N
     )  # fmt: skip
     (tmp_path / "single.json").write_text(single.to_json())
     run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
-    distributed = _losses([*torchrun, "-m", "planner", *run, str(searched)])
-    reference = _losses([sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")])
+    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *run, str(searched)])
+    reference = plan_run_losses(
+        [sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")]
+    )
     assert distributed == pytest.approx(reference, abs=1e-5)
     assert distributed[-1] < distributed[0]
 
