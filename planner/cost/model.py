@@ -28,7 +28,7 @@ from planner.graph import OpGraph, OpKind, SegmentType
 from planner.hardware import HardwareProfile, load_profile
 from planner.spec import Cluster, DType, Prediction, RecomputeMode, Schedule, Strategy, Training
 
-__all__ = ["SegmentCost", "CostModel"]
+__all__ = ["CostModel", "SegmentCost", "WholeModelCost"]
 
 _GIB = 2**30
 _COUNTED = (OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)  # FLOPs that MFU/HFU count
@@ -62,6 +62,15 @@ class SegmentCost:
     def time_s(self) -> float:
         """Everything this segment adds to one micro-batch's forward + backward."""
         return self.forward_s + self.backward_s + self.recompute_s + self.comm_tp_s + self.comm_cp_s
+
+
+@dataclass(frozen=True)
+class WholeModelCost:
+    """Sums over every segment for one micro-batch (s, parameters, bytes)."""
+
+    time_s: float  # forward, backward, recompute and TP/CP communication
+    param_count: float  # per tensor-parallel rank
+    least_block_activation_bytes: float  # the smallest block's kept activations
 
 
 _TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s")
@@ -230,10 +239,26 @@ class CostModel:
         table = self._tables.get((key, modes))
         if table is None:
             types = [self.graph.segment_type(segment) for segment in self.graph.segments]
-            costs = [self._type_cost(t, key, mode) for t, mode in zip(types, modes, strict=True)]
+            priced: dict[tuple[str, RecomputeMode], TypeCost] = {}
+            for seg_type, mode in zip(types, modes, strict=True):
+                if (seg_type.type_id, mode) not in priced:
+                    priced[seg_type.type_id, mode] = self._type_cost(seg_type, key, mode)
+            costs = [priced[t.type_id, mode] for t, mode in zip(types, modes, strict=True)]
             table = _SegmentTable([t.kind for t in types], costs)
             self._tables[(key, modes)] = table
         return table
+
+    def whole_model(self, strategy: Strategy) -> WholeModelCost:
+        """The model's summed per-micro-batch costs on one tensor x context-parallel group."""
+        table = self._table(strategy, None)
+        blocks = [
+            c for kind, c in zip(table.kinds, table.type_costs, strict=True) if kind == "block"
+        ]
+        return WholeModelCost(
+            time_s=sum(table.span(field, 0, len(table.kinds)) for field in _TIMES),
+            param_count=table.span("param_count", 0, len(table.kinds)),
+            least_block_activation_bytes=min((c.activation_bytes for c in blocks), default=0.0),
+        )
 
     @staticmethod
     def _zero_shard(strategy: Strategy) -> int:
@@ -362,14 +387,8 @@ class CostModel:
         self, strategy: Strategy, ranks: list[_Rank], modes: list[RecomputeMode]
     ) -> Prediction:
         m = strategy.num_microbatches
-        rank_times = [r.time_s for r in ranks]
-        slowest = ranks[rank_times.index(max(rank_times))]
-        fwd = slowest.total("forward_s")
-        fraction = fwd / max(slowest.time_s, 1e-30)
-        pipe = pipeline_time(
-            strategy.schedule, rank_times, m, virtual_stages=strategy.virtual_stages,
-            forward_fraction=fraction,
-        )  # fmt: skip
+        slowest = max(ranks, key=lambda r: r.time_s)
+        pipe = self._pipe_time(strategy, ranks)
         breakdown = {
             "compute": m * (slowest.total("forward_s") + slowest.total("backward_s")),
             "recompute": m * slowest.total("recompute_s"),
@@ -383,6 +402,30 @@ class CostModel:
         step = sum(breakdown.values())
         memory = self._memory(strategy, ranks)
         return self._prediction(strategy, step, breakdown, memory, modes)
+
+    def pipeline_floor_s(self, strategy: Strategy) -> float:
+        """Seconds of the pipelined forward and backward alone over the default stages.
+
+        Compute, recompute, tensor/context-parallel communication and the bubble: the
+        step time without data-parallel and point-to-point communication and the
+        optimizer, so a lower bound of :meth:`estimate`'s ``step_time_s`` that a search
+        can use to skip candidates (independent of the ZeRO stage).
+        """
+        chunks = self.default_stages(strategy)
+        modes = self._recompute_modes(strategy, chunks)
+        return self._pipe_time(
+            strategy, self._ranks(strategy, chunks, self._table(strategy, modes))
+        )
+
+    @staticmethod
+    def _pipe_time(strategy: Strategy, ranks: list[_Rank]) -> float:
+        rank_times = [r.time_s for r in ranks]
+        slowest = ranks[rank_times.index(max(rank_times))]
+        fraction = slowest.total("forward_s") / max(slowest.time_s, 1e-30)
+        return pipeline_time(
+            strategy.schedule, rank_times, strategy.num_microbatches,
+            virtual_stages=strategy.virtual_stages, forward_fraction=fraction,
+        )  # fmt: skip
 
     def _pp_time(self, strategy: Strategy) -> float:
         """Exposed pipeline send/recv: each micro-batch's activation crosses each boundary twice."""

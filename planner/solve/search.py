@@ -20,8 +20,10 @@ recompute) segment costs that :class:`~planner.cost.CostModel` caches:
   schedule's least fill and drain when the stages are perfectly balanced, a lower
   bound of the step time.
 
-Candidates are costed in order of the time bound; the search stops when the bound
-exceeds the ``top_k``-th best step time found, so the answer is the cost model's
+Candidates are costed in order of the time bound; a group whose pipelined compute
+(:meth:`~planner.cost.CostModel.pipeline_floor_s`, a tighter bound priced once for all
+its ZeRO variants) already exceeds the ``top_k``-th best step time is skipped, and the
+search stops when the first bound does, so the answer is the cost model's
 optimum over the space (branch and bound), deterministic (ties break on the tuple).
 """
 
@@ -35,8 +37,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from planner.cost import CostModel, SegmentCost
+from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
 from planner.spec import (
     Compression,
@@ -177,16 +180,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
-class _Work:
-    """Summed segment costs of one (tp, cp, sp, micro-batch, recompute) key."""
-
-    time_s: float  # whole model, one micro-batch, on one tp x cp group
-    params: float  # parameters per tp x cp rank, whole model
-    block_activation_bytes: float  # one block's kept activations per micro-batch
-    other_activation_bytes: float  # embedding and head, per micro-batch
-
-
 class _Space:
     """Enumerates candidate points for one model, cluster and training set-up."""
 
@@ -201,17 +194,16 @@ class _Space:
         self.enumerated = 0  # candidates that passed it
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
-        self._work: dict[tuple[int, int, bool, int, int], _Work] = {}
+        self._work: dict[tuple[int, int, bool, int, int], WholeModelCost] = {}
 
-    def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> _Work:
+    def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> WholeModelCost:
         key = (tp, cp, sp, mbs, recompute_rank)
         if key not in self._work:
             probe = Strategy(
                 tp=tp, cp=cp, sequence_parallel=sp, micro_batch_size=mbs,
                 recompute=_RECOMPUTE_ORDER[recompute_rank],
             )  # fmt: skip
-            costs = self.model.segment_costs(probe)
-            self._work[key] = _summarise(costs)
+            self._work[key] = self.model.whole_model(probe)
         return self._work[key]
 
     def meshes(self) -> Iterator[tuple[int, int, int, int]]:
@@ -301,8 +293,8 @@ class _Space:
             if not self.pins.allows("recompute", mode):
                 continue
             work = self.work(tp, cp, sp, mbs, rank)
-            params = work.params / pp
-            kept = (self.limits.num_blocks // pp) * work.block_activation_bytes
+            params = work.param_count / pp
+            kept = (self.limits.num_blocks // pp) * work.least_block_activation_bytes
             for schedule, virtual, fill, in_flight in schedules:
                 bound = work.time_s / pp * (microbatches + fill)
                 group = (bound, dp, tp, pp, cp, sp, mbs, rank, schedule, virtual)
@@ -349,17 +341,6 @@ def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
     return (pp - 1) / virtual
 
 
-def _summarise(costs: list[SegmentCost]) -> _Work:
-    blocks = [c for c in costs if c.kind == "block"]
-    block_act = min((c.activation_bytes for c in blocks), default=0.0)
-    return _Work(
-        time_s=sum(c.time_s for c in costs),
-        params=sum(c.param_count for c in costs),
-        block_activation_bytes=block_act,
-        other_activation_bytes=sum(c.activation_bytes for c in costs if c.kind != "block"),
-    )
-
-
 def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
     """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
     space = _Space(model, limits, Pins.of(strategy))
@@ -402,7 +383,10 @@ def search(
             break
         if progress is not None and index % 64 == 0:
             progress(index, len(groups))
-        for point in group.points():
+        points = list(group.points())
+        if len(best) >= top_k and _floor(model, points[0]) > -best[0][0]:
+            continue
+        for point in points:
             scored = _cost(model, point.strategy(model.training.global_batch_size))
             costed += 1
             if scored is None:
@@ -430,6 +414,14 @@ def search(
         "search: %d candidates, %d costed in %.2f s", space.enumerated, costed, stats.search_time_s
     )
     return SearchResult(ranked, stats)
+
+
+def _floor(model: CostModel, point: _Point) -> float:
+    """The pipelined compute of ``point``'s group (ZeRO aside): a tighter time bound."""
+    try:
+        return model.pipeline_floor_s(point.strategy(model.training.global_batch_size))
+    except SpecError:
+        return 0.0  # let the estimate say why it cannot be priced
 
 
 def _cost(model: CostModel, strategy: Strategy) -> Scored | None:
