@@ -8,7 +8,8 @@ Every candidate is a point of the space
     virtual stages
 
 restricted by the model (heads divisible by tp, blocks for every pipeline chunk,
-sequence divisible by 2 cp; interleaving with more than 4 virtual stages only when
+sequence divisible by 2 cp and at least 256 tokens per context-parallel rank unless
+pinned; interleaving with more than 4 virtual stages only when
 they divide the blocks evenly) and the user's pins. ZeRO-1 is searched only when
 pinned: ZeRO-2 sends the same bytes and keeps fewer, so it dominates. Candidates are plain tuples until
 they are costed. Two bounds, both computed from per-(tp, cp, sp, micro-batch,
@@ -57,6 +58,7 @@ _GIB = 2**30
 _RECOMPUTE_ORDER = (RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.FULL)
 _MAX_MICRO_BATCH = 16
 _MAX_UNEVEN_VIRTUAL = 4  # virtual stages that need not divide the blocks evenly
+_MIN_CP_TOKENS = 256  # shorter sequence shards per context-parallel rank are not searched
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ class _Space:
                 continue
             for cp in _divisors(n // tp):
                 if not pins.allows("cp", cp) or (cp > 1 and limits.seq_len % (2 * cp)):
+                    continue
+                if cp > 1 and limits.seq_len // cp < _MIN_CP_TOKENS and pins.cp is None:
                     continue
                 for pp in _divisors(n // (tp * cp)):
                     dp = n // (tp * cp * pp)
