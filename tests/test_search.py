@@ -64,8 +64,10 @@ def test_tp_must_divide_heads():
 
 def test_pins_that_cannot_hold_name_the_factors():
     model, limits = _setup(gpus=16)
-    with pytest.raises(SpecError, match=r"tp=3"):
+    with pytest.raises(SpecError, match=r"tp\(3\) = 3 does not divide num_gpus\(16\)"):
         search(model, limits, pins=Pins(tp=3))
+    with pytest.raises(SpecError, match=r"tp\(4\) \* pp\(8\) = 32 does not divide num_gpus"):
+        search(model, limits, pins=Pins(tp=4, pp=8))
 
 
 def test_no_fit_says_how_much_memory_and_what_to_change():

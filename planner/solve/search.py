@@ -372,13 +372,7 @@ def search(
     space = _Space(model, limits, pins)
     groups = sorted(space.groups())
     if not groups and not space.over_memory:
-        raise SpecError(
-            f"no strategy for {model.cluster.num_gpus} GPUs satisfies the pins ({pins.describe()}) "
-            f"and the model (heads {limits.num_heads}, kv heads {limits.num_kv_heads}, "
-            f"{limits.num_blocks} blocks, global batch {model.training.global_batch_size}): "
-            "the pinned degrees must multiply to a divisor of the GPU count, divide the heads "
-            "and the global batch"
-        )
+        raise _no_candidates(model, limits, pins)
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
     costed = 0
     closest: Scored | None = None
@@ -418,6 +412,33 @@ def search(
         "search: %d candidates, %d costed in %.2f s", space.enumerated, costed, stats.search_time_s
     )
     return SearchResult(ranked, stats)
+
+
+def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecError:
+    """Why the pins leave nothing to search, naming the factors."""
+    gpus, batch = model.cluster.num_gpus, model.training.global_batch_size
+    degrees = {name: getattr(pins, name) for name in ("dp", "tp", "pp", "cp")}
+    pinned = {name: value for name, value in degrees.items() if value is not None}
+    product = math.prod(pinned.values())
+    reasons = []
+    if gpus % product or (len(pinned) == 4 and product != gpus):
+        factors = " * ".join(f"{name}({value})" for name, value in pinned.items())
+        reasons.append(f"{factors} = {product} does not divide num_gpus({gpus})")
+    if pins.tp is not None and not limits.allows_tp(pins.tp):
+        reasons.append(
+            f"tp({pins.tp}) does not divide the heads ({limits.num_heads}, kv {limits.num_kv_heads})"
+        )
+    if pins.pp is not None and (pins.pp > limits.num_blocks or not limits.pipeline):
+        reasons.append(f"pp({pins.pp}) cannot split this model's {limits.num_blocks} blocks")
+    if pins.dp is not None and batch % pins.dp:
+        reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
+    detail = "; ".join(reasons) or (
+        "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
+        "with the other pins"
+    )
+    return SpecError(
+        f"no strategy for {gpus} GPUs with pins ({pins.describe()}): {detail}; change the pins"
+    )
 
 
 def _floor(model: CostModel, point: _Point) -> float:
