@@ -7,12 +7,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cli import main
-from planner.cost import CostModel, graph_from_spec
+from planner.cost import CostModel, estimate_run, graph_from_spec
 from planner.errors import InfeasibleError, PlannerError, SpecError
-from planner.models import get_preset, resolve_model
+from planner.graph import OpKind
+from planner.models import PRESETS, get_preset, resolve_model
 from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
+from planner.trace import trace
 
 
 def _setup(preset="gpt3-1.3b", gpus=16, batch=64, gpu="a100-sxm-80gb", seq=None):
@@ -160,3 +162,38 @@ def test_plan_command_reports_user_errors(capsys):
             "--global-batch", "8"]  # fmt: skip
     assert main(args) == 2
     assert "To fit" in capsys.readouterr().err
+
+
+def test_the_plan_predicts_what_plan_estimate_predicts():
+    handle = resolve_model("gpt3-1.3b")
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=16)
+    training = Training(global_batch_size=64)
+    plan = make_plan(handle, cluster, training, top_k=1)
+    config = {
+        "model": {"preset": "gpt3-1.3b"},
+        "cluster": cluster.model_dump(),
+        "training": training.model_dump(),
+        "strategy": plan.strategy.model_dump(),
+    }
+    assert estimate_run(config).step_time_s == pytest.approx(plan.prediction.step_time_s)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_formula_graph_matches_the_trace_of_every_preset(preset):
+    handle = resolve_model(preset, seq_len=128)
+    traced, formula = trace(handle, seq_len=128), graph_from_spec(handle.spec)
+    assert [s.modules for s in formula.segments] == [s.modules for s in traced.segments]
+    assert formula.param_count == traced.param_count
+    assert _tensor_core_flops(formula) == pytest.approx(_tensor_core_flops(traced), rel=1e-3)
+
+
+def _tensor_core_flops(graph):
+    """Matmul, convolution and attention FLOPs: what MFU counts (the formula graph also
+    prices element-wise FLOPs, which the trace leaves at zero)."""
+    kinds = (OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)
+    return sum(
+        node.flops_fwd
+        for segment in graph.segments
+        for node in graph.segment_type(segment).nodes
+        if node.kind in kinds
+    )

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from planner.assemble import assemble_plan
-from planner.cost import CostModel, CostOptions
+from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.communication import link_for_axis
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
@@ -34,19 +34,26 @@ from planner.spec import (
 from planner.trace import trace
 from planner.validate import check_model_against_plan, pipeline_splittable, validate_plan_for_world
 
-__all__ = ["make_plan", "trace_for_training"]
+__all__ = ["cost_graph", "make_plan", "trace_for_training"]
 
 log = logging.getLogger(__name__)
 _POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
 
 
 def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
-    """The model's graph at batch 1 and the training sequence length and dtype."""
+    """The model's traced graph at batch 1 and the training sequence length and dtype."""
     seq = training.seq_len or (handle.spec.seq_len if handle.spec else None)
-    dtype = "fp32" if training.dtype is DType.FP32 else "bf16"  # fp8 keeps bf16 activations
-    if training.dtype is DType.FP16:
-        dtype = "fp16"
+    dtype = {DType.FP32: "fp32", DType.FP16: "fp16"}.get(training.dtype, "bf16")  # fp8: bf16 acts
     return trace(handle, batch_size=1, seq_len=seq, dtype=dtype)
+
+
+def cost_graph(handle: ModelHandle, training: Training) -> OpGraph:
+    """The graph the cost model prices: for transformers with a spec the formula graph
+    that ``plan estimate`` and the accuracy benchmark use (same FLOPs, parameters and
+    module paths as the trace, tested), for other models the trace."""
+    if handle.spec is None:
+        return trace_for_training(handle, training)
+    return graph_from_spec(handle.spec, seq_len=training.seq_len, dtype=training.dtype)
 
 
 def make_plan(
@@ -62,7 +69,7 @@ def make_plan(
 ) -> Plan:
     """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its plan."""
     started = time.perf_counter()
-    graph = trace_for_training(handle, training)
+    graph = cost_graph(handle, training)
     model = CostModel(graph, cluster, training, options=options)
     spec = handle.spec
     limits = ModelLimits(
@@ -75,7 +82,7 @@ def make_plan(
     result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
     best = result.best
     chunks, prediction = _refine_stages(model, best)
-    layout = _tp_layout(graph, model, best.strategy, ilp_time_limit_s)
+    layout = _tp_layout(handle, training, model, best.strategy, ilp_time_limit_s)
     stats = result.stats.model_copy(
         update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
     )
@@ -135,10 +142,16 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
 
 
 def _tp_layout(
-    graph: OpGraph, model: CostModel, strategy: Strategy, time_limit_s: float
+    handle: ModelHandle,
+    training: Training,
+    model: CostModel,
+    strategy: Strategy,
+    time_limit_s: float,
 ) -> TPLayout | None:
+    """The sharding ILP on the traced graph (real operators and edges) at the plan's tp."""
     if strategy.tp == 1:
         return None
+    graph = model.graph if handle.spec is None else trace_for_training(handle, training)
     profile = model.profile
     link = link_for_axis(strategy.tp, 1, model.cluster, profile)
     roofline = Roofline(
