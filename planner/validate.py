@@ -18,6 +18,7 @@ from torch import nn
 
 from planner.errors import PlanMismatchError, SpecError
 from planner.models import fingerprint
+from planner.models.transformer import Transformer
 from planner.spec import CompressionKind, Plan, RecomputeMode, Schedule, TPStyle
 
 __all__ = [
@@ -40,12 +41,8 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
             f"--nproc-per-node/--nnodes giving {strategy.world_size} ranks, or make a plan "
             f"for {world_size} GPUs"
         )
-    if strategy.cp > 1:
-        raise SpecError(
-            f"strategy.cp = {strategy.cp}: context parallelism is not implemented by the "
-            "runtime yet; make a plan with cp = 1"
-        )
     _check_batch(plan)
+    _check_context_parallel(plan)
     _check_compression(plan)
     _check_recompute(plan)
     _check_pipeline(plan)
@@ -62,15 +59,26 @@ def _check_batch(plan: Plan) -> None:
         )
 
 
+def _check_context_parallel(plan: Plan) -> None:
+    cp = plan.strategy.cp
+    seq_len = plan.training.seq_len or (plan.model.seq_len if plan.model is not None else None)
+    if cp > 1 and seq_len is not None and seq_len % cp:
+        raise SpecError(
+            f"training.seq_len = {seq_len} is not divisible by cp({cp}): every context-parallel "
+            "rank holds an equal contiguous shard of the sequence; choose seq_len divisible by cp"
+        )
+
+
 def _check_compression(plan: Plan) -> None:
     strategy = plan.strategy
     kind = strategy.compression.kind
     if kind is CompressionKind.NONE:
         return
-    if strategy.dp == 1:
+    if strategy.dp * strategy.cp == 1:
         raise SpecError(
-            f"strategy.compression.kind = {kind.value!r} needs dp > 1 (there is no gradient "
-            "reduction to compress); set compression kind 'none'"
+            f"strategy.compression.kind = {kind.value!r} needs dp({strategy.dp}) * "
+            f"cp({strategy.cp}) > 1 (there is no gradient reduction to compress); set "
+            "compression kind 'none'"
         )
     if kind is CompressionKind.POWERSGD and strategy.zero >= 1:
         raise SpecError(
@@ -243,8 +251,19 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle
     _check_sequence_parallel(plan, expanded)
     if plan.strategy.pp > 1:
         _check_stages(plan, module)
+    if plan.strategy.cp > 1:
+        _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
     return expanded
+
+
+def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:
+    if not any(isinstance(m, Transformer) for m in module.modules()):
+        raise SpecError(
+            f"strategy.cp = {plan.strategy.cp} but {type(module).__name__} is not a zoo "
+            "Transformer: context parallel needs attention that gathers keys and values over "
+            "the cp group (planner.models.transformer); use cp = 1 for this model"
+        )
 
 
 def _check_sequence_parallel(plan: Plan, expanded: dict[str, TPStyle]) -> None:
@@ -257,26 +276,39 @@ def _check_sequence_parallel(plan: Plan, expanded: dict[str, TPStyle]) -> None:
 
 
 def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, TPStyle]) -> None:
-    """Parameters shared between modules must not be split by tensor or pipeline parallel."""
+    """Modules sharing a parameter must shard it alike under TP and sit in one pipeline chunk."""
+    modules = dict(module.named_modules())
     owners: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name.rpartition(".")[0])
-    for modules in (names for names in owners.values() if len(names) > 1):
-        sharded = [
-            m for m in modules if expanded.get(m, TPStyle.REPLICATE) is not TPStyle.REPLICATE
-        ]
-        if sharded:
+    for tied in (names for names in owners.values() if len(names) > 1):
+        layouts = {m: _weight_layout(modules[m], expanded.get(m, TPStyle.REPLICATE)) for m in tied}
+        if len(set(layouts.values())) > 1:
+            given = ", ".join(f"{m!r} {layout}" for m, layout in layouts.items())
             raise SpecError(
-                f"{' and '.join(modules)} share a parameter (tied weights), but plan.tp_layout "
-                f"shards {sharded[0]!r}: the runtime cannot keep tied weights tied under "
-                "tensor parallel; give them 'replicate' or untie them"
+                f"{' and '.join(tied)} share a parameter (tied weights), but plan.tp_layout "
+                f"shards it differently ({given}): give them layouts that shard the same "
+                "dimension (embedding 'vocab_parallel' with output 'colwise'), or "
+                "'replicate' both"
             )
-        chunks = {_chunk_of(plan, m) for m in modules} if plan.strategy.pp > 1 else set()
+        chunks = {_chunk_of(plan, m) for m in tied} if plan.strategy.pp > 1 else set()
         if len(chunks) > 1:
             raise SpecError(
-                f"{' and '.join(modules)} share a parameter (tied weights) but sit in pipeline "
-                f"chunks {sorted(chunks)}: put them in one chunk or untie them"
+                f"{' and '.join(tied)} share a parameter (tied weights) but sit in pipeline "
+                f"chunks {sorted(chunks)}: the runtime does not all-reduce tied gradients "
+                "across pipeline stages; put them in one chunk or untie them "
+                "(tied_embeddings = false)"
             )
+
+
+def _weight_layout(module: nn.Module, style: TPStyle) -> str:
+    """How ``style`` lays out ``module``'s weight over the tp ranks, in words."""
+    if style is TPStyle.REPLICATE:
+        return "unsharded"
+    if style is TPStyle.SEQUENCE_PARALLEL:
+        return "replicated DTensor"
+    colwise_dim = 1 if isinstance(module, nn.Embedding) else 0
+    return f"sharded on dim {colwise_dim if style is TPStyle.COLWISE else 1 - colwise_dim}"
 
 
 def _chunk_of(plan: Plan, fqn: str) -> int:

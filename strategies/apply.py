@@ -3,10 +3,11 @@
 1. validate the plan against the world size and the model (pure; before any collective)
 2. build the device mesh
 3. pipeline split (this rank's chunks)
-4. tensor / sequence parallel
-5. activation recompute
-6. FSDP (ZeRO >= 1) or DDP (ZeRO 0)
-7. gradient-compression hooks
+4. context parallel (attention gathers keys and values over cp; global positions)
+5. tensor / sequence parallel
+6. activation recompute
+7. FSDP (ZeRO >= 1, sharding over dp_shard x cp) or DDP (ZeRO 0, over dp_replicate x cp)
+8. gradient-compression hooks
 
 The same order as torchtitan's ``parallelize_llama``: each later step wraps what the
 earlier ones produced (FSDP shards DTensor-TP parameters into 2-D DTensors, DDP's hooks
@@ -28,7 +29,15 @@ from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 from planner.errors import SpecError
 from planner.spec import Axis, Plan
 from planner.validate import check_model_against_plan, validate_plan_for_world
-from strategies import checkpointing, compression, data_parallel, fsdp, pipeline, tensor_parallel
+from strategies import (
+    checkpointing,
+    compression,
+    context_parallel,
+    data_parallel,
+    fsdp,
+    pipeline,
+    tensor_parallel,
+)
 from strategies.mesh import axis_rank, build_mesh, device_type
 from strategies.pipeline import LossFn, PipelineRunner
 
@@ -101,6 +110,7 @@ def _apply_dimensions(
 ) -> nn.Module:
     if device_type() == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
+    model = context_parallel.apply(model, mesh, plan)
     model = tensor_parallel.apply(
         model, mesh, plan, loss_parallel=loss_parallel, holds_input=holds_input
     )

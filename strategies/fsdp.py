@@ -1,5 +1,9 @@
 """ZeRO / FSDP2: ``fully_shard`` per block and at the root over the data-parallel axes.
 
+Context-parallel ranks hold the same parameters, so the shard axis is dp_shard x cp
+(:func:`strategies.mesh.shard_mesh`): ZeRO shards over it and gradients are averaged
+over it, as the cost model assumes.
+
 ``zero = 3`` reshards weights after forward (gathered again in backward); ``zero = 1``
 and ``2`` (and ``zero = 0`` replication run through FSDP2, see :mod:`strategies.data_parallel`)
 keep them gathered between forward and backward (``reshard_after_forward=False``,
@@ -21,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from planner.errors import SpecError
 from planner.spec import CompressionKind, DType, Plan
 from planner.validate import find_blocks
-from strategies.mesh import dp_axes
+from strategies.mesh import shard_mesh
 
 __all__ = ["apply", "uses_fsdp", "mixed_precision"]
 
@@ -32,8 +36,9 @@ _REDUCE_DTYPES = {CompressionKind.FP16: torch.float16, CompressionKind.BF16: tor
 
 
 def uses_fsdp(plan: Plan) -> bool:
-    """Whether the plan shards over data parallel (ZeRO >= 1 on a dp_shard axis > 1)."""
-    return plan.strategy.zero >= 1 and plan.strategy.shard_degree > 1
+    """Whether the plan shards parameters (ZeRO >= 1 over dp_shard x cp > 1)."""
+    strategy = plan.strategy
+    return strategy.zero >= 1 and strategy.shard_degree * strategy.cp > 1
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
@@ -54,7 +59,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     """Shard ``model`` with FSDP2 over the data-parallel axes when the plan asks for it."""
     if not uses_fsdp(plan) or mesh is None:
         return model
-    shard(model, mesh[dp_axes(mesh)], plan, reason=f"zero={plan.strategy.zero}")
+    shard(model, shard_mesh(mesh), plan, reason=f"zero={plan.strategy.zero}")
     return model
 
 

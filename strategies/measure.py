@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import platform
 import re
@@ -28,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.autograd.profiler_util import FunctionEvent
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -42,7 +43,13 @@ from strategies.mesh import device_type
 from strategies.pipeline import PipelineRunner
 from strategies.runner import Trainer, local_slice, synthetic_batch
 
-__all__ = ["measure_plan", "classify_phases", "COMM_PATTERN", "FORWARD_LABEL"]
+__all__ = [
+    "measure_plan",
+    "classify_phases",
+    "TensorMemoryTracker",
+    "COMM_PATTERN",
+    "FORWARD_LABEL",
+]
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +272,22 @@ def _phases_per_axis(plan: Plan, phases: dict[str, float]) -> dict[str, float]:
     return phases
 
 
+def _run(
+    plan: Plan, steps: int, warmup: int, seed: int, lr: float
+) -> tuple[list[float], dict[str, float], float, float, str]:
+    """Step times, profiled phases and their step's wall time, peak GiB and its method."""
+    assert plan.model is not None
+    model = build(plan.model, device="cpu", seed=seed)
+    trainer = Trainer(parallelize(model, plan), plan, lr=lr)
+    batches = _Batches(plan, seed)
+    for step in range(warmup):
+        _timed_step(trainer, batches, step)
+    times = [_timed_step(trainer, batches, warmup + i) for i in range(steps)]
+    phases, profiled_wall = _profiled_phases(trainer, batches, warmup + steps)
+    peak, memory_method = _peak_memory_gib(trainer, batches, warmup + steps + 1)
+    return times, phases, profiled_wall, peak, memory_method
+
+
 def measure_plan(
     plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, command: str = ""
 ) -> MeasuredProfile:
@@ -280,14 +303,10 @@ def measure_plan(
     if steps < 1 or warmup < 0:
         raise SpecError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = build(plan.model, device="cpu", seed=seed)
-    trainer = Trainer(parallelize(model, plan), plan, lr=lr)
-    batches = _Batches(plan, seed)
-    for step in range(warmup):
-        _timed_step(trainer, batches, step)
-    times = [_timed_step(trainer, batches, warmup + i) for i in range(steps)]
-    phases, profiled_wall = _profiled_phases(trainer, batches, warmup + steps)
-    peak, memory_method = _peak_memory_gib(trainer, batches, warmup + steps + 1)
+    times, phases, profiled_wall, peak, memory_method = _run(plan, steps, warmup, seed, lr)
+    gc.collect()  # free FSDP's module cycles while the process group lives (else: abort at exit)
+    if dist.is_initialized():
+        dist.barrier()
     median, p10, p90 = step_statistics(times)
     scale = median / profiled_wall
     phases = {name: seconds * scale for name, seconds in phases.items()}

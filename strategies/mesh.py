@@ -15,9 +15,10 @@ __all__ = [
     "device_type",
     "axis_size",
     "axis_rank",
-    "dp_axes",
     "coordinates",
     "dp_rank_of",
+    "shard_mesh",
+    "replicate_mesh",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ def axis_rank(mesh: DeviceMesh | None, axis: Axis) -> int:
     return mesh.get_local_rank(axis.value)
 
 
-def dp_axes(mesh: DeviceMesh | None) -> tuple[str, ...]:
-    """The data-parallel axes present in ``mesh``, outermost first."""
-    wanted = (Axis.DP_REPLICATE.value, Axis.DP_SHARD.value)
-    return tuple(name for name in wanted if name in _names(mesh))
-
-
 def coordinates(plan: Plan, rank: int) -> dict[Axis, int]:
     """``rank``'s coordinate on every axis of the plan's mesh (row-major, as ``init_device_mesh``)."""
     coords: dict[Axis, int] = {}
@@ -78,3 +73,32 @@ def dp_rank_of(plan: Plan, rank: int) -> int:
     coords = coordinates(plan, rank)
     shard = plan.strategy.shard_degree
     return coords.get(Axis.DP_REPLICATE, 0) * shard + coords.get(Axis.DP_SHARD, 0)
+
+
+def _joined(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The sub-mesh over ``names`` as one axis (flattened when there are several)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP's mesh: ``dp_shard`` and ``cp`` joined into one shard axis, ``dp_replicate`` outside.
+
+    Context-parallel ranks hold the same parameters, so ZeRO shards over dp_shard x cp
+    (as torchtitan's ``dp_shard_cp``) and gradients are averaged over cp too. 1-D, or 2-D
+    (replicate, shard) for hybrid sharding.
+    """
+    names = _names(mesh)
+    shard = tuple(n for n in (Axis.DP_SHARD.value, Axis.CP.value) if n in names)
+    if Axis.DP_REPLICATE.value not in names:
+        return _joined(mesh, shard)
+    if not shard:
+        return mesh[Axis.DP_REPLICATE.value]
+    return DeviceMesh._concatenate([mesh[Axis.DP_REPLICATE.value], _joined(mesh, shard)])
+
+
+def replicate_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Plain data parallel's 1-D mesh: ``dp_replicate`` and ``cp`` joined (cp ranks hold replicas)."""
+    names = _names(mesh)
+    return _joined(mesh, tuple(n for n in (Axis.DP_REPLICATE.value, Axis.CP.value) if n in names))

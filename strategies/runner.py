@@ -3,8 +3,9 @@
 :class:`Trainer` wraps what :func:`strategies.apply.parallelize` returned (a model or a
 :class:`~strategies.pipeline.PipelineRunner`) with the optimizer, gradient
 accumulation over micro-batches and gradient clipping. Every rank draws the same
-global batch from a seeded generator and keeps its data-parallel slice, so a run on N
-ranks sees the same data as a run on one.
+global batch from a seeded generator and keeps its data-parallel slice (and, under
+context parallel, its sequence shard), so a run on N ranks sees the same data as a run
+on one.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
 from planner.models import build
-from planner.spec import DType, Optimizer, Plan
+from planner.spec import Axis, DType, Optimizer, Plan
 from strategies.apply import loss_context, parallelize, token_cross_entropy
-from strategies.mesh import device_type, dp_rank_of
+from strategies.context_parallel import sequence_slice
+from strategies.mesh import coordinates, device_type, dp_rank_of
 from strategies.pipeline import PipelineRunner, full_value
 
 __all__ = [
@@ -73,10 +75,14 @@ def synthetic_batch(
 
 
 def local_slice(plan: Plan, rank: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """This rank's data-parallel share (dim 0) of each global-batch tensor."""
-    dp = plan.strategy.dp
+    """This rank's data-parallel share (dim 0) and context-parallel shard (dim 1) of each tensor."""
+    dp, cp = plan.strategy.dp, plan.strategy.cp
     index = dp_rank_of(plan, rank)
-    return tuple(t.chunk(dp)[index] for t in tensors)
+    shards = tuple(t.chunk(dp)[index] for t in tensors)
+    if cp == 1:
+        return shards
+    cp_index = coordinates(plan, rank).get(Axis.CP, 0)
+    return tuple(sequence_slice(t, cp_index, cp) for t in shards)
 
 
 class Trainer:

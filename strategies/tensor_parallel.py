@@ -15,6 +15,13 @@ Any ``{fqn: style}`` dict is accepted, not only the zoo's names:
   module slices its input, runs on the shard and all-gathers its output.
 - ``replicate``: left as is (identical on every tensor-parallel rank).
 
+Tied weights (a parameter shared by modules, e.g. ``tok_embeddings.weight is
+output.weight``) stay tied: each module's style shards its own reference, then every
+reference is pointed back at one DTensor parameter. A vocabulary-parallel embedding
+and a column-parallel head both shard the weight on the vocabulary (``Shard(0)``), so
+they share it exactly; :func:`planner.validate.check_model_against_plan` refuses
+layouts that shard a tied weight differently.
+
 Under sequence parallel the residual stream is a local tensor sharded on the sequence
 dim (dim 1). It enters that form at the parent of the first sequence-parallel module
 (the first block) of the chunk that takes the model's input; a module holding a
@@ -28,7 +35,7 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -39,10 +46,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from planner.errors import SpecError
 from planner.spec import Plan, TPStyle
 from planner.validate import match_fqns
 
-__all__ = ["apply", "concrete_layout"]
+__all__ = ["apply", "concrete_layout", "tied_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +91,50 @@ def apply(
         styles.update(_gather_before_pairs(layout))
     in_block = [] if sequence_parallel else _sequence_parallel_modules(layout)
     tp_mesh = mesh["tp"]
+    tied = tied_parameters(model)
     if in_block:
         parallelize_module(model, tp_mesh, dict.fromkeys(in_block, _SLICE_SEQUENCE))
     parallelize_module(model, tp_mesh, styles)
     if in_block:
         parallelize_module(model, tp_mesh, dict.fromkeys(in_block, _GATHER_SEQUENCE))
+    for names in tied:
+        _retie(model, names)
     log.info(
-        "tensor parallel: tp=%d, %d modules sharded%s%s",
+        "tensor parallel: tp=%d, %d modules sharded%s%s%s",
         plan.strategy.tp,
         len(styles),
+        f", {len(tied)} tied parameters kept tied" if tied else "",
         ", sequence parallel" if sequence_parallel else "",
         ", loss parallel" if loss_parallel else "",
     )
     return model
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter that several modules share (tied weights), one list per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, names: list[str]) -> None:
+    """Point every name in ``names`` at the (sharded) parameter the first name now holds."""
+    shared = model.get_parameter(names[0])
+    for name in names[1:]:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if _placements(getattr(module, attr)) != _placements(shared):
+            raise SpecError(
+                f"tied parameters {names[0]!r} and {name!r} were sharded differently by "
+                f"plan.tp_layout ({_placements(shared)} vs {_placements(getattr(module, attr))}): "
+                "give both modules layouts that shard the same dimension, or replicate both"
+            )
+        module.register_parameter(attr, shared)
+
+
+def _placements(param: nn.Parameter) -> tuple[object, ...]:
+    return tuple(param.placements) if isinstance(param, DTensor) else ("unsharded",)
 
 
 def _styles(

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.assemble import assemble_plan
-from planner.models import ModelHandle, resolve_model
+from planner.models import ModelHandle, build, get_preset, resolve_model
 from planner.spec import Cluster, Plan, Strategy, TPStyle, Training
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
@@ -101,6 +101,10 @@ def build_handle(model: str) -> ModelHandle:
     """The case's model, seeded so every rank (and the reference) has the same weights."""
     if model in ("tiny-gpt", "tiny-llama"):
         return resolve_model(model, device="cpu", seed=0)
+    if model == "tiny-gpt-tied":  # tok_embeddings.weight is output.weight
+        spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
+        module = build(spec, device="cpu", seed=0)
+        return ModelHandle(model, f"tests:{model}", module, lambda b, s: (), spec)
     torch.manual_seed(0)
     module = TinyLM() if model == "tiny-lm" else _hf_llama()
     return ModelHandle(model, f"tests:{model}", module, lambda b, s: ())

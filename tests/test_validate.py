@@ -51,9 +51,23 @@ def test_global_batch_must_match_dp_times_microbatches() -> None:
         validate_plan_for_world(_plan(batch=8, dp=2), 2)
 
 
-def test_context_parallel_is_refused() -> None:
-    with pytest.raises(SpecError, match="cp = 2"):
-        validate_plan_for_world(_plan(batch=1, cp=2), 2)
+def test_context_parallel_on_the_zoo_transformer_is_accepted() -> None:
+    plan = _plan(batch=2, dp=2, cp=2, tp=2, zero=3)
+    validate_plan_for_world(plan, 8)
+    check_model_against_plan(plan, resolve_model("tiny-llama").module)
+
+
+def test_context_parallel_needs_seq_len_divisible_by_cp() -> None:
+    plan = _plan(batch=1, cp=4)
+    odd = plan.model_copy(update={"training": plan.training.model_copy(update={"seq_len": 30})})
+    with pytest.raises(SpecError, match=r"seq_len = 30 is not divisible by cp\(4\)"):
+        validate_plan_for_world(odd, 4)
+
+
+def test_context_parallel_needs_the_zoo_attention() -> None:
+    plan = _plan("mlp-mixer", batch=1, cp=2)
+    with pytest.raises(SpecError, match="cp = 2 but MLPMixer is not a zoo Transformer"):
+        check_model_against_plan(plan, resolve_model("mlp-mixer").module)
 
 
 def test_powersgd_needs_ddp() -> None:
@@ -63,7 +77,7 @@ def test_powersgd_needs_ddp() -> None:
 
 
 def test_compression_needs_data_parallel() -> None:
-    with pytest.raises(SpecError, match="needs dp > 1"):
+    with pytest.raises(SpecError, match=r"needs dp\(1\) \* cp\(1\) > 1"):
         validate_plan_for_world(_plan(batch=1, compression={"kind": "fp16"}), 1)
 
 
@@ -158,18 +172,29 @@ def test_find_blocks_on_zoo_and_hugging_face_naming() -> None:
     ]
 
 
-def _tied_plan(**strategy: Any) -> tuple[Plan, nn.Module]:
+def _tied_plan(vocab_parallel: bool = True, **strategy: Any) -> tuple[Plan, nn.Module]:
     spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
     handle = ModelHandle("tied", "tied", build(spec), lambda b, s: (), spec)
     parsed = Strategy.model_validate(strategy)
     cluster = Cluster(gpu="h100", num_gpus=parsed.world_size)
     training = Training(global_batch_size=parsed.dp * parsed.num_microbatches)
-    return assemble_plan(handle, cluster, training, parsed), handle.module
+    plan = assemble_plan(handle, cluster, training, parsed, vocab_parallel=vocab_parallel)
+    return plan, handle.module
 
 
-def test_tied_embeddings_cannot_be_tensor_parallel() -> None:
+def test_tied_embeddings_sharded_alike_under_tensor_parallel() -> None:
     plan, module = _tied_plan(tp=2)
-    with pytest.raises(SpecError, match=r"tied weights.*shards 'tok_embeddings'"):
+    expanded = check_model_against_plan(plan, module)
+    assert expanded["tok_embeddings"] is TPStyle.VOCAB_PARALLEL
+    assert expanded["output"] is TPStyle.COLWISE
+
+
+def test_tied_embeddings_sharded_differently_are_refused() -> None:
+    plan, module = _tied_plan(vocab_parallel=False, tp=2)
+    with pytest.raises(
+        SpecError,
+        match=r"tied weights.*'tok_embeddings' unsharded, 'output' sharded on dim 0",
+    ):
         check_model_against_plan(plan, module)
 
 

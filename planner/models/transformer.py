@@ -6,9 +6,17 @@ local shapes (``view(b, s, -1, head_dim)``), so column-sharding ``wq/wk/wv`` and
 row-sharding ``wo`` needs no change to the code. Blocks live in an ``nn.ModuleDict``
 keyed ``"0".."L-1"`` so pipeline stages can delete blocks and keep FQNs, as torchtitan
 does. The model returns logits; the loss is computed outside.
+
+Context parallel: :meth:`Transformer.shard_sequence` hands the model a
+:class:`SequenceShard` (the runtime's, over the ``cp`` group). The model then sees one
+contiguous shard of the sequence: positions (RoPE, position embeddings) are offset to
+global ones, and attention gathers keys and values of the whole sequence, with the
+causal mask shifted to the shard's queries.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +24,27 @@ from torch import nn
 
 from planner.spec import Activation, Family, ModelSpec
 
-__all__ = ["Transformer", "Block"]
+__all__ = ["Transformer", "Block", "SequenceShard"]
+
+
+class SequenceShard(Protocol):
+    """This rank holds shard ``index`` of ``count`` equal contiguous shards of the sequence."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """All shards of ``x`` (batch, local seq, ...) joined on dim 1; gradients flow back."""
+        ...
+
+
+def global_positions(seq: int, shard: SequenceShard | None, device: torch.device) -> torch.Tensor:
+    """Positions in the whole sequence of the ``seq`` local tokens (shard ``index`` of ``count``)."""
+    offset = shard.index * seq if shard is not None else 0
+    return torch.arange(offset, offset + seq, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -30,13 +58,13 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x`` shaped (batch, seq, heads, head_dim)."""
-    seq, head_dim = x.shape[1], x.shape[-1]
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` shaped (batch, seq, heads, head_dim) at ``positions``."""
+    head_dim = x.shape[-1]
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim
     )
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.float(), inv_freq)
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[None, :, None, :]
     sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[None, :, None, :]
     half = head_dim // 2
@@ -57,6 +85,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
         self.wv = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
         self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
+        self.sequence_shard: SequenceShard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -64,14 +93,27 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+            positions = global_positions(seq, self.sequence_shard, x.device)
+            q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
+        if self.sequence_shard is not None:
+            k, v = self.sequence_shard.gather(k), self.sequence_shard.gather(v)
         if self.kv_groups > 1:
             k = k.repeat_interleave(self.kv_groups, dim=2)
             v = v.repeat_interleave(self.kv_groups, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sequence_shard is not None and self.causal:
+            mask = self._shard_causal_mask(self.sequence_shard, seq, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    @staticmethod
+    def _shard_causal_mask(shard: SequenceShard, seq: int, device: torch.device) -> torch.Tensor:
+        """(local queries, all keys) boolean mask: a query sees keys at or before its position."""
+        queries = global_positions(seq, shard, device)
+        keys = torch.arange(seq * shard.count, device=device)
+        return keys[None, :] <= queries[:, None]
 
 
 class FeedForward(nn.Module):
@@ -131,12 +173,19 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.sequence_shard: SequenceShard | None = None
+
+    def shard_sequence(self, shard: SequenceShard) -> None:
+        """Context parallel: inputs are from now on shard ``shard.index`` of the sequence."""
+        self.sequence_shard = shard
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.sequence_shard = shard
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
-            positions = torch.arange(h.shape[1], device=h.device)
-            h = h + self.pos_embeddings(positions)
+            h = h + self.pos_embeddings(global_positions(h.shape[1], self.sequence_shard, h.device))
         for block in self.layers.values():
             h = block(h)
         h = self.norm(h) if self.norm is not None else h
