@@ -17,7 +17,7 @@ from planner.cost.communication import link_for_axis
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.graph import OpGraph
-from planner.models import ModelHandle
+from planner.models import ModelHandle, Transformer
 from planner.solve.layout import Roofline, TPLayout, solve_tp_layout
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
@@ -78,6 +78,7 @@ def make_plan(
         num_heads=spec.num_heads if spec else None,
         num_kv_heads=spec.kv_heads if spec else None,
         pipeline=pipeline_splittable(handle.module),
+        context_parallel=isinstance(handle.module, Transformer),
     )
     result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
     best = result.best

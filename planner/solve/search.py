@@ -106,6 +106,7 @@ class ModelLimits:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     pipeline: bool = True  # whether the runtime can split the blocks into stages
+    context_parallel: bool = True  # whether the runtime can shard its sequences
 
     def allows_tp(self, tp: int) -> bool:
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
@@ -215,6 +216,8 @@ class _Space:
                 continue
             for cp in _divisors(n // tp):
                 if not pins.allows("cp", cp) or (cp > 1 and limits.seq_len % (2 * cp)):
+                    continue
+                if cp > 1 and not limits.context_parallel:
                     continue
                 if cp > 1 and limits.seq_len // cp < _MIN_CP_TOKENS and pins.cp is None:
                     continue
@@ -430,6 +433,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
         )
     if pins.pp is not None and (pins.pp > limits.num_blocks or not limits.pipeline):
         reasons.append(f"pp({pins.pp}) cannot split this model's {limits.num_blocks} blocks")
+    if pins.cp is not None and pins.cp > 1 and not limits.context_parallel:
+        reasons.append(f"cp({pins.cp}): the runtime shards sequences of zoo transformers only")
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
     detail = "; ".join(reasons) or (
