@@ -23,7 +23,7 @@ def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
         ("context parallel", f"{s.cp}"),
         ("sharding", sharding),
         ("recompute", s.recompute.value),
-        ("micro-batches", f"{s.num_microbatches} of {s.micro_batch_size} per step per replica"),
+        ("micro-batches", f"{s.num_microbatches} x {s.micro_batch_size} sequences per replica"),
     ]
     if s.pp > 1:
         v = f", {s.virtual_stages} virtual stages" if s.virtual_stages > 1 else ""
