@@ -15,7 +15,6 @@ import os
 import re
 import statistics
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,10 +107,11 @@ _STEP = re.compile(r"^ProfilerStep#\d+$")
 
 @dataclass(frozen=True)
 class TraceSummary:
-    """Seconds per step by operator class, the step time, and what the trace held."""
+    """Mean seconds per step by operator class, median and mean step time, and the source."""
 
     steps: int
-    step_time_s: float
+    step_time_s: float  # median over the profiled steps
+    mean_step_time_s: float
     class_s: dict[str, float]
     source: str  # "kernels" (GPU) or "cpu operators"
 
@@ -185,6 +185,10 @@ def read_trace(path: Path) -> TraceSummary:
         if str(e.get("cat", "")).lower() in ("cpu_op", "user_annotation", "")
         and not _STEP.match(str(e.get("name", "")))
     ]  # fmt: skip
+    if steps:  # only what ran inside the profiled steps
+        first = min(float(e["ts"]) for e in steps)
+        last = max(float(e["ts"]) + float(e["dur"]) for e in steps)
+        timed = [e for e in timed if first <= float(e["ts"]) <= last]
     if not timed:
         raise SpecError(f"trace {path} has no kernels or CPU operators to match to the plan")
     totals = dict.fromkeys(OP_CLASSES, 0.0)
@@ -192,13 +196,13 @@ def read_trace(path: Path) -> TraceSummary:
         totals[inherited or _classify(str(event.get("name", "")))] += exclusive * 1e-6
     count = max(1, len(steps))
     if steps:
-        step_time = statistics.median(float(e["dur"]) for e in steps) * 1e-6
+        durations = [float(e["dur"]) * 1e-6 for e in steps]
+        median, mean = statistics.median(durations), statistics.fmean(durations)
     else:
-        span = max(float(e["ts"]) + float(e["dur"]) for e in timed) - min(
-            float(e["ts"]) for e in timed
-        )
-        step_time = span * 1e-6
-    return TraceSummary(count, step_time, {k: v / count for k, v in totals.items()}, source)
+        end = max(float(e["ts"]) + float(e["dur"]) for e in timed)
+        median = mean = (end - min(float(e["ts"]) for e in timed)) * 1e-6
+    per_step = {k: v / count for k, v in totals.items()}
+    return TraceSummary(count, median, mean, per_step, source)
 
 
 def compare_trace(
@@ -300,11 +304,3 @@ def _save_figure_atomic(figure: Any, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def predicted_op_classes(rows: Sequence[tuple[str, float]]) -> dict[str, float]:
-    """Sum (class, seconds) pairs into a class -> seconds mapping."""
-    totals: dict[str, float] = {}
-    for name, seconds in rows:
-        totals[name] = totals.get(name, 0.0) + seconds
-    return totals

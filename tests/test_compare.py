@@ -60,7 +60,8 @@ def test_trace_operators_are_matched_to_operator_classes(trace_path: Path) -> No
     assert summary.source == "cpu operators"
     assert summary.class_s["matmul"] > 0 and summary.class_s["optimizer"] > 0
     assert summary.class_s["attention"] > 0 and summary.class_s["communication"] == 0
-    assert 0.5 * summary.step_time_s < sum(summary.class_s.values()) < 1.25 * summary.step_time_s
+    # operator classes are disjoint parts of a step (their share depends on the load)
+    assert 0 < sum(summary.class_s.values()) <= summary.mean_step_time_s
 
 
 def test_compare_trace_rows_cover_every_class(trace_path: Path) -> None:

@@ -62,7 +62,8 @@ def cpu_peak_tflops(threads: int) -> tuple[float, str]:
     """
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     mhz = re.search(r"cpu MHz\s*:\s*([\d.]+)", text)
-    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split()) if "flags" in text else set()  # type: ignore[union-attr]
+    found = re.search(r"flags\s*:\s*(.*)", text)
+    flags = set(found.group(1).split()) if found else set()
     if mhz is None:
         raise CalibrationError(
             "cannot read the CPU clock from /proc/cpuinfo to estimate the peak: pass "
