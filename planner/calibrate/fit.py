@@ -144,35 +144,37 @@ def _start_rate_overhead(x: Array, t: Array) -> tuple[float, float]:
     return rate, overhead
 
 
-def fit_matmul(flops: Sequence[float], seconds: Sequence[float], peak_flops: float) -> FitResult:
-    """Fit ``matmul_efficiency`` (fraction of ``peak_flops``) and ``matmul_overhead_us``."""
-    x, t = _arrays(flops, seconds, "matmul fit")
+def _fit_efficiency(
+    x: Array, t: Array, peak: float, names: tuple[str, str], what: str, hint: str
+) -> FitResult:
+    """Fit ``t = x / (peak * efficiency) + overhead_us * 1e-6`` on log ratios."""
     rate, overhead = _start_rate_overhead(x, t)
 
     def residuals(p: Array) -> Array:
-        return np.log((x / (peak_flops * p[0]) + p[1] * 1e-6) / t)
+        return np.log((x / (peak * p[0]) + p[1] * 1e-6) / t)
 
     return fit_parameters(
-        residuals, [min(rate / peak_flops, 1.0), overhead * 1e6],
-        [Bound("matmul_efficiency", 1e-3, 1.0), Bound("matmul_overhead_us", 0.0, 1e5, " us")],
-        what="matmul fit",
-        hint="raise peak_tflops if GEMMs ran faster than peak, or re-run on an idle machine",
+        residuals, [min(rate / peak, 1.0), overhead * 1e6],
+        [Bound(names[0], 1e-3, 1.0), Bound(names[1], 0.0, 1e5, " us")],
+        what=what, hint=hint,
+    )  # fmt: skip
+
+
+def fit_matmul(flops: Sequence[float], seconds: Sequence[float], peak_flops: float) -> FitResult:
+    """Fit ``matmul_efficiency`` (fraction of ``peak_flops``) and ``matmul_overhead_us``."""
+    x, t = _arrays(flops, seconds, "matmul fit")
+    return _fit_efficiency(
+        x, t, peak_flops, ("matmul_efficiency", "matmul_overhead_us"), "matmul fit",
+        "raise peak_tflops if GEMMs ran faster than peak, or re-run on an idle machine",
     )  # fmt: skip
 
 
 def fit_memory(nbytes: Sequence[float], seconds: Sequence[float], bandwidth: float) -> FitResult:
     """Fit ``memory_efficiency`` (fraction of ``bandwidth`` bytes/s) and ``kernel_overhead_us``."""
     x, t = _arrays(nbytes, seconds, "memory-bound fit")
-    rate, overhead = _start_rate_overhead(x, t)
-
-    def residuals(p: Array) -> Array:
-        return np.log((x / (bandwidth * p[0]) + p[1] * 1e-6) / t)
-
-    return fit_parameters(
-        residuals, [min(rate / bandwidth, 1.0), overhead * 1e6],
-        [Bound("memory_efficiency", 1e-3, 1.0), Bound("kernel_overhead_us", 0.0, 1e5, " us")],
-        what="memory-bound fit",
-        hint="raise memory_bandwidth_GBps if kernels ran faster, or re-run on an idle machine",
+    return _fit_efficiency(
+        x, t, bandwidth, ("memory_efficiency", "kernel_overhead_us"), "memory-bound fit",
+        "raise memory_bandwidth_GBps if kernels ran faster, or re-run on an idle machine",
     )  # fmt: skip
 
 
