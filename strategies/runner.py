@@ -258,5 +258,6 @@ def process_group_from_env() -> Iterator[int]:
     log.info("process group: %s, world size %d", backend, dist.get_world_size())
     try:
         yield dist.get_rank()
+        dist.barrier()  # no rank tears gloo down while another still has work in flight
     finally:
         dist.destroy_process_group()

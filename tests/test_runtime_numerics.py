@@ -169,6 +169,7 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) 
         except Exception:
             results[case.name] = traceback.format_exc()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()  # tearing gloo down under a peer's pending work aborts the process
     dist.destroy_process_group()
 
 
