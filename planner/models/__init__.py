@@ -217,8 +217,10 @@ def resolve_model(
             if seed is not None:
                 torch.manual_seed(seed)
             return _from_module(source, source, SMALL_MODELS[source](), None)
-    else:
+    elif ALIASES.get(source, source) in PRESETS:
         spec = get_preset(source)
+    else:
+        raise UnknownNameError("model", source, list_models())
     if seq_len is not None:
         spec = spec.with_seq_len(seq_len)
     return _from_spec(spec, source, device, seed)
