@@ -197,3 +197,16 @@ def _tensor_core_flops(graph):
         for node in graph.segment_type(segment).nodes
         if node.kind in kinds
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "pins"), [("mlp", Pins()), ("cnn", Pins(tp=2)), ("mlp-mixer", Pins(tp=2))]
+)
+def test_models_without_transformer_blocks_get_runnable_plans(model, pins):
+    plan = make_plan(
+        resolve_model(model), Cluster(gpu="a100-sxm-80gb", num_gpus=4), Training(global_batch_size=64),
+        pins=pins,
+    )  # fmt: skip
+    assert plan.strategy.world_size == 4 and plan.strategy.pp == 1 and plan.strategy.cp == 1
+    if plan.strategy.sequence_parallel:
+        assert "sequence_parallel" in {style.value for style in plan.tp_layout.values()}

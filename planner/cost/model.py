@@ -16,6 +16,17 @@ from functools import cached_property
 from itertools import accumulate
 
 from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
+from planner.cost.compression import (
+    GradientShapes,
+    bucket_count,
+    gradient_shapes,
+    half_cast_time,
+    half_wire_bytes,
+    powersgd_comm_time,
+    powersgd_compute_time,
+    powersgd_memory_bytes,
+    powersgd_work,
+)
 from planner.cost.compute import ComputeModel
 from planner.cost.flops import FLOP_CONVENTION
 from planner.cost.memory import ModelStateBytes, in_flight_microbatches, model_state_bytes
@@ -26,7 +37,16 @@ from planner.cost.sharding import ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind, SegmentType
 from planner.hardware import HardwareProfile, load_profile
-from planner.spec import Cluster, DType, Prediction, RecomputeMode, Schedule, Strategy, Training
+from planner.spec import (
+    Cluster,
+    CompressionKind,
+    DType,
+    Prediction,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    Training,
+)
 
 __all__ = ["CostModel", "SegmentCost", "WholeModelCost"]
 
@@ -162,6 +182,7 @@ class CostModel:
         self._stages: dict[tuple[int, int], list[list[int]]] = {}
         self._modes: dict[tuple[object, ...], list[RecomputeMode]] = {}
         self._step_flops: dict[tuple[RecomputeMode, ...], tuple[float, float]] = {}
+        self._gradient_shapes: dict[int, GradientShapes] = {}
 
     # ----- per segment type -------------------------------------------------------------
 
@@ -278,6 +299,8 @@ class CostModel:
         kinds = [self.graph.segment_type(s).kind for s in segments]
         blocks = [i for i, kind in enumerate(kinds) if kind == "block"]
         chunks = strategy.num_stages
+        if chunks == 1:
+            return [list(range(len(segments)))]  # also models without repeated blocks
         if len(blocks) < chunks:
             raise SpecError(
                 f"pp({strategy.pp}) * virtual_stages({strategy.virtual_stages}) = {chunks} "
@@ -438,22 +461,73 @@ class CostModel:
         return 2 * one * transfers
 
     def _boundary_bytes(self) -> float:
-        """Bytes of the activation passed between blocks, per sequence (batch 1)."""
-        block = next(t for t in self.graph.types.values() if t.kind == "block")
-        return block.nodes[-1].bytes_written
+        """Bytes of the activation passed between blocks, per sequence (batch 1); for a
+        model without repeated blocks, the largest segment output."""
+        types = list(self.graph.types.values())
+        blocks = [t for t in types if t.kind == "block"] or types
+        return max(t.nodes[-1].bytes_written for t in blocks if t.nodes)
 
     def _dp_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
-        """Exposed data-parallel ('comm_dp') and ZeRO-3/FSDP ('comm_fsdp') seconds per step."""
+        """Exposed data-parallel ('comm_dp'), ZeRO-3/FSDP ('comm_fsdp') and gradient
+        compression ('compression', only when compressed) seconds per step."""
+        kind = strategy.compression.kind
+        if kind is CompressionKind.POWERSGD:
+            return self._powersgd_times(strategy, slowest)
+        reduce_bytes = self.options.grad_reduce_bytes
+        if kind is CompressionKind.NONE:
+            return self._reduction_times(strategy, slowest, reduce_bytes)
+        times = self._reduction_times(strategy, slowest, half_wire_bytes(reduce_bytes))
+        buckets = bucket_count(reduce_bytes * slowest.params, self._bucket_bytes)
+        times["compression"] = half_cast_time(slowest.params, buckets, reduce_bytes, self.compute)
+        return times
+
+    @property
+    def _bucket_bytes(self) -> float:
+        return self.options.dp_bucket_mib * 2**20
+
+    def _powersgd_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
+        """PowerSGD's exposed all-reduces ('comm_dp') and compression compute per step."""
+        rank = self._powersgd_rank(strategy)
+        work = powersgd_work(self._shapes(strategy.tp), rank)
+        element = self.options.grad_reduce_bytes
+        buckets = bucket_count(element * slowest.params, self._bucket_bytes)
+        link = self._axis_link(strategy.dp, strategy.tp)
+        comm, last = powersgd_comm_time(work, buckets, strategy.dp, link, element)
+        backward = slowest.total("backward_s") + slowest.total("recompute_s")
+        compute = powersgd_compute_time(work, rank, buckets, slowest.params, self.compute, element)
+        overlapped = self.options.overlap_grad_reduce
+        return {"comm_dp": self._overlap(comm, backward, last, overlapped), "compression": compute}
+
+    @staticmethod
+    def _powersgd_rank(strategy: Strategy) -> int:
+        rank = strategy.compression.rank
+        if rank is None or strategy.zero >= 1 or strategy.pp > 1:
+            raise SpecError(
+                f"strategy.compression = powersgd (rank {rank}) with zero = {strategy.zero}, "
+                f"pp = {strategy.pp}: PowerSGD is a DDP hook; give a rank and use zero = 0, pp = 1"
+            )
+        return rank
+
+    def _shapes(self, tp: int) -> GradientShapes:
+        """The graph's 2-D weight gradients and vector elements per tensor-parallel shard."""
+        if tp not in self._gradient_shapes:
+            self._gradient_shapes[tp] = gradient_shapes(self.graph, tp)
+        return self._gradient_shapes[tp]
+
+    def _reduction_times(
+        self, strategy: Strategy, slowest: _Rank, reduce_bytes: int
+    ) -> dict[str, float]:
+        """Exposed 'comm_dp' and 'comm_fsdp' with ``reduce_bytes`` per gradient element."""
         params = slowest.params
         shard, replicate = self._zero_shard(strategy), strategy.replicate_degree
         inner = strategy.tp
-        grad = self.options.grad_reduce_bytes * params
+        grad = reduce_bytes * params
         half = 2 * params
         fwd, bwd = (
             slowest.total("forward_s"),
             slowest.total("backward_s") + slowest.total("recompute_s"),
         )
-        bucket = self.options.dp_bucket_mib * 2**20
+        bucket = self._bucket_bytes
         if strategy.zero == 0:
             link = self._axis_link(strategy.dp, inner)
             reduce = collective_time(Collective.ALL_REDUCE, grad, strategy.dp, link)
@@ -534,8 +608,16 @@ class CostModel:
             "logits": logits,
             "buffers": self._buffer_bytes(strategy, rank),
         }
+        if strategy.compression.kind is CompressionKind.POWERSGD:
+            parts["compression"] = self._powersgd_memory(strategy, rank)
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
+
+    def _powersgd_memory(self, strategy: Strategy, rank: _Rank) -> float:
+        """Error-feedback buffer, persistent P and Q, and a bucket's clone (bytes)."""
+        work = powersgd_work(self._shapes(strategy.tp), self._powersgd_rank(strategy))
+        element = self.options.grad_reduce_bytes
+        return powersgd_memory_bytes(work, rank.params, self._bucket_bytes, element)
 
     def _fsdp_working_params(self, strategy: Strategy, rank: _Rank) -> float:
         """Parameters held unsharded: the whole stage with pp > 1, else two blocks (prefetch)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions, graph_from_spec
@@ -29,6 +29,7 @@ from planner.spec import (
     Prediction,
     SolverStats,
     Strategy,
+    TPStyle,
     Training,
 )
 from planner.trace import trace
@@ -81,9 +82,17 @@ def make_plan(
         context_parallel=isinstance(handle.module, Transformer),
     )
     result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
-    best = result.best
+    layouts: dict[tuple[int, bool], TPLayout | None] = {}
+
+    def layout_of(strategy: Strategy) -> TPLayout | None:
+        key = (strategy.tp, strategy.sequence_parallel)
+        if key not in layouts:
+            layouts[key] = _tp_layout(handle, training, model, strategy, ilp_time_limit_s)
+        return layouts[key]
+
+    best = _first_with_layout(result.ranked, layout_of)
     chunks, prediction = _refine_stages(model, best)
-    layout = _tp_layout(handle, training, model, best.strategy, ilp_time_limit_s)
+    layout = layout_of(best.strategy)
     stats = result.stats.model_copy(
         update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
     )
@@ -102,6 +111,29 @@ def make_plan(
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)
     return plan
+
+
+def _first_with_layout(
+    ranked: Sequence[Scored], layout_of: Callable[[Strategy], TPLayout | None]
+) -> Scored:
+    """The fastest candidate whose sequence parallelism the ILP's layout can carry.
+
+    A model without norms to shard on the sequence (a CNN, an MLP stack) gets no
+    sequence-parallel module from the ILP, so its sequence-parallel candidates cannot run.
+    """
+    for scored in ranked:
+        layout = layout_of(scored.strategy)
+        if not scored.strategy.sequence_parallel or layout is None:
+            return scored
+        if any(style is TPStyle.SEQUENCE_PARALLEL for style in layout.styles.values()):
+            return scored
+        log.info(
+            "skipping %s: the layout shards no module on the sequence", scored.strategy.describe()
+        )
+    raise InfeasibleError(
+        "every fitting candidate uses sequence parallelism, but the tensor-parallel layout "
+        "of this model shards no module on the sequence: pin --no-sequence-parallel"
+    )
 
 
 def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Prediction]:
