@@ -1,0 +1,206 @@
+"""Gradient compression on the data-parallel reduction: wire bytes, exposed compute, memory.
+
+- ``fp16``/``bf16`` (DDP's ``fp16_compress_hook`` and its bf16 twin, FSDP's reduce
+  dtype): the reduction moves 2 bytes per gradient element instead of the options'
+  ``grad_reduce_bytes``; each bucket is cast down before and back up after
+  (memory-bound: read one width, write the other). Nothing changes when gradients are
+  already reduced in 2 bytes.
+- ``powersgd`` rank ``r`` (Vogels et al. 2019, torch's ``powerSGD_hook`` with error
+  feedback and warm start), per 2-D gradient ``M`` of ``m x n`` worth compressing
+  (torch's rule: ``r (m + n) * 2 < m n``): ``P = M Q`` (``2 m n r`` FLOPs), Gram-Schmidt
+  of ``P`` (``~2 m r^2``, ``r`` columns of small kernels), ``Q = M^T P`` (``2 m n r``) and
+  the decompression ``P Q^T`` (``2 m n r``). Per bucket three all-reduces run one after
+  another: the uncompressed tensors (biases, norms, small matrices), all ``P`` and all
+  ``Q``. Error feedback adds the error to the bucket, clones it and subtracts the
+  decompressed result (3 memory-bound kernels, 8 element passes) and keeps an error
+  buffer the size of the gradients plus the persistent ``P`` and ``Q``.
+
+The compression compute runs inside the hook on the critical path, so it is counted
+exposed; steady state is priced (PowerSGD's uncompressed warm-up steps are not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cost.communication import Collective, LinkModel, collective_time
+from planner.cost.compute import ComputeModel
+from planner.cost.sharding import TPShard, tp_shard
+from planner.graph import OpGraph, OpKind, OpNode
+
+__all__ = [
+    "GradientShapes",
+    "bucket_count",
+    "PowerSGDWork",
+    "gradient_shapes",
+    "should_compress",
+    "powersgd_work",
+    "powersgd_compute_time",
+    "powersgd_comm_time",
+    "powersgd_memory_bytes",
+    "half_wire_bytes",
+    "half_cast_time",
+]
+
+_HALF_BYTES = 2
+# torch's PowerSGDState default: compress a matrix only if it shrinks more than 2x
+_MIN_COMPRESSION_RATE = 2
+# torch's _orthogonalize_gram_schmidt per column: norm, add epsilon, divide; then
+# multiply, sum, multiply, subtract to remove the column from the rest
+_GRAM_SCHMIDT_KERNELS_PER_COLUMN = 7
+# error feedback per bucket: add the error (read 2, write 1), clone (read 1, write 1),
+# error = clone - decompressed (read 2, write 1)
+_ERROR_FEEDBACK_PASSES = 8
+_ERROR_FEEDBACK_KERNELS = 3
+
+
+@dataclass(frozen=True)
+class GradientShapes:
+    """One rank's gradients: 2-D matrices ``(m, n)`` and the elements of 1-D tensors."""
+
+    matrices: tuple[tuple[int, int], ...]
+    vector_elements: float
+
+    @property
+    def elements(self) -> float:
+        """Every gradient element on the rank."""
+        return sum(m * n for m, n in self.matrices) + self.vector_elements
+
+
+@dataclass(frozen=True)
+class PowerSGDWork:
+    """What PowerSGD rank ``r`` does per step on one rank (elements, FLOPs)."""
+
+    compressed: tuple[tuple[int, int], ...]  # matrices compressed to P (m x r) and Q (n x r)
+    p_elements: float  # r * sum(m): the first all-reduce
+    q_elements: float  # r * sum(n): the second all-reduce
+    uncompressed_elements: float  # vectors and matrices not worth compressing
+    product_flops: float  # 6 m n r per compressed matrix: P = M Q, Q = M^T P, P Q^T
+    orthogonalize_flops: float  # 2 m r^2 per compressed matrix (Gram-Schmidt of P)
+
+
+def _matmul_matrix(node: OpNode, tp: int) -> tuple[int, int] | None:
+    """A linear's weight ``(out, in)`` per tensor-parallel shard (split along ``out``)."""
+    if node.kind is not OpKind.MATMUL or node.gemm is None or node.param_count == 0:
+        return None
+    _, _, out_features, in_features = node.gemm
+    shards = tp if tp_shard(node) is TPShard.SPLIT else 1
+    return max(1, out_features // shards), in_features
+
+
+def _table_matrix(node: OpNode, tp: int) -> tuple[int, int] | None:
+    """An embedding table ``(rows, width)`` per shard: width is the output's last dim."""
+    is_table = node.kind is OpKind.EMBEDDING or node.module.endswith("embeddings")
+    if not is_table or node.param_count == 0 or not node.output_shape:
+        return None
+    width = node.output_shape[-1]
+    shards = tp if tp_shard(node) is TPShard.SPLIT else 1
+    return max(1, node.param_count // width // shards), width
+
+
+def gradient_shapes(graph: OpGraph, tp: int) -> GradientShapes:
+    """Weight matrices of the linears and embedding tables of ``graph``, per TP shard.
+
+    A linear's ``gemm`` is ``(1, tokens, out, in)``; a tensor-parallel split divides
+    ``out`` (the row-parallel layers really split ``in``: same ``m n``, and ``r (m + n)``
+    differs by at most ``r |m - n| / tp``). Parameters outside these matrices (biases,
+    norms) are vectors, sent uncompressed.
+    """
+    matrices: list[tuple[int, int]] = []
+    vectors = 0.0
+    for segment in graph.segments:
+        for node in graph.segment_type(segment).nodes:
+            if node.param_count == 0:
+                continue
+            shards = tp if tp_shard(node) is TPShard.SPLIT else 1
+            matrix = _matmul_matrix(node, tp) or _table_matrix(node, tp)
+            held = node.param_count / shards
+            if matrix is None:
+                vectors += held
+                continue
+            matrices.append(matrix)
+            vectors += max(0.0, held - matrix[0] * matrix[1])
+    return GradientShapes(tuple(matrices), vectors)
+
+
+def should_compress(m: int, n: int, rank: int) -> bool:
+    """torch's rule: compress ``m x n`` only if ``P`` and ``Q`` are less than half of it."""
+    return (m + n) * rank * _MIN_COMPRESSION_RATE < m * n
+
+
+def powersgd_work(shapes: GradientShapes, rank: int) -> PowerSGDWork:
+    """Elements all-reduced and FLOPs of PowerSGD rank ``rank`` over ``shapes``."""
+    compressed = tuple((m, n) for m, n in shapes.matrices if should_compress(m, n, rank))
+    kept = sum(m * n for m, n in shapes.matrices if not should_compress(m, n, rank))
+    return PowerSGDWork(
+        compressed=compressed,
+        p_elements=float(rank * sum(m for m, _ in compressed)),
+        q_elements=float(rank * sum(n for _, n in compressed)),
+        uncompressed_elements=shapes.vector_elements + kept,
+        product_flops=float(sum(6 * m * n * rank for m, n in compressed)),
+        orthogonalize_flops=float(sum(2 * m * rank * rank for m, _ in compressed)),
+    )
+
+
+def powersgd_compute_time(
+    work: PowerSGDWork, rank: int, buckets: int, gradient_elements: float,
+    compute: ComputeModel, element_bytes: int,
+) -> float:  # fmt: skip
+    """Seconds of PowerSGD's products, Gram-Schmidt and error feedback per step (exposed)."""
+    seconds = 0.0
+    for m, n in work.compressed:
+        io = (m * n + (m + n) * rank) * element_bytes
+        seconds += 3 * compute.gemm_time(2 * m * n * rank, io)
+        columns = _GRAM_SCHMIDT_KERNELS_PER_COLUMN * rank
+        seconds += compute.memory_time(2 * m * rank * rank * element_bytes)
+        seconds += (columns - 1) * compute.kernel_s
+    feedback = _ERROR_FEEDBACK_PASSES * gradient_elements * element_bytes
+    seconds += compute.memory_time(feedback) + (_ERROR_FEEDBACK_KERNELS * buckets - 1) * (
+        compute.kernel_s
+    )
+    return seconds
+
+
+def powersgd_comm_time(
+    work: PowerSGDWork, buckets: int, ranks: int, link: LinkModel, element_bytes: int
+) -> tuple[float, float]:
+    """(all buckets', the last bucket's) seconds of the three chained all-reduces.
+
+    The step's elements are spread evenly over ``buckets``; each bucket pays the
+    uncompressed, the ``P`` and the ``Q`` all-reduce's latency.
+    """
+    per_bucket = 0.0
+    for elements in (work.uncompressed_elements, work.p_elements, work.q_elements):
+        size = elements * element_bytes / buckets
+        per_bucket += collective_time(Collective.ALL_REDUCE, size, ranks, link)
+    return buckets * per_bucket, per_bucket
+
+
+def powersgd_memory_bytes(
+    work: PowerSGDWork, gradient_elements: float, bucket_bytes: float, element_bytes: int
+) -> float:
+    """Error-feedback buffer (every gradient element), persistent ``P`` and ``Q``, and one
+    bucket's clone, in bytes."""
+    persistent = (gradient_elements + work.p_elements + work.q_elements) * element_bytes
+    return persistent + min(bucket_bytes, gradient_elements * element_bytes)
+
+
+def half_wire_bytes(reduce_bytes: int) -> int:
+    """Bytes per gradient element on the wire with fp16/bf16 compression."""
+    return min(reduce_bytes, _HALF_BYTES)
+
+
+def half_cast_time(
+    gradient_elements: float, buckets: int, reduce_bytes: int, compute: ComputeModel
+) -> float:
+    """Seconds of casting every bucket to 2 bytes and back (0 if already 2 bytes)."""
+    if reduce_bytes <= _HALF_BYTES:
+        return 0.0
+    per_cast = gradient_elements * (reduce_bytes + _HALF_BYTES)
+    return 2 * (compute.memory_time(per_cast) + (buckets - 1) * compute.kernel_s)
+
+
+def bucket_count(gradient_bytes: float, bucket_bytes: float) -> int:
+    """DDP buckets the gradients fill (at least one)."""
+    return max(1, math.ceil(gradient_bytes / bucket_bytes))

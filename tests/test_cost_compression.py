@@ -1,0 +1,133 @@
+"""Gradient compression in the cost model: wire bytes, PowerSGD work and memory, crossover."""
+
+import pytest
+
+from planner.cost import CostModel, CostOptions, graph_from_spec
+from planner.cost.compression import (
+    GradientShapes,
+    bucket_count,
+    gradient_shapes,
+    half_wire_bytes,
+    powersgd_memory_bytes,
+    powersgd_work,
+    should_compress,
+)
+from planner.errors import SpecError
+from planner.spec import Cluster, Family, ModelSpec, Strategy, Training
+
+GPT = ModelSpec(
+    family=Family.GPT, num_layers=2, hidden_size=256, num_heads=4, vocab_size=1024, seq_len=128
+)
+POWERSGD = {"kind": "powersgd", "rank": 4}
+
+
+def _model(intra_node_GBps=None, **options):
+    cluster = Cluster(
+        gpu="a100-sxm-80gb", num_gpus=2, gpus_per_node=2, intra_node_GBps=intra_node_GBps
+    )
+    training = Training(global_batch_size=4, dtype="fp32")
+    return CostModel(graph_from_spec(GPT), cluster, training, options=CostOptions(**options))
+
+
+def _estimate(model, compression=None, **fields):
+    extra = {"compression": compression} if compression else {}
+    return model.estimate(Strategy(dp=2, micro_batch_size=2, **extra, **fields))
+
+
+def _params(model):
+    return sum(c.param_count for c in model.segment_costs(Strategy(dp=2, micro_batch_size=2)))
+
+
+def test_half_precision_halves_the_bytes_on_the_wire():
+    assert half_wire_bytes(4) == 2 and half_wire_bytes(2) == 2
+    model = _model(overlap_grad_reduce=False)
+    plain = _estimate(model).breakdown_s["comm_dp"]
+    for kind in ("fp16", "bf16"):
+        half = _estimate(model, {"kind": kind}).breakdown_s
+        bandwidth = model._axis_link(2, 1).busbw_Bps
+        # all-reduce over 2 ranks: bus factor 1, same latency; 4 -> 2 bytes per element
+        assert plain - half["comm_dp"] == pytest.approx(2 * _params(model) / bandwidth)
+        assert half["compression"] > 0  # casts down and back up
+
+
+def test_half_precision_changes_nothing_when_gradients_are_reduced_in_two_bytes():
+    model = _model(grad_reduce_bytes=2)
+    plain, half = _estimate(model), _estimate(model, {"kind": "bf16"})
+    assert half.breakdown_s["comm_dp"] == plain.breakdown_s["comm_dp"]
+    assert half.breakdown_s["compression"] == 0
+    assert half.step_time_s == plain.step_time_s
+
+
+def test_powersgd_work_of_one_matrix_by_hand():
+    shapes = GradientShapes(matrices=((1000, 500), (10, 10)), vector_elements=300)
+    work = powersgd_work(shapes, rank=4)
+    assert work.compressed == ((1000, 500),)  # 10x10: P and Q (80) are not < half of 100
+    assert work.p_elements == 4 * 1000 and work.q_elements == 4 * 500
+    assert work.uncompressed_elements == 300 + 100
+    assert work.product_flops == 6 * 1000 * 500 * 4  # M Q, M^T P, P Q^T
+    assert work.orthogonalize_flops == 2 * 1000 * 4**2
+    assert shapes.elements == 1000 * 500 + 100 + 300
+
+
+def test_should_compress_follows_torchs_rate_rule():
+    assert should_compress(100, 100, 4)  # 4 * 200 * 2 = 1600 < 10000
+    assert not should_compress(100, 100, 25)  # 25 * 200 * 2 = 10000, not less
+
+
+def test_gradient_shapes_cover_every_parameter_and_split_by_tp():
+    graph = graph_from_spec(GPT)
+    total = sum(n.param_count for s in graph.segments for n in graph.segment_type(s).nodes)
+    shapes = gradient_shapes(graph, tp=1)
+    assert shapes.elements == pytest.approx(total)
+    assert (4 * 256, 256) in shapes.matrices and (256, 4 * 256) in shapes.matrices
+    assert (1024, 256) in shapes.matrices  # the token-embedding table
+    split = gradient_shapes(graph, tp=2)
+    assert (2 * 256, 256) in split.matrices
+    assert split.elements < shapes.elements
+
+
+def test_error_feedback_memory_by_hand():
+    work = powersgd_work(GradientShapes(((1000, 500),), 0.0), rank=4)
+    bucket = 2**20
+    expected = (1000 * 500 + 4 * 1500) * 4 + bucket  # error buffer, P and Q, one clone
+    assert powersgd_memory_bytes(work, 1000 * 500, bucket, 4) == expected
+    assert powersgd_memory_bytes(work, 1000, bucket, 4) == (1000 + 6000) * 4 + 4000
+
+
+def test_powersgd_memory_term_in_the_prediction():
+    model = _model()
+    plain, compressed = _estimate(model), _estimate(model, POWERSGD)
+    assert "compression" not in plain.memory_gib
+    work = powersgd_work(gradient_shapes(model.graph, 1), 4)
+    params = _params(model)
+    expected = (params + work.p_elements + work.q_elements) * 4 + min(40 * 2**20, 4 * params)
+    assert compressed.memory_gib["compression"] == pytest.approx(expected / 2**30)
+    assert sum(compressed.breakdown_s.values()) == pytest.approx(compressed.step_time_s)
+
+
+def test_powersgd_wins_on_a_slow_link_and_loses_on_a_fast_one():
+    slow = _model(intra_node_GBps=0.5)
+    assert _estimate(slow, POWERSGD).step_time_s < _estimate(slow).step_time_s
+    fast = _model()  # NVLink
+    plain, compressed = _estimate(fast), _estimate(fast, POWERSGD)
+    assert compressed.step_time_s > plain.step_time_s
+    assert compressed.breakdown_s["comm_dp"] <= plain.breakdown_s["comm_dp"]
+    assert compressed.breakdown_s["compression"] > 0
+
+
+def test_powersgd_sends_three_all_reduces_per_bucket():
+    model = _model(overlap_grad_reduce=False, dp_bucket_mib=0.25)
+    link = model._axis_link(2, 1)
+    params = _params(model)
+    buckets = bucket_count(4 * params, 0.25 * 2**20)
+    assert buckets > 1
+    work = powersgd_work(gradient_shapes(model.graph, 1), 4)
+    elements = work.uncompressed_elements + work.p_elements + work.q_elements
+    # 2 ranks: two latency steps and bus factor 1 per all-reduce
+    expected = 3 * buckets * 2 * link.latency_s + 4 * elements / link.busbw_Bps
+    assert _estimate(model, POWERSGD).breakdown_s["comm_dp"] == pytest.approx(expected)
+
+
+def test_powersgd_outside_ddp_is_refused():
+    with pytest.raises(SpecError, match="powersgd"):
+        _estimate(_model(), POWERSGD, zero=1)
