@@ -43,7 +43,7 @@ def test_hf_config(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "llama3-7b"], "unknown model preset 'llama3-7b'. Did you mean"),
+        (["--model", "llama3-7b"], "unknown model 'llama3-7b'. Did you mean"),
         (["--model", "/nonexistent/spec.json"], "cannot read ModelSpec file"),
         (["--model", "nowhere_pkg:make"], "cannot import 'nowhere_pkg'"),
         ([], "no model given"),
