@@ -1,6 +1,7 @@
 """The typed documents: validation messages, defaults, JSON round trips."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.errors import SpecError
+from planner.io import write_text_atomic
 from planner.spec import (
     Axis,
     Cluster,
@@ -191,3 +193,13 @@ def test_strategy_description_names_every_choice():
         "dp4(zero3,shard2) tp8 sp pp4 interleaved-1f1bv2 mb1x16 recompute=selective "
         "compress=powersgd(r4)"
     )
+
+
+def test_atomic_writes_leave_ordinary_permissions(tmp_path: Path):
+    path = tmp_path / "plan.json"
+    write_text_atomic(path, "{}")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.read_text() == "{}"
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
