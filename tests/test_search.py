@@ -32,12 +32,32 @@ def test_branch_and_bound_finds_the_brute_force_optimum():
     model, limits = _setup(gpus=8, batch=32)
     result = search(model, limits, top_k=3)
     space = _Space(model, limits, Pins())
-    every = [model.estimate(p.strategy(32)) for g in space.groups() for p in g.points()]
+    every = [model.estimate(p.strategy(32)) for g in space.groups() for p, _ in g.points()]
     fastest = min(p.step_time_s for p in every if p.fits)
     assert result.best.prediction.step_time_s == pytest.approx(fastest, rel=1e-12)
     times = [s.prediction.step_time_s for s in result.ranked]
     assert times == sorted(times) and len(times) == 3
     assert result.stats.candidates_costed < len(every)  # the bound pruned something
+
+
+def _front(predictions):
+    """(step time, peak memory) points no other point beats in both."""
+    points = {(p.step_time_s, p.peak_memory_gib) for p in predictions if p.fits}
+    return {
+        (t, m) for t, m in points
+        if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for t2, m2 in points)
+    }  # fmt: skip
+
+
+def test_pareto_mode_prices_the_whole_front_and_keeps_the_optimum():
+    model, limits = _setup(gpus=8, batch=32)
+    space = _Space(model, limits, Pins())
+    every = [model.estimate(p.strategy(32)) for g in space.groups() for p, _ in g.points()]
+    plain = search(model, limits, top_k=3)
+    result = search(model, limits, top_k=3, pareto=True)
+    assert [s.strategy for s in result.ranked] == [s.strategy for s in plain.ranked]
+    assert _front(s.prediction for s in result.costed) == _front(every)
+    assert len(plain.costed) < len(result.costed) < len(every)
 
 
 def test_results_are_deterministic():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions, graph_from_spec
@@ -35,7 +36,7 @@ from planner.spec import (
 from planner.trace import trace
 from planner.validate import check_model_against_plan, pipeline_splittable, validate_plan_for_world
 
-__all__ = ["cost_graph", "make_plan", "trace_for_training"]
+__all__ = ["PlanSearch", "cost_graph", "make_plan", "search_plan", "trace_for_training"]
 
 log = logging.getLogger(__name__)
 _POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
@@ -57,6 +58,14 @@ def cost_graph(handle: ModelHandle, training: Training) -> OpGraph:
     return graph_from_spec(handle.spec, seq_len=training.seq_len, dtype=training.dtype)
 
 
+@dataclass(frozen=True)
+class PlanSearch:
+    """A plan and every candidate the search priced on the way (for plots)."""
+
+    plan: Plan
+    costed: tuple[Scored, ...]
+
+
 def make_plan(
     handle: ModelHandle,
     cluster: Cluster,
@@ -69,6 +78,26 @@ def make_plan(
     ilp_time_limit_s: float = 10.0,
 ) -> Plan:
     """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its plan."""
+    return search_plan(
+        handle, cluster, training, pins=pins, top_k=top_k, options=options, progress=progress,
+        ilp_time_limit_s=ilp_time_limit_s,
+    ).plan  # fmt: skip
+
+
+def search_plan(
+    handle: ModelHandle,
+    cluster: Cluster,
+    training: Training,
+    *,
+    pins: Pins | None = None,
+    top_k: int = 5,
+    options: CostOptions | None = None,
+    progress: Progress | None = None,
+    ilp_time_limit_s: float = 10.0,
+    pareto: bool = False,
+) -> PlanSearch:
+    """:func:`make_plan` that also returns the priced candidates; with ``pareto`` they
+    include the whole Pareto front of step time against peak memory."""
     started = time.perf_counter()
     graph = cost_graph(handle, training)
     model = CostModel(graph, cluster, training, options=options)
@@ -81,7 +110,9 @@ def make_plan(
         pipeline=pipeline_splittable(handle.module),
         context_parallel=isinstance(handle.module, Transformer),
     )
-    result = search(model, limits, pins=pins, top_k=_POOL * (top_k + 1), progress=progress)
+    result = search(
+        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, progress=progress
+    )
     layouts: dict[tuple[int, bool], TPLayout | None] = {}
 
     def layout_of(strategy: Strategy) -> TPLayout | None:
@@ -110,7 +141,7 @@ def make_plan(
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)
-    return plan
+    return PlanSearch(plan, result.costed)
 
 
 def _first_with_layout(

@@ -30,6 +30,7 @@ optimum over the space (branch and bound), deterministic (ties break on the tupl
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -121,10 +122,16 @@ class Scored:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Fitting strategies, fastest first, and what the search did."""
+    """Fitting strategies, fastest first, and what the search did.
+
+    ``costed`` holds every candidate the search priced (fitting or not), in the order it
+    priced them; with ``pareto=True`` it contains the whole Pareto front of step time
+    against peak memory.
+    """
 
     ranked: tuple[Scored, ...]
     stats: SolverStats
+    costed: tuple[Scored, ...] = ()
 
     @property
     def best(self) -> Scored:
@@ -144,12 +151,13 @@ class _Group(NamedTuple):
     recompute_rank: int
     schedule: str
     virtual: int
-    shardings: tuple[tuple[int, int], ...]
+    shardings: tuple[tuple[int, int, float], ...]  # (zero, dp_shard, memory floor in bytes)
 
-    def points(self) -> Iterator[_Point]:
+    def points(self) -> Iterator[tuple[_Point, float]]:
+        """Each ZeRO variant's point and its memory floor (bytes)."""
         head, tail = self[:5], self[5:10]
-        for zero, shard in self.shardings:
-            yield _Point(*head, zero, shard, *tail)
+        for zero, shard, floor in self.shardings:
+            yield _Point(*head, zero, shard, *tail), floor
 
 
 class _Point(NamedTuple):
@@ -309,7 +317,7 @@ class _Space:
                 for zero, shard, per_param in shardings:
                     needed = params * per_param + kept * in_flight
                     if needed <= self.capacity:
-                        fitting.append((zero, shard))
+                        fitting.append((zero, shard, needed))
                         continue
                     self.over_memory += 1
                     if needed < self._leanest_bytes:
@@ -363,9 +371,14 @@ def search(
     *,
     pins: Pins | None = None,
     top_k: int = 5,
+    pareto: bool = False,
     progress: Progress | None = None,
 ) -> SearchResult:
     """The ``top_k`` fastest fitting strategies for ``model``'s set-up, fastest first.
+
+    With ``pareto`` the search also prices every candidate that could be on the Pareto
+    front of step time against peak memory: it skips a candidate only when a priced,
+    fitting one is both faster than its time bound and leaner than its memory bound.
 
     Raises :class:`InfeasibleError` when nothing fits, naming the memory the closest
     candidate needs and what would make it fit.
@@ -377,25 +390,32 @@ def search(
     if not groups and not space.over_memory:
         raise _no_candidates(model, limits, pins)
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
-    costed = 0
+    costed: list[Scored] = []
+    front = _FrontFloor()
     closest: Scored | None = None
     for index, group in enumerate(groups):
-        if len(best) >= top_k and group.bound_s > -best[0][0]:
-            break
         if progress is not None and index % 64 == 0:
             progress(index, len(groups))
         points = list(group.points())
-        if len(best) >= top_k and _floor(model, points[0]) > -best[0][0]:
+        full = len(best) >= top_k
+        past_bound = full and group.bound_s > -best[0][0]
+        if past_bound and not pareto:
+            break  # groups come in bound order: no later one can enter the top_k
+        beaten = past_bound or (full and _floor(model, points[0][0]) > -best[0][0])
+        if beaten and not pareto:
             continue
-        for point in points:
+        if beaten:  # only the Pareto front can still gain from this group
+            points = [(p, f) for p, f in points if not front.dominates(group.bound_s, f)]
+        for point, _ in points:
             scored = _cost(model, point.strategy(model.training.global_batch_size))
-            costed += 1
             if scored is None:
                 continue
+            costed.append(scored)
             if not scored.prediction.fits:
                 closest = _less_memory(closest, scored)
                 continue
-            entry = (-scored.prediction.step_time_s, -costed, scored)
+            front.add(scored.prediction)
+            entry = (-scored.prediction.step_time_s, -len(costed), scored)
             if len(best) < top_k:
                 heapq.heappush(best, entry)
             elif entry > best[0]:
@@ -407,14 +427,31 @@ def search(
     ranked = tuple(entry[2] for entry in sorted(best, key=lambda e: (-e[0], -e[1])))
     stats = SolverStats(
         candidates_enumerated=space.enumerated + space.over_memory,
-        candidates_costed=costed,
+        candidates_costed=len(costed),
         pruned_by_memory=space.over_memory,
         search_time_s=time.perf_counter() - started,
     )
     log.info(
-        "search: %d candidates, %d costed in %.2f s", space.enumerated, costed, stats.search_time_s
-    )
-    return SearchResult(ranked, stats)
+        "search: %d candidates, %d costed in %.2f s",
+        space.enumerated, len(costed), stats.search_time_s,
+    )  # fmt: skip
+    return SearchResult(ranked, stats, tuple(costed))
+
+
+class _FrontFloor:
+    """Priced, fitting candidates as (step time, peak memory): answers whether one of them
+    beats a candidate's time bound and memory floor both (then it cannot be on the front)."""
+
+    def __init__(self) -> None:
+        self._points: list[tuple[float, float]] = []  # (seconds, bytes), sorted by seconds
+
+    def add(self, prediction: Prediction) -> None:
+        point = (prediction.step_time_s, prediction.peak_memory_gib * _GIB)
+        self._points.insert(bisect.bisect(self._points, point), point)
+
+    def dominates(self, bound_s: float, floor_bytes: float) -> bool:
+        faster = self._points[: bisect.bisect(self._points, (bound_s, math.inf))]
+        return any(memory <= floor_bytes for _, memory in faster)
 
 
 def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecError:
