@@ -106,6 +106,12 @@ class CompressionKind(StrEnum):
     FP16 = "fp16"
     BF16 = "bf16"
     POWERSGD = "powersgd"
+    LOCAL_SGD = "local_sgd"
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the option changes the gradients the optimizer sees (all but none)."""
+        return self is not CompressionKind.NONE
 
 
 class TPStyle(StrEnum):
@@ -259,19 +265,47 @@ class Training(_Doc):
 
 
 class Compression(_Doc):
-    """Gradient compression applied to the data-parallel reduction."""
+    """Gradient compression applied to the data-parallel reduction.
+
+    - ``fp16``/``bf16``: gradients reduced in 2 bytes (DDP hook or FSDP reduce dtype).
+    - ``powersgd``: rank-``rank`` approximations with error feedback (DDP hook), after
+      ``warmup_steps`` uncompressed steps.
+    - ``local_sgd``: after ``warmup_steps`` global steps, gradients are all-reduced only
+      among ``local_group`` consecutive data-parallel ranks (a fast domain) and the
+      parameters are averaged over all of them every ``period`` optimizer steps
+      (``post_localSGD_hook`` with ``PeriodicModelAverager``).
+    """
 
     kind: CompressionKind = CompressionKind.NONE
-    rank: PositiveInt | None = None  # PowerSGD matrix rank
-    warmup_steps: int = Field(default=0, ge=0)  # PowerSGD: uncompressed steps first
+    rank: PositiveInt | None = None  # powersgd: matrix rank
+    warmup_steps: int = Field(default=0, ge=0)  # powersgd, local_sgd: uncompressed steps first
+    period: int | None = Field(default=None, ge=2)  # local_sgd: steps between averages
+    local_group: PositiveInt | None = None  # local_sgd: data-parallel ranks reducing each step
 
     @model_validator(mode="after")
-    def _check_rank(self) -> Self:
-        if self.kind is CompressionKind.POWERSGD and self.rank is None:
+    def _check_fields(self) -> Self:
+        kind = self.kind
+        if kind is CompressionKind.POWERSGD and self.rank is None:
             raise ValueError("compression kind 'powersgd' needs a rank (e.g. rank: 4)")
-        if self.kind is not CompressionKind.POWERSGD and self.rank is not None:
-            raise ValueError(f"rank only applies to powersgd, not {self.kind.value!r}")
+        if kind is not CompressionKind.POWERSGD and self.rank is not None:
+            raise ValueError(f"rank only applies to powersgd, not {kind.value!r}")
+        local = (self.period, self.local_group)
+        if kind is CompressionKind.LOCAL_SGD and None in local:
+            raise ValueError(
+                "compression kind 'local_sgd' needs period (steps between parameter averages, "
+                ">= 2) and local_group (data-parallel ranks that reduce every step)"
+            )
+        if kind is not CompressionKind.LOCAL_SGD and local != (None, None):
+            raise ValueError(f"period and local_group only apply to local_sgd, not {kind.value!r}")
         return self
+
+    def describe(self) -> str:
+        """``'none'``, ``'bf16'``, ``'powersgd(r4)'``, ``'local_sgd(H8,g4)'``."""
+        if self.kind is CompressionKind.POWERSGD:
+            return f"powersgd(r{self.rank})"
+        if self.kind is CompressionKind.LOCAL_SGD:
+            return f"local_sgd(H{self.period},g{self.local_group})"
+        return self.kind.value
 
 
 class Strategy(_Doc):
@@ -370,8 +404,7 @@ class Strategy(_Doc):
         parts.append(f"mb{self.micro_batch_size}x{self.num_microbatches}")
         parts.append(f"recompute={self.recompute.value}")
         if self.compression.kind is not CompressionKind.NONE:
-            rank = f"(r{self.compression.rank})" if self.compression.rank else ""
-            parts.append(f"compress={self.compression.kind.value}{rank}")
+            parts.append(f"compress={self.compression.describe()}")
         return " ".join(parts)
 
 
