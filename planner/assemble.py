@@ -43,6 +43,7 @@ def assemble_plan(
     runners_up: tuple[Candidate, ...] = (),
     solver: SolverStats | None = None,
     vocab_parallel: bool = True,
+    tradeoffs: tuple[str, ...] = (),
 ) -> Plan:
     """A :class:`Plan` for ``handle`` under ``strategy``, with defaults for layout and stages.
 
@@ -70,6 +71,7 @@ def assemble_plan(
         stages=tuple(tuple(chunk) for chunk in stages or ()),
         tp_layout=dict(tp_layout or {}),
         prediction=prediction,
+        tradeoffs=tradeoffs,
         runners_up=runners_up,
         solver=solver or SolverStats(),
     )

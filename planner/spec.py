@@ -213,11 +213,17 @@ class ModelSpec(_Doc):
 
 
 class LinkTier(_Doc):
-    """One level of the network: GPUs within ``domain_size`` talk at this speed."""
+    """A network level above the nodes (a site, a building): domains of ``domain_size``
+    GPUs joined by links of ``uplink_GBps`` each.
+
+    ``uplink_GBps`` is one domain's link to the others, one direction, shared by every
+    collective group whose ring leaves the domain (100 Gb/s between two sites is
+    ``uplink_GBps: 12.5``).
+    """
 
     name: str
-    domain_size: PositiveInt  # GPUs reachable over this tier (8 for a DGX node)
-    bandwidth_GBps: float = Field(gt=0)  # per GPU, one direction
+    domain_size: PositiveInt  # GPUs inside one domain (256 for a site of 32 DGX nodes)
+    uplink_GBps: float = Field(gt=0)  # per domain, one direction, shared
     latency_us: float = Field(ge=0)
 
 
@@ -465,6 +471,7 @@ class Plan(_Doc):
     stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk (torchtitan form)
     tp_layout: dict[str, TPStyle] = {}  # module FQN (or pattern with *) -> layout
     prediction: Prediction | None = None
+    tradeoffs: tuple[str, ...] = ()  # what the chosen lossy options trade, in words
     runners_up: tuple[Candidate, ...] = ()
     solver: SolverStats = SolverStats()
 

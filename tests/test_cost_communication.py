@@ -58,9 +58,14 @@ def test_axis_across_nodes_pays_the_network():
 def test_cluster_overrides_and_extra_tiers():
     cluster = Cluster(
         gpu="a100-sxm-80gb", num_gpus=64, gpus_per_node=8, inter_node_GBps=50,
-        extra_tiers=(LinkTier(name="site", domain_size=32, bandwidth_GBps=5, latency_us=100),),
+        extra_tiers=(LinkTier(name="site", domain_size=32, uplink_GBps=40, latency_us=100),),
     )  # fmt: skip
     assert link_for_axis(2, 8, cluster, A100).busbw_Bps == pytest.approx(50e9 * 0.9)
     crossing = link_for_axis(8, 8, cluster, A100)  # spans 64 GPUs > the 32-GPU site
     assert crossing.name == "site"
-    assert crossing.busbw_Bps == pytest.approx(5e9)
+    assert crossing.busbw_Bps == pytest.approx(40e9 / 8)  # 8 groups share the uplink
+    assert crossing.latency_s == pytest.approx(100e-6)
+    whole_site = link_for_axis(2, 32, cluster, A100)  # pp across sites: 32 pairs share it
+    assert whole_site.busbw_Bps == pytest.approx(40e9 / 32)
+    one_group = link_for_axis(64, 1, cluster, A100)  # one ring leaves the site
+    assert one_group.busbw_Bps == pytest.approx(40e9)  # the whole uplink

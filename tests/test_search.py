@@ -12,6 +12,7 @@ from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.graph import OpKind
 from planner.models import PRESETS, get_preset, resolve_model
 from planner.solve.make_plan import make_plan
+from planner.solve.lossy import LossyCompression
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
 from planner.trace import trace
@@ -31,7 +32,7 @@ def _setup(preset="gpt3-1.3b", gpus=16, batch=64, gpu="a100-sxm-80gb", seq=None)
 def test_branch_and_bound_finds_the_brute_force_optimum():
     model, limits = _setup(gpus=8, batch=32)
     result = search(model, limits, top_k=3)
-    space = _Space(model, limits, Pins())
+    space = _Space(model, limits, Pins(), LossyCompression())
     every = [model.estimate(p.strategy(32)) for g in space.groups() for p, _ in g.points()]
     fastest = min(p.step_time_s for p in every if p.fits)
     assert result.best.prediction.step_time_s == pytest.approx(fastest, rel=1e-12)
@@ -51,7 +52,7 @@ def _front(predictions):
 
 def test_pareto_mode_prices_the_whole_front_and_keeps_the_optimum():
     model, limits = _setup(gpus=8, batch=32)
-    space = _Space(model, limits, Pins())
+    space = _Space(model, limits, Pins(), LossyCompression())
     every = [model.estimate(p.strategy(32)) for g in space.groups() for p, _ in g.points()]
     plain = search(model, limits, top_k=3)
     result = search(model, limits, top_k=3, pareto=True)

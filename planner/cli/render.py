@@ -29,8 +29,7 @@ def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
         v = f", {s.virtual_stages} virtual stages" if s.virtual_stages > 1 else ""
         rows.append(("schedule", f"{s.schedule.value}{v}"))
     if s.compression.kind.value != "none":
-        rank = f" rank {s.compression.rank}" if s.compression.rank else ""
-        rows.append(("gradient compression", f"{s.compression.kind.value}{rank}"))
+        rows.append(("gradient compression", s.compression.describe()))
     return rows
 
 
@@ -108,6 +107,8 @@ def render_plan(plan: Plan, console: Console) -> None:
     if plan.tp_layout:
         layout = ", ".join(f"{fqn}={style.value}" for fqn, style in plan.tp_layout.items())
         console.print(f"[bold]tensor-parallel layout[/bold]: {layout}")
+    for tradeoff in plan.tradeoffs:
+        console.print(f"[bold]trade-off[/bold]: {tradeoff}")
     if plan.runners_up:
         console.print(_runners_up(plan))
     s = plan.solver

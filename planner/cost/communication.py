@@ -11,7 +11,11 @@ as NCCL picks the faster algorithm.
 The link tier is the one the mesh axis spans: an axis whose ranks fit in one node
 uses the scale-up link; one that crosses nodes pays the network, with the group's
 members in one node sharing their NICs (``members_per_node * per-GPU network``, at
-most the scale-up rate); an axis wider than a slower extra tier's domain pays that tier.
+most the scale-up rate). An axis wider than an extra tier's domain (a site) also
+crosses that tier: each group's ring leaves each domain once, and the groups with
+members in a domain (``min(stride, domain_size)`` of them, all reducing at once) share
+its uplink, so a group gets ``uplink / min(stride, domain_size)``, at most what the
+node network gives it; the slowest tier crossed decides.
 """
 
 from __future__ import annotations
@@ -104,9 +108,12 @@ def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwarePro
     gpus_per_node = min(cluster.gpus_per_node, cluster.num_gpus)
     if span <= gpus_per_node:
         return _intra(cluster, profile)
-    crossed = [tier for tier in cluster.extra_tiers if span > tier.domain_size]
-    if crossed:
-        slowest = min(crossed, key=lambda tier: tier.bandwidth_GBps)
-        return LinkModel(slowest.name, slowest.bandwidth_GBps * 1e9, slowest.latency_us * 1e-6)
     members_per_node = max(1, gpus_per_node // stride)
-    return _inter(cluster, profile, members_per_node)
+    link = _inter(cluster, profile, members_per_node)
+    for tier in cluster.extra_tiers:
+        if span <= tier.domain_size:
+            continue
+        share = tier.uplink_GBps * 1e9 / min(stride, tier.domain_size)
+        if share < link.busbw_Bps:
+            link = LinkModel(tier.name, share, max(link.latency_s, tier.latency_us * 1e-6))
+    return link

@@ -473,6 +473,8 @@ class CostModel:
         kind = strategy.compression.kind
         if kind is CompressionKind.POWERSGD:
             return self._powersgd_times(strategy, slowest)
+        if kind is CompressionKind.LOCAL_SGD:
+            return self._local_sgd_times(strategy, slowest)
         reduce_bytes = self.options.grad_reduce_bytes
         if kind is CompressionKind.NONE:
             return self._reduction_times(strategy, slowest, reduce_bytes)
@@ -497,6 +499,59 @@ class CostModel:
         compute = powersgd_compute_time(work, rank, buckets, slowest.params, self.compute, element)
         overlapped = self.options.overlap_grad_reduce
         return {"comm_dp": self._overlap(comm, backward, last, overlapped), "compression": compute}
+
+    def _local_sgd_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
+        """Local SGD: every step a gradient all-reduce inside the local group (overlapped
+        with backward like DDP's), every ``period`` steps an exposed all-reduce of the
+        parameters over all data-parallel ranks (amortised per step)."""
+        local, period = self._local_sgd_group(strategy)
+        element = self.options.grad_reduce_bytes
+        grads = element * slowest.params
+        backward = slowest.total("backward_s") + slowest.total("recompute_s")
+        link = self._axis_link(local, strategy.tp)
+        reduce = collective_time(Collective.ALL_REDUCE, grads, local, link)
+        last = collective_time(Collective.ALL_REDUCE, min(grads, self._bucket_bytes), local, link)
+        overlapped = self.options.overlap_grad_reduce
+        average = collective_time(
+            Collective.ALL_REDUCE, grads, strategy.dp, self._axis_link(strategy.dp, strategy.tp)
+        )
+        return {"comm_dp": self._overlap(reduce, backward, last, overlapped) + average / period}
+
+    @staticmethod
+    def _local_sgd_group(strategy: Strategy) -> tuple[int, int]:
+        """(local group, period) of a local-SGD strategy, checked against ``dp``."""
+        compression = strategy.compression
+        local, period = compression.local_group, compression.period
+        if local is None or period is None or strategy.zero >= 1 or strategy.pp > 1:
+            raise SpecError(
+                f"strategy.compression = {compression.describe()} with zero = {strategy.zero}, "
+                f"pp = {strategy.pp}: local SGD is a DDP hook; use zero = 0, pp = 1"
+            )
+        if local >= strategy.dp or strategy.dp % local:
+            raise SpecError(
+                f"strategy.compression.local_group = {local} must divide dp({strategy.dp}) "
+                "and be smaller: it is the data-parallel ranks that reduce every step"
+            )
+        return local, period
+
+    def dp_payload_bytes(self, strategy: Strategy) -> float:
+        """Bytes per rank per step that enter reductions over the whole data-parallel
+        group (the arrays' sizes, not bus bytes): what compression saves on the slowest
+        link. Local SGD counts its parameter average amortised over ``period`` steps."""
+        if strategy.dp * strategy.cp == 1:
+            return 0.0
+        params = max(self.whole_model(strategy).param_count / strategy.pp, 0.0)
+        element = self.options.grad_reduce_bytes
+        compression = strategy.compression
+        if compression.kind is CompressionKind.POWERSGD:
+            work = powersgd_work(self._shapes(strategy.tp), self._powersgd_rank(strategy))
+            moved = work.uncompressed_elements + work.p_elements + work.q_elements
+            return moved * element
+        if compression.kind is CompressionKind.LOCAL_SGD:
+            return element * params / self._local_sgd_group(strategy)[1]
+        if compression.kind in (CompressionKind.FP16, CompressionKind.BF16):
+            return half_wire_bytes(element) * params
+        return element * params
 
     @staticmethod
     def _powersgd_rank(strategy: Strategy) -> int:
@@ -528,10 +583,11 @@ class CostModel:
             slowest.total("backward_s") + slowest.total("recompute_s"),
         )
         bucket = self._bucket_bytes
-        if strategy.zero == 0:
-            link = self._axis_link(strategy.dp, inner)
-            reduce = collective_time(Collective.ALL_REDUCE, grad, strategy.dp, link)
-            last = collective_time(Collective.ALL_REDUCE, min(grad, bucket), strategy.dp, link)
+        if strategy.zero == 0:  # DDP over dp x cp (context-parallel ranks share weights)
+            ranks = strategy.dp * strategy.cp
+            link = self._axis_link(ranks, inner)
+            reduce = collective_time(Collective.ALL_REDUCE, grad, ranks, link)
+            last = collective_time(Collective.ALL_REDUCE, min(grad, bucket), ranks, link)
             return {"comm_dp": self._overlap(reduce, bwd, last, self.options.overlap_grad_reduce)}
         shard_link = self._axis_link(shard, inner)
         rep_link = self._axis_link(replicate, inner * shard)

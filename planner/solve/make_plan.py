@@ -20,6 +20,7 @@ from planner.errors import InfeasibleError
 from planner.graph import OpGraph
 from planner.models import ModelHandle, Transformer
 from planner.solve.layout import Roofline, TPLayout, solve_tp_layout
+from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
 from planner.spec import (
@@ -76,11 +77,13 @@ def make_plan(
     options: CostOptions | None = None,
     progress: Progress | None = None,
     ilp_time_limit_s: float = 10.0,
+    lossy: LossyCompression | None = None,
 ) -> Plan:
-    """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its plan."""
+    """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its
+    plan; ``lossy`` names the lossy gradient compression it may choose (none by default)."""
     return search_plan(
         handle, cluster, training, pins=pins, top_k=top_k, options=options, progress=progress,
-        ilp_time_limit_s=ilp_time_limit_s,
+        ilp_time_limit_s=ilp_time_limit_s, lossy=lossy,
     ).plan  # fmt: skip
 
 
@@ -95,6 +98,7 @@ def search_plan(
     progress: Progress | None = None,
     ilp_time_limit_s: float = 10.0,
     pareto: bool = False,
+    lossy: LossyCompression | None = None,
 ) -> PlanSearch:
     """:func:`make_plan` that also returns the priced candidates; with ``pareto`` they
     include the whole Pareto front of step time against peak memory."""
@@ -111,8 +115,9 @@ def search_plan(
         context_parallel=isinstance(handle.module, Transformer),
     )
     result = search(
-        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, progress=progress
-    )
+        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy,
+        progress=progress,
+    )  # fmt: skip
     layouts: dict[tuple[int, bool], TPLayout | None] = {}
 
     def layout_of(strategy: Strategy) -> TPLayout | None:
@@ -138,6 +143,7 @@ def search_plan(
         prediction=prediction,
         runners_up=tuple(_runner_up(best, other) for other in _diverse(result.ranked, top_k)),
         solver=stats,
+        tradeoffs=tuple(t for t in [tradeoff(model, best.strategy)] if t),
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)

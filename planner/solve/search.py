@@ -5,7 +5,8 @@ Every candidate is a point of the space
     dp x tp x pp x cp = num_gpus   (every factorisation; tp and cp may cross nodes)
     zero in 0..3, dp_shard in {dp, ranks per node} (hybrid sharding), sequence parallel,
     recompute in {none, selective, full}, micro-batch size, pipeline schedule and
-    virtual stages
+    virtual stages, and the lossy gradient compression the user allows
+    (:mod:`planner.solve.lossy`: on the meshes the runtime can run it on)
 
 restricted by the model (heads divisible by tp, blocks for every pipeline chunk,
 sequence divisible by 2 cp and at least 256 tokens per context-parallel rank unless
@@ -43,6 +44,7 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
+from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode
 from planner.spec import (
     Compression,
     Prediction,
@@ -77,6 +79,7 @@ class Pins:
     micro_batch_size: int | None = None
     schedule: Schedule | None = None
     virtual_stages: int | None = None
+    compression: Compression | None = None  # a pinned option is allowed even if lossy
 
     def allows(self, name: str, value: object) -> bool:
         pinned = getattr(self, name)
@@ -90,12 +93,16 @@ class Pins:
             dp_shard=strategy.shard_degree if strategy.zero else None,
             sequence_parallel=strategy.sequence_parallel, recompute=strategy.recompute,
             micro_batch_size=strategy.micro_batch_size, schedule=strategy.schedule,
-            virtual_stages=strategy.virtual_stages,
+            virtual_stages=strategy.virtual_stages, compression=strategy.compression,
         )  # fmt: skip
 
     def describe(self) -> str:
         values = ((f.name, getattr(self, f.name)) for f in fields(self))
-        return ", ".join(f"{name}={value}" for name, value in values if value is not None) or "none"
+        shown = (
+            (name, value.describe() if isinstance(value, Compression) else value)
+            for name, value in values
+        )
+        return ", ".join(f"{name}={value}" for name, value in shown if value is not None) or "none"
 
 
 @dataclass(frozen=True)
@@ -151,13 +158,14 @@ class _Group(NamedTuple):
     recompute_rank: int
     schedule: str
     virtual: int
-    shardings: tuple[tuple[int, int, float], ...]  # (zero, dp_shard, memory floor in bytes)
+    # (zero, dp_shard, memory floor in bytes, compression)
+    shardings: tuple[tuple[int, int, float, CompressionKey], ...]
 
     def points(self) -> Iterator[tuple[_Point, float]]:
-        """Each ZeRO variant's point and its memory floor (bytes)."""
+        """Each ZeRO and compression variant's point and its memory floor (bytes)."""
         head, tail = self[:5], self[5:10]
-        for zero, shard, floor in self.shardings:
-            yield _Point(*head, zero, shard, *tail), floor
+        for zero, shard, floor, compression in self.shardings:
+            yield _Point(*head, zero, shard, *tail, compression), floor
 
 
 class _Point(NamedTuple):
@@ -175,6 +183,7 @@ class _Point(NamedTuple):
     recompute_rank: int
     schedule: str
     virtual: int
+    compression: CompressionKey
 
     def strategy(self, global_batch: int) -> Strategy:
         return Strategy(
@@ -183,7 +192,7 @@ class _Point(NamedTuple):
             recompute=_RECOMPUTE_ORDER[self.recompute_rank], micro_batch_size=self.mbs,
             num_microbatches=global_batch // (self.dp * self.mbs),
             schedule=Schedule(self.schedule), virtual_stages=self.virtual,
-            compression=Compression(),
+            compression=decode(self.compression),
         )  # fmt: skip
 
 
@@ -194,10 +203,13 @@ def _divisors(n: int) -> list[int]:
 class _Space:
     """Enumerates candidate points for one model, cluster and training set-up."""
 
-    def __init__(self, model: CostModel, limits: ModelLimits, pins: Pins) -> None:
+    def __init__(
+        self, model: CostModel, limits: ModelLimits, pins: Pins, lossy: LossyCompression
+    ) -> None:
         self.model = model
         self.limits = limits
         self.pins = pins
+        self.lossy = lossy
         self.cluster = model.cluster
         self.training = model.training
         self.capacity = model.profile.memory_capacity_gib * _GIB
@@ -304,6 +316,11 @@ class _Space:
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
             for s, v in self.schedules(pp, microbatches)
         ]
+        variants = [
+            (zero, shard, per_param, key)
+            for zero, shard, per_param in shardings
+            for key in self.compressions(dp, tp, pp, cp, zero)
+        ]
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
                 continue
@@ -314,18 +331,30 @@ class _Space:
                 bound = work.time_s / pp * (microbatches + fill)
                 group = (bound, dp, tp, pp, cp, sp, mbs, rank, schedule, virtual)
                 fitting = []
-                for zero, shard, per_param in shardings:
+                for zero, shard, per_param, key in variants:
                     needed = params * per_param + kept * in_flight
                     if needed <= self.capacity:
-                        fitting.append((zero, shard, needed))
+                        fitting.append((zero, shard, needed, key))
                         continue
                     self.over_memory += 1
                     if needed < self._leanest_bytes:
-                        self.leanest = _Point(*group[:5], zero, shard, *group[5:])
+                        self.leanest = _Point(*group[:5], zero, shard, *group[5:], key)
                         self._leanest_bytes = needed
                 if fitting:
                     self.enumerated += len(fitting)
                     yield _Group(*group, tuple(fitting))
+
+    def compressions(
+        self, dp: int, tp: int, pp: int, cp: int, zero: int
+    ) -> Iterator[CompressionKey]:
+        """The pinned compression, or ``none`` and the allowed lossy options that run here."""
+        pinned = self.pins.compression
+        if pinned is not None:
+            yield encode(pinned)
+            return
+        yield from self.lossy.keys(
+            self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero
+        )
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
         """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
@@ -358,7 +387,7 @@ def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
 
 def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
     """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
-    space = _Space(model, limits, Pins.of(strategy))
+    space = _Space(model, limits, Pins.of(strategy), LossyCompression())
     return any(True for _ in space.groups()) or space.over_memory > 0
 
 
@@ -372,6 +401,7 @@ def search(
     pins: Pins | None = None,
     top_k: int = 5,
     pareto: bool = False,
+    lossy: LossyCompression | None = None,
     progress: Progress | None = None,
 ) -> SearchResult:
     """The ``top_k`` fastest fitting strategies for ``model``'s set-up, fastest first.
@@ -379,13 +409,14 @@ def search(
     With ``pareto`` the search also prices every candidate that could be on the Pareto
     front of step time against peak memory: it skips a candidate only when a priced,
     fitting one is both faster than its time bound and leaner than its memory bound.
+    ``lossy`` lists the lossy gradient compression the search may choose (none by default).
 
     Raises :class:`InfeasibleError` when nothing fits, naming the memory the closest
     candidate needs and what would make it fit.
     """
     started = time.perf_counter()
     pins = pins or Pins()
-    space = _Space(model, limits, pins)
+    space = _Space(model, limits, pins, lossy or LossyCompression())
     groups = sorted(space.groups())
     if not groups and not space.over_memory:
         raise _no_candidates(model, limits, pins)

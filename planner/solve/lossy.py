@@ -1,0 +1,228 @@
+"""Which lossy gradient compression the search may choose, and where each starts to pay.
+
+Every option changes the gradients the optimizer sees, so none is chosen unless the
+user allows it (``plan --allow-lossy-compression``). The search then prices each
+allowed option on every mesh the runtime can run it on and keeps it only where the
+step gets faster:
+
+- ``bf16``/``fp16``: DDP hook on a data-parallel-only mesh, or the FSDP2 reduce dtype
+  with ZeRO >= 1 on any mesh;
+- ``powersgd:R``: DDP hook, data-parallel-only mesh, ZeRO 0;
+- ``local_sgd:H``: DDP hook, data-parallel-only mesh, ZeRO 0, when the data-parallel
+  group spans several nodes or sites; the local group is the ranks of one such domain.
+
+The rank of PowerSGD and the period of local SGD are the user's: a lower rank or a
+longer period always moves fewer bytes, and what they cost in convergence is not
+something a step-time model can see.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from planner.cost import CostModel
+from planner.errors import SpecError
+from planner.spec import Cluster, Compression, CompressionKind, DType, Strategy
+
+__all__ = [
+    "LOSSY_WARMUP_STEPS",
+    "CompressionKey",
+    "LossyCompression",
+    "crossover_bandwidth",
+    "decode",
+    "encode",
+    "tradeoff",
+]
+
+# Uncompressed (PowerSGD) or globally averaged (local SGD) steps before the option
+# starts: torch's PowerSGDState default, which its docs recommend for accuracy.
+LOSSY_WARMUP_STEPS = 1000
+_DEFAULT_POWERSGD_RANK = 4
+_DEFAULT_LOCAL_SGD_PERIOD = 8
+CompressionKey = tuple[str, int, int, int]  # (kind, rank, period, local group): sortable
+_NONE: CompressionKey = ("none", 0, 0, 0)
+
+
+def encode(compression: Compression) -> CompressionKey:
+    """A plain, sortable tuple for ``compression`` (the search keeps candidates as tuples)."""
+    return (
+        compression.kind.value,
+        compression.rank or 0,
+        compression.period or 0,
+        compression.local_group or 0,
+    )
+
+
+def decode(key: CompressionKey) -> Compression:
+    """The :class:`Compression` a key stands for, with the planner's warm-up steps."""
+    kind, rank, period, local = key
+    if kind == CompressionKind.NONE.value:
+        return Compression()
+    lossy_warmup = kind in (CompressionKind.POWERSGD.value, CompressionKind.LOCAL_SGD.value)
+    return Compression(
+        kind=CompressionKind(kind),
+        rank=rank or None,
+        period=period or None,
+        local_group=local or None,
+        warmup_steps=LOSSY_WARMUP_STEPS if lossy_warmup else 0,
+    )
+
+
+@dataclass(frozen=True)
+class LossyCompression:
+    """The lossy options the user allows; the empty default allows none."""
+
+    half: bool = False  # fp16/bf16 reduction, in the training dtype's half type
+    powersgd_ranks: tuple[int, ...] = ()
+    local_sgd_periods: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> LossyCompression:
+        """``'bf16,powersgd:4,local_sgd:8'``; ``''`` or ``'default'`` means bf16 and
+        PowerSGD rank 4 (local SGD is only chosen when named)."""
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items or items == ["default"]:
+            return cls(half=True, powersgd_ranks=(_DEFAULT_POWERSGD_RANK,))
+        half, ranks, periods = False, [], []
+        for item in items:
+            name, _, value = item.partition(":")
+            if name in ("fp16", "bf16", "half"):
+                half = True
+            elif name == "powersgd":
+                ranks.append(_positive(item, value or str(_DEFAULT_POWERSGD_RANK), minimum=1))
+            elif name == "local_sgd":
+                periods.append(_positive(item, value or str(_DEFAULT_LOCAL_SGD_PERIOD), minimum=2))
+            else:
+                raise SpecError(
+                    f"--allow-lossy-compression item {item!r} is unknown; use bf16, fp16, "
+                    "powersgd[:RANK] or local_sgd[:PERIOD], comma-separated"
+                )
+        return cls(half, tuple(sorted(set(ranks))), tuple(sorted(set(periods))))
+
+    @property
+    def allows_any(self) -> bool:
+        return self.half or bool(self.powersgd_ranks) or bool(self.local_sgd_periods)
+
+    def describe(self) -> str:
+        parts = ["half"] if self.half else []
+        parts += [f"powersgd:{r}" for r in self.powersgd_ranks]
+        parts += [f"local_sgd:{h}" for h in self.local_sgd_periods]
+        return ",".join(parts) or "none"
+
+    def keys(
+        self, cluster: Cluster, dtype: DType, *, dp: int, tp: int, pp: int, cp: int, zero: int
+    ) -> Iterator[CompressionKey]:
+        """The options (``none`` first) the runtime can run on this mesh and ZeRO stage."""
+        yield _NONE
+        if dp * cp == 1:
+            return
+        ddp_hook = zero == 0 and tp == pp == cp == 1
+        if self.half and (ddp_hook or zero >= 1):
+            yield (_half_kind(dtype).value, 0, 0, 0)
+        if not ddp_hook:
+            return
+        for rank in self.powersgd_ranks:
+            yield (CompressionKind.POWERSGD.value, rank, 0, 0)
+        for local in _local_groups(cluster, dp):
+            for period in self.local_sgd_periods:
+                yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
+
+
+def _positive(item: str, value: str, *, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < minimum:
+        raise SpecError(
+            f"--allow-lossy-compression item {item!r}: {value!r} must be an integer >= {minimum}"
+        )
+    return number
+
+
+def _half_kind(dtype: DType) -> CompressionKind:
+    """fp16 reduction for fp16 training (same range), bf16 otherwise."""
+    return CompressionKind.FP16 if dtype is DType.FP16 else CompressionKind.BF16
+
+
+def _local_groups(cluster: Cluster, dp: int) -> list[int]:
+    """Data-parallel ranks of one node or one slower-tier domain, when ``dp`` spans several
+    of them (a data-parallel-only mesh: data-parallel ranks are consecutive GPUs)."""
+    domains = {min(cluster.gpus_per_node, cluster.num_gpus)}
+    domains |= {tier.domain_size for tier in cluster.extra_tiers}
+    return sorted(d for d in domains if 1 < d < dp and dp % d == 0)
+
+
+def crossover_bandwidth(
+    chooses_option: Callable[[float], bool], low_GBps: float, high_GBps: float, *, steps: int = 12
+) -> float | None:
+    """The highest bandwidth in ``[low, high]`` (GB/s) at which ``chooses_option`` holds,
+    by bisection on a log scale; ``None`` if it does not hold even at ``low``.
+
+    ``chooses_option(bandwidth)`` should be monotone: true below the crossover (e.g.
+    "the search picks PowerSGD on this cluster with this inter-node bandwidth").
+    """
+    if not chooses_option(low_GBps):
+        return None
+    if chooses_option(high_GBps):
+        return high_GBps
+    low, high = math.log(low_GBps), math.log(high_GBps)
+    for _ in range(steps):
+        middle = (low + high) / 2
+        if chooses_option(math.exp(middle)):
+            low = middle
+        else:
+            high = middle
+    return math.exp(low)
+
+
+def tradeoff(model: CostModel, strategy: Strategy) -> str:
+    """What ``strategy``'s compression trades, in one sentence with the model's figures:
+    bytes on the data-parallel links against compute, memory and the gradients' fidelity."""
+    compression = strategy.compression
+    if compression.kind is CompressionKind.NONE:
+        return ""
+    exact = strategy.model_copy(update={"compression": Compression()})
+    before, after = model.dp_payload_bytes(exact), model.dp_payload_bytes(strategy)
+    prediction = model.estimate(strategy)
+    compute = prediction.breakdown_s.get("compression", 0.0)
+    memory = prediction.memory_gib.get("compression", 0.0)
+    saved = (
+        f"{before / max(after, 1.0):.1f}x fewer bytes over the data-parallel group "
+        f"({_bytes(before)} -> {_bytes(after)} per rank per step)"
+    )
+    costs = f"+{compute * 1e3:.0f} ms compute per step" if compute else ""
+    if memory:
+        costs += f", +{memory:.2f} GiB memory"
+    return f"{compression.describe()}: {saved}{'; ' + costs if costs else ''}; {_fidelity(compression)}"
+
+
+def _fidelity(compression: Compression) -> str:
+    kind = compression.kind
+    if kind in (CompressionKind.FP16, CompressionKind.BF16):
+        mantissa = 10 if kind is CompressionKind.FP16 else 7
+        return (
+            f"gradients are summed in {kind.value} ({mantissa}-bit mantissa): small "
+            "contributions can round away"
+        )
+    if kind is CompressionKind.POWERSGD:
+        return (
+            f"gradient matrices are sent as rank-{compression.rank} approximations with error "
+            f"feedback after {compression.warmup_steps} exact steps; loss per step can lag the "
+            "exact run (Vogels et al., 2019): check convergence"
+        )
+    return (
+        f"gradients are averaged within groups of {compression.local_group} ranks and the "
+        f"parameters over all of them every {compression.period} steps (after "
+        f"{compression.warmup_steps} global steps); replicas drift in between, which changes "
+        "the optimisation (Lin et al., 2020): check convergence"
+    )
+
+
+def _bytes(size: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"
