@@ -28,6 +28,7 @@ __all__ = [
     "Link",
     "HardwareProfile",
     "list_profiles",
+    "profile_dir",
     "load_profile",
     "save_profile",
 ]
@@ -123,13 +124,14 @@ def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
     return [(prefix, data)]
 
 
-def _profile_dir() -> Path:
+def profile_dir() -> Path:
+    """The folder of the shipped profiles (GPU profiles; cluster profiles in clusters/)."""
     return Path(str(resources.files("profiles")))
 
 
 def list_profiles() -> list[str]:
     """Names of the profiles shipped in the ``profiles`` package."""
-    return sorted(path.stem for path in _profile_dir().glob("*.json"))
+    return sorted(path.stem for path in profile_dir().glob("*.json"))
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
@@ -142,7 +144,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         if not path.is_file():
             raise SpecError(f"hardware profile file {name_or_path!r} does not exist")
         return load_document(HardwareProfile, path)
-    shipped = _profile_dir() / f"{name_or_path}.json"
+    shipped = profile_dir() / f"{name_or_path}.json"
     if not shipped.is_file():
         raise UnknownNameError("GPU profile", name_or_path, list_profiles())
     return load_document(HardwareProfile, shipped)

@@ -235,6 +235,8 @@ class Cluster(_Doc):
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
+    name: str = ""  # a shipped cluster profile's name
+    description: str = ""
     gpu: str
     num_gpus: PositiveInt
     gpus_per_node: PositiveInt = 8

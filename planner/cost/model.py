@@ -18,6 +18,7 @@ from itertools import accumulate
 from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
 from planner.cost.compression import (
     GradientShapes,
+    PowerSGDWork,
     bucket_count,
     gradient_shapes,
     half_cast_time,
@@ -51,6 +52,7 @@ from planner.spec import (
 __all__ = ["CostModel", "SegmentCost", "WholeModelCost"]
 
 _GIB = 2**30
+_RANK_CACHE_SIZE = 4096  # per-rank sums kept for reuse (a search's groups come in bursts)
 _COUNTED = (OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)  # FLOPs that MFU/HFU count
 
 
@@ -181,6 +183,7 @@ class CostModel:
         self._tables: dict[tuple[object, ...], _SegmentTable] = {}
         self._stages: dict[tuple[int, int], list[list[int]]] = {}
         self._modes: dict[tuple[object, ...], list[RecomputeMode]] = {}
+        self._rank_sums: dict[tuple[object, ...], list[_Rank]] = {}  # tables live as long
         self._step_flops: dict[tuple[RecomputeMode, ...], tuple[float, float]] = {}
         self._gradient_shapes: dict[int, GradientShapes] = {}
 
@@ -382,6 +385,21 @@ class CostModel:
     def _ranks(
         self, strategy: Strategy, chunks: list[list[int]], table: _SegmentTable
     ) -> list[_Rank]:
+        """Per pipeline rank sums, cached: ZeRO and compression variants share them."""
+        key = (
+            id(table), strategy.pp, strategy.virtual_stages, strategy.schedule,
+            strategy.num_microbatches, tuple(map(tuple, chunks)),
+        )  # fmt: skip
+        ranks = self._rank_sums.get(key)
+        if ranks is None:
+            if len(self._rank_sums) >= _RANK_CACHE_SIZE:
+                self._rank_sums.clear()
+            ranks = self._rank_sums[key] = self._sum_ranks(strategy, chunks, table)
+        return ranks
+
+    def _sum_ranks(
+        self, strategy: Strategy, chunks: list[list[int]], table: _SegmentTable
+    ) -> list[_Rank]:
         # the head's backward follows its forward at once: one micro-batch (GPipe: all)
         head_in_flight = strategy.num_microbatches if strategy.schedule is Schedule.GPIPE else 1
         ranks = []
@@ -429,16 +447,15 @@ class CostModel:
     def pipeline_floor_s(self, strategy: Strategy) -> float:
         """Seconds of the pipelined forward and backward alone over the default stages.
 
-        Compute, recompute, tensor/context-parallel communication and the bubble: the
-        step time without data-parallel and point-to-point communication and the
-        optimizer, so a lower bound of :meth:`estimate`'s ``step_time_s`` that a search
-        can use to skip candidates (independent of the ZeRO stage).
+        Compute, recompute, tensor/context-parallel and point-to-point communication
+        and the bubble: the step time without data-parallel communication, compression
+        and the optimizer, so a lower bound of :meth:`estimate`'s ``step_time_s`` that a
+        search can use to skip candidates (independent of ZeRO and compression).
         """
         chunks = self.default_stages(strategy)
         modes = self._recompute_modes(strategy, chunks)
-        return self._pipe_time(
-            strategy, self._ranks(strategy, chunks, self._table(strategy, modes))
-        )
+        ranks = self._ranks(strategy, chunks, self._table(strategy, modes))
+        return self._pipe_time(strategy, ranks) + self._pp_time(strategy)
 
     @staticmethod
     def _pipe_time(strategy: Strategy, ranks: list[_Rank]) -> float:
@@ -490,7 +507,7 @@ class CostModel:
     def _powersgd_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
         """PowerSGD's exposed all-reduces ('comm_dp') and compression compute per step."""
         rank = self._powersgd_rank(strategy)
-        work = powersgd_work(self._shapes(strategy.tp), rank)
+        work = self._powersgd_work(strategy)
         element = self.options.grad_reduce_bytes
         buckets = bucket_count(element * slowest.params, self._bucket_bytes)
         link = self._axis_link(strategy.dp, strategy.tp)
@@ -544,7 +561,7 @@ class CostModel:
         element = self.options.grad_reduce_bytes
         compression = strategy.compression
         if compression.kind is CompressionKind.POWERSGD:
-            work = powersgd_work(self._shapes(strategy.tp), self._powersgd_rank(strategy))
+            work = self._powersgd_work(strategy)
             moved = work.uncompressed_elements + work.p_elements + work.q_elements
             return moved * element
         if compression.kind is CompressionKind.LOCAL_SGD:
@@ -552,6 +569,21 @@ class CostModel:
         if compression.kind in (CompressionKind.FP16, CompressionKind.BF16):
             return half_wire_bytes(element) * params
         return element * params
+
+    def _powersgd_work(self, strategy: Strategy) -> PowerSGDWork:
+        """PowerSGD's elements and FLOPs; refuses a rank that compresses no matrix."""
+        rank = self._powersgd_rank(strategy)
+        shapes = self._shapes(strategy.tp)
+        work = powersgd_work(shapes, rank)
+        if not work.compressed:
+            m, n = max(shapes.matrices, key=lambda mn: mn[0] * mn[1], default=(0, 0))
+            useful = (m * n - 1) // (2 * (m + n)) if m * n else 0
+            raise SpecError(
+                f"strategy.compression.rank = {rank} compresses none of the model's gradient "
+                f"matrices (largest {m} x {n}; PowerSGD pays only when rank * (m + n) * 2 < "
+                f"m * n): use a rank <= {useful}, or compression 'bf16'"
+            )
+        return work
 
     @staticmethod
     def _powersgd_rank(strategy: Strategy) -> int:
@@ -671,7 +703,7 @@ class CostModel:
 
     def _powersgd_memory(self, strategy: Strategy, rank: _Rank) -> float:
         """Error-feedback buffer, persistent P and Q, and a bucket's clone (bytes)."""
-        work = powersgd_work(self._shapes(strategy.tp), self._powersgd_rank(strategy))
+        work = self._powersgd_work(strategy)
         element = self.options.grad_reduce_bytes
         return powersgd_memory_bytes(work, rank.params, self._bucket_bytes, element)
 

@@ -33,6 +33,7 @@ __all__ = [
     "crossover_bandwidth",
     "decode",
     "encode",
+    "option_name",
     "tradeoff",
 ]
 
@@ -101,6 +102,21 @@ class LossyCompression:
                 )
         return cls(half, tuple(sorted(set(ranks))), tuple(sorted(set(periods))))
 
+    @classmethod
+    def allowing(cls, compression: Compression) -> LossyCompression:
+        """Just what it takes to allow ``compression``."""
+        return cls.parse(option_name(compression)) if compression.kind.lossy else cls()
+
+    def allows(self, compression: Compression) -> bool:
+        kind = compression.kind
+        if kind in (CompressionKind.FP16, CompressionKind.BF16):
+            return self.half
+        if kind is CompressionKind.POWERSGD:
+            return compression.rank in self.powersgd_ranks
+        if kind is CompressionKind.LOCAL_SGD:
+            return compression.period in self.local_sgd_periods
+        return True
+
     @property
     def allows_any(self) -> bool:
         return self.half or bool(self.powersgd_ranks) or bool(self.local_sgd_periods)
@@ -128,6 +144,15 @@ class LossyCompression:
         for local in _local_groups(cluster, dp):
             for period in self.local_sgd_periods:
                 yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
+
+
+def option_name(compression: Compression) -> str:
+    """The ``--allow-lossy-compression`` item that allows ``compression``."""
+    if compression.kind is CompressionKind.POWERSGD:
+        return f"powersgd:{compression.rank}"
+    if compression.kind is CompressionKind.LOCAL_SGD:
+        return f"local_sgd:{compression.period}"
+    return compression.kind.value
 
 
 def _positive(item: str, value: str, *, minimum: int) -> int:

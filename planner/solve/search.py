@@ -44,7 +44,7 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
-from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode
+from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode, option_name
 from planner.spec import (
     Compression,
     Prediction,
@@ -387,7 +387,8 @@ def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
 
 def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
     """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
-    space = _Space(model, limits, Pins.of(strategy), LossyCompression())
+    lossy = LossyCompression.allowing(strategy.compression)
+    space = _Space(model, limits, Pins.of(strategy), lossy)
     return any(True for _ in space.groups()) or space.over_memory > 0
 
 
@@ -416,7 +417,9 @@ def search(
     """
     started = time.perf_counter()
     pins = pins or Pins()
-    space = _Space(model, limits, pins, lossy or LossyCompression())
+    lossy = lossy or LossyCompression()
+    _check_pinned_compression(pins, lossy)
+    space = _Space(model, limits, pins, lossy)
     groups = sorted(space.groups())
     if not groups and not space.over_memory:
         raise _no_candidates(model, limits, pins)
@@ -483,6 +486,16 @@ class _FrontFloor:
     def dominates(self, bound_s: float, floor_bytes: float) -> bool:
         faster = self._points[: bisect.bisect(self._points, (bound_s, math.inf))]
         return any(memory <= floor_bytes for _, memory in faster)
+
+
+def _check_pinned_compression(pins: Pins, lossy: LossyCompression) -> None:
+    pinned = pins.compression
+    if pinned is not None and not lossy.allows(pinned):
+        name = option_name(pinned)
+        raise SpecError(
+            f"compression {pinned.describe()} is lossy and not allowed: allow it with "
+            f"--allow-lossy-compression {name} (Python: lossy=LossyCompression.parse({name!r}))"
+        )
 
 
 def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecError:

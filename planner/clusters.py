@@ -1,0 +1,68 @@
+"""Clusters: a GPU profile and a GPU count, or a shipped cluster profile with its links.
+
+Shipped cluster profiles (``profiles/clusters/*.json``) describe networks beyond one
+GPU profile's defaults: several sites joined by slow links, commodity Ethernet. A
+name that is not a cluster profile is a GPU profile (``plan profiles``), which needs
+the number of GPUs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.errors import SpecError, UnknownNameError
+from planner.hardware import list_profiles, profile_dir
+from planner.spec import Cluster, load_document
+
+__all__ = ["list_clusters", "load_cluster", "resolve_cluster"]
+
+
+def _cluster_dir() -> Path:
+    return profile_dir() / "clusters"
+
+
+def list_clusters() -> list[str]:
+    """Names of the cluster profiles shipped in ``profiles/clusters``."""
+    return sorted(path.stem for path in _cluster_dir().glob("*.json"))
+
+
+def load_cluster(name: str) -> Cluster:
+    """A shipped cluster profile by name."""
+    path = _cluster_dir() / f"{name}.json"
+    if not path.is_file():
+        raise UnknownNameError("cluster profile", name, list_clusters())
+    return load_document(Cluster, path)
+
+
+def resolve_cluster(
+    name_or_path: str, *, num_gpus: int | None = None, gpus_per_node: int = 8
+) -> Cluster:
+    """A cluster from a Cluster JSON file, a shipped cluster profile, or a GPU profile
+    name with ``num_gpus`` GPUs, ``gpus_per_node`` to a node."""
+    if name_or_path.endswith(".json") or Path(name_or_path).is_file():
+        return _fixed(load_document(Cluster, Path(name_or_path)), name_or_path, num_gpus)
+    if name_or_path in list_clusters():
+        return _fixed(load_cluster(name_or_path), name_or_path, num_gpus)
+    if name_or_path not in list_profiles():
+        raise UnknownNameError("cluster or GPU profile", name_or_path, _names())
+    if num_gpus is None:
+        raise SpecError(
+            f"--cluster {name_or_path} is a GPU profile: give --gpus N, or name a cluster "
+            f"profile ({', '.join(list_clusters())}) or a cluster.json"
+        )
+    fields = {"gpu": name_or_path, "num_gpus": num_gpus, "gpus_per_node": gpus_per_node}
+    return load_document(Cluster, fields, "command line")
+
+
+def _fixed(cluster: Cluster, source: str, num_gpus: int | None) -> Cluster:
+    """``cluster`` as described: its GPU count and links go together."""
+    if num_gpus is not None and num_gpus != cluster.num_gpus:
+        raise SpecError(
+            f"--gpus {num_gpus} with cluster {source!r}, which has num_gpus = "
+            f"{cluster.num_gpus}: drop --gpus, or copy the cluster JSON and change its num_gpus"
+        )
+    return cluster
+
+
+def _names() -> list[str]:
+    return [*list_clusters(), *list_profiles()]
