@@ -17,6 +17,7 @@ __all__ = [
     "TraceError",
     "InfeasibleError",
     "PlanMismatchError",
+    "ExportError",
 ]
 
 
@@ -50,3 +51,7 @@ class InfeasibleError(PlannerError):
 
 class PlanMismatchError(PlannerError):
     """A plan, profile or measurement was made for a different model or world size."""
+
+
+class ExportError(PlannerError):
+    """A plan uses something the target framework cannot express; the message says what."""

@@ -24,6 +24,7 @@ __all__ = ["main", "build_parser"]
 SUBCOMMANDS = (
     "search",
     "explain",
+    "export",
     "estimate",
     "trace",
     "run",

@@ -1,0 +1,232 @@
+"""Checks and facts every export shares: refusals, recompute, stage split, TP layout.
+
+Each target framework takes less than a :class:`~planner.spec.Plan` says. What it
+cannot express raises :class:`~planner.errors.ExportError` naming the plan field,
+its value, why the target cannot carry it and what to change, rather than dropping
+something that changes the math or the memory.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from planner.errors import ExportError
+from planner.spec import CompressionKind, Plan, RecomputeMode, TPStyle
+
+__all__ = [
+    "refuse",
+    "header",
+    "seq_len",
+    "check_hook_compression",
+    "uniform_recompute",
+    "blocks_per_chunk",
+    "check_recompute_blocks",
+    "zoo_layers_per_chunk",
+    "check_megatron_layout",
+]
+
+_BLOCK = re.compile(r"\.(\d+)$")  # a repeated block: an FQN ending in its index
+_ZOO_LAYER = re.compile(r"^layers\.(\d+)$")
+_ZOO_FIRST = ("tok_embeddings", "pos_embeddings")
+_ZOO_LAST = ("norm", "output")
+
+# Megatron-LM's (and torchtitan's llama) tensor-parallel layout of the zoo transformer.
+_MEGATRON_STYLES = {
+    "layers.*.attention.wq": TPStyle.COLWISE,
+    "layers.*.attention.wk": TPStyle.COLWISE,
+    "layers.*.attention.wv": TPStyle.COLWISE,
+    "layers.*.attention.wo": TPStyle.ROWWISE,
+    "layers.*.feed_forward.w1": TPStyle.COLWISE,
+    "layers.*.feed_forward.w3": TPStyle.COLWISE,
+    "layers.*.feed_forward.w2": TPStyle.ROWWISE,
+    "output": TPStyle.COLWISE,
+}
+_REQUIRED = ("layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.w1")
+_NORMS = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+# Same parameter bytes per rank either way; only the collective after the lookup differs.
+_EMBEDDING_STYLES = (TPStyle.VOCAB_PARALLEL, TPStyle.COLWISE)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, Enum):
+        return repr(value.value)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_show(item) for item in value) + ")"
+    return repr(value)
+
+
+def refuse(target: str, field: str, value: object, why: str, fix: str) -> ExportError:
+    """An :class:`ExportError` that reads ``cannot export to T: field = value: why; fix``."""
+    return ExportError(f"cannot export to {target}: {field} = {_show(value)}: {why}; {fix}")
+
+
+def header(plan: Plan, target: str, comment: str = "#") -> list[str]:
+    """Comment lines naming the plan an export came from."""
+    return [
+        f"{comment} {target} settings for {plan.model_name} on {plan.strategy.world_size} GPUs "
+        f"({plan.cluster.gpu}), written by 'plan export' (planner {plan.planner_version})",
+        f"{comment} strategy: {plan.strategy.describe()}",
+    ]
+
+
+def seq_len(plan: Plan) -> int | None:
+    """Training sequence length in tokens (the model's when training does not set one)."""
+    if plan.training.seq_len is not None:
+        return plan.training.seq_len
+    return plan.model.seq_len if plan.model is not None else None
+
+
+def check_hook_compression(plan: Plan, target: str) -> None:
+    """Refuse PowerSGD and local SGD: only a DDP communication hook (our runtime) runs them."""
+    compression = plan.strategy.compression
+    if compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD):
+        raise refuse(
+            target,
+            "strategy.compression.kind",
+            compression.kind,
+            f"{compression.describe()} changes the gradients the optimizer sees and runs only as "
+            f"a DDP communication hook, which {target} has no setting for",
+            "use compression 'none', 'bf16' or 'fp16', or run the plan with 'plan run'",
+        )
+
+
+def uniform_recompute(plan: Plan, target: str) -> RecomputeMode:
+    """The one recompute mode of every pipeline stage; refuses modes that differ by stage."""
+    strategy = plan.strategy
+    modes = {strategy.recompute_for_stage(stage) for stage in range(strategy.pp)}
+    if len(modes) > 1:
+        raise refuse(
+            target,
+            "strategy.recompute_per_stage",
+            strategy.recompute_per_stage,
+            f"{target} applies one recompute mode to every pipeline stage",
+            "re-plan with one --recompute mode for all stages",
+        )
+    return modes.pop()
+
+
+def blocks_per_chunk(plan: Plan) -> list[int] | None:
+    """Repeated blocks in each model chunk (one chunk without pipelining); None if unknown."""
+    if plan.stages:
+        return [sum(bool(_BLOCK.search(fqn)) for fqn in chunk) for chunk in plan.stages]
+    if plan.model is not None:
+        return [plan.model.num_layers]
+    return None
+
+
+def check_recompute_blocks(plan: Plan, target: str) -> None:
+    """Refuse ``recompute_blocks = k`` when it leaves some block of a chunk stored.
+
+    ``k`` at least the blocks of every chunk recomputes them all, which any target says.
+    """
+    limit = plan.strategy.recompute_blocks
+    if limit is None:
+        return
+    counts = blocks_per_chunk(plan)
+    if counts is not None and limit >= max(counts):
+        return
+    raise refuse(
+        target,
+        "strategy.recompute_blocks",
+        limit,
+        f"{target} recomputes every block or none, not the first {limit} of each chunk "
+        f"(blocks per chunk: {counts if counts is not None else 'unknown'})",
+        "drop recompute_blocks (recompute all blocks) or export to megatron "
+        "(--recompute-method block)",
+    )
+
+
+def zoo_layers_per_chunk(plan: Plan, target: str) -> list[int]:
+    """Transformer layers in each of ``plan.stages``, checked to be the zoo's contiguous split.
+
+    Frameworks that build their own transformer split it by layer counts, embeddings on
+    the first chunk and the final norm and head on the last; any other split is refused.
+    """
+    counts: list[int] = []
+    expected = 0
+    last = len(plan.stages) - 1
+    for index, chunk in enumerate(plan.stages):
+        layers = 0
+        for fqn in chunk:
+            match = _ZOO_LAYER.match(fqn)
+            if match is None:
+                _check_edge_module(plan, target, index, fqn, first=index == 0, last=index == last)
+                continue
+            if int(match.group(1)) != expected:
+                raise refuse(
+                    target,
+                    f"plan.stages[{index}]",
+                    chunk,
+                    f"{fqn!r} breaks the contiguous layer order (layers.{expected} expected); "
+                    f"{target} gives every pipeline chunk consecutive layers",
+                    "re-plan so that each chunk holds consecutive layers",
+                )
+            expected += 1
+            layers += 1
+        counts.append(layers)
+    return counts
+
+
+def _check_edge_module(
+    plan: Plan, target: str, index: int, fqn: str, *, first: bool, last: bool
+) -> None:
+    if (fqn in _ZOO_FIRST and first) or (fqn in _ZOO_LAST and last):
+        return
+    where = (
+        "it is not a layer of the zoo transformer"
+        if fqn not in _ZOO_FIRST + _ZOO_LAST
+        else "embeddings belong to the first chunk and the final norm and head to the last"
+    )
+    raise refuse(
+        target,
+        f"plan.stages[{index}]",
+        plan.stages[index],
+        f"{fqn!r}: {where}, and {target} places only its own transformer's modules",
+        "export a plan made for a zoo preset or ModelSpec file with its planner stage split",
+    )
+
+
+def check_megatron_layout(plan: Plan, target: str) -> list[str]:
+    """Check ``plan.tp_layout`` is Megatron's (as torchtitan's llama plan) and return notes.
+
+    Attention ``wq/wk/wv`` and FFN ``w1/w3`` column-parallel, ``wo/w2`` row-parallel, the
+    head column-parallel, norms sequence-parallel or replicated; the token embedding
+    sharded on the vocabulary, or on the embedding dim (same memory, noted).
+    """
+    notes: list[str] = []
+    for key, style in sorted(plan.tp_layout.items()):
+        pattern = re.sub(r"^layers\.\d+\.", "layers.*.", key)
+        if pattern == "tok_embeddings" and style in _EMBEDDING_STYLES:
+            if style is TPStyle.COLWISE:
+                notes.append(
+                    f"tok_embeddings: the plan shards it on the embedding dim; {target} shards "
+                    "it on the vocabulary (same bytes per rank, another collective)"
+                )
+            continue
+        if pattern in _NORMS and style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
+            continue
+        if _MEGATRON_STYLES.get(pattern) is style or (
+            style is TPStyle.REPLICATE and pattern not in _MEGATRON_STYLES
+        ):
+            continue
+        raise _layout_refusal(plan, target, key, style)
+    present = {re.sub(r"^layers\.\d+\.", "layers.*.", key) for key in plan.tp_layout}
+    for pattern in (*_REQUIRED, "tok_embeddings", "output"):
+        if pattern not in present:
+            raise _layout_refusal(plan, target, pattern, None)
+    return notes
+
+
+def _layout_refusal(plan: Plan, target: str, key: str, style: TPStyle | None) -> ExportError:
+    expected = _MEGATRON_STYLES.get(
+        re.sub(r"^layers\.\d+\.", "layers.*.", key), TPStyle.VOCAB_PARALLEL
+    )
+    return refuse(
+        target,
+        f"plan.tp_layout[{key!r}]",
+        style if style is not None else "(missing)",
+        f"{target} shards transformer layers only Megatron's way ({key} {expected.value}); "
+        f"this layout (model {plan.model_name!r}) differs",
+        "export a plan for a zoo transformer, or run this layout with 'plan run'",
+    )

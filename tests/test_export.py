@@ -1,0 +1,477 @@
+"""``plan export``: plans as torchtitan TOML, Megatron-LM arguments and DeepSpeed JSON.
+
+Every export is parsed and checked against the option names each framework documents
+(held here, no framework installed) and for values that agree with the plan; what a
+target cannot express must be refused naming the plan field.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import math
+import shlex
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import planner.export
+from planner.assemble import assemble_plan
+from planner.cli import main
+from planner.errors import ExportError, UnknownNameError
+from planner.export import export_plan, to_deepspeed, to_megatron, to_torchtitan
+from planner.models import ModelHandle, resolve_model
+from planner.solve.make_plan import make_plan
+from planner.solve.search import Pins
+from planner.spec import (
+    Cluster,
+    Compression,
+    CompressionKind,
+    DType,
+    Optimizer,
+    Plan,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    TPStyle,
+    Training,
+)
+
+GPU = "h100-sxm-80gb"
+
+# torchtitan/config/job_config.py (pytorch/torchtitan 6404b93): the options of each table.
+TORCHTITAN_OPTIONS = {
+    "parallelism": {
+        "data_parallel_replicate_degree", "enable_compiled_autograd",
+        "data_parallel_shard_degree", "fsdp_reshard_after_forward", "tensor_parallel_degree",
+        "disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_degree",
+        "pipeline_parallel_split_points", "module_fqns_per_model_part",
+        "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+        "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+        "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
+        "context_parallel_degree", "context_parallel_rotate_method", "expert_parallel_degree",
+    },
+    "training": {
+        "dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len",
+        "max_norm", "steps", "enable_cpu_offload", "mixed_precision_param",
+        "mixed_precision_reduce", "compile", "gc_freq", "gc_debug", "seed", "deterministic",
+    },
+    "activation_checkpoint": {
+        "mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+    },
+    "optimizer": {
+        "name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation",
+        "early_step_in_backward",
+    },
+    "model": {"name", "flavor", "tokenizer_path", "converters", "print_after_conversion"},
+}  # fmt: skip
+TORCHTITAN_CHOICES = {
+    ("parallelism", "fsdp_reshard_after_forward"): {"default", "always", "never"},
+    # torch.distributed.pipelining schedule names torchtitan resolves
+    ("parallelism", "pipeline_parallel_schedule"): {
+        "1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+        "LoopedBFS", "DualPipeV",
+    },
+    ("training", "mixed_precision_param"): {"bfloat16", "float32"},
+    ("training", "mixed_precision_reduce"): {"float32"},
+    ("activation_checkpoint", "mode"): {"selective", "full", "none"},
+    ("optimizer", "name"): {"Adam", "AdamW"},
+}  # fmt: skip
+
+# megatron/training/arguments.py (NVIDIA/Megatron-LM 000c4ac): option -> number of values
+# and, where the parser restricts them, the choices.
+MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
+    "--tensor-model-parallel-size": (1, None),
+    "--pipeline-model-parallel-size": (1, None),
+    "--context-parallel-size": (1, None),
+    "--sequence-parallel": (0, None),
+    "--num-layers-per-virtual-pipeline-stage": (1, None),
+    "--decoder-first-pipeline-num-layers": (1, None),
+    "--decoder-last-pipeline-num-layers": (1, None),
+    "--pipeline-model-parallel-layout": (1, None),
+    "--micro-batch-size": (1, None),
+    "--global-batch-size": (1, None),
+    "--seq-length": (1, None),
+    "--num-layers": (1, None),
+    "--hidden-size": (1, None),
+    "--ffn-hidden-size": (1, None),
+    "--num-attention-heads": (1, None),
+    "--group-query-attention": (0, None),
+    "--num-query-groups": (1, None),
+    "--max-position-embeddings": (1, None),
+    "--vocab-size": (1, None),
+    "--norm-epsilon": (1, None),
+    "--attention-dropout": (1, None),
+    "--hidden-dropout": (1, None),
+    "--normalization": (1, {"LayerNorm", "RMSNorm"}),
+    "--position-embedding-type": (1, {"learned_absolute", "rope", "mrope", "relative", "none"}),
+    "--rotary-base": (1, None),
+    "--disable-bias-linear": (0, None),
+    "--swiglu": (0, None),
+    "--untie-embeddings-and-output-weights": (0, None),
+    "--recompute-granularity": (1, {"full", "selective"}),
+    "--recompute-method": (1, {"uniform", "block"}),
+    "--recompute-num-layers": (1, None),
+    "--use-distributed-optimizer": (0, None),
+    "--num-distributed-optimizer-instances": (1, None),
+    "--use-megatron-fsdp": (0, None),
+    "--data-parallel-sharding-strategy": (
+        1, {"no_shard", "optim", "optim_grads", "optim_grads_params"}
+    ),
+    "--no-gradient-accumulation-fusion": (0, None),
+    "--ckpt-format": (1, {"torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"}),
+    "--bf16": (0, None),
+    "--fp16": (0, None),
+    "--fp8-format": (1, {"e4m3", "hybrid"}),
+    "--grad-reduce-in-bf16": (0, None),
+    "--accumulate-allreduce-grads-in-fp32": (0, None),
+    "--optimizer": (1, {"adam", "sgd", "muon", "dist_muon"}),
+    "--clip-grad": (1, None),
+}  # fmt: skip
+
+# https://www.deepspeed.ai/docs/config-json/ (DeepSpeed 0.16-0.17)
+DEEPSPEED_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "gradient_clipping", "zero_optimization", "bf16", "fp16", "communication_data_type",
+    "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "prescale_gradients",
+}  # fmt: skip
+DEEPSPEED_ZERO_KEYS = {
+    "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+    "reduce_bucket_size", "contiguous_gradients", "offload_param", "offload_optimizer",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "sub_group_size", "mics_shard_size",
+    "mics_hierarchical_params_gather", "zero_hpz_partition_size",
+}  # fmt: skip
+
+
+@functools.cache
+def _handle(name: str) -> ModelHandle:
+    return resolve_model(name)
+
+
+def plan_for(
+    model: str = "tiny-llama",
+    *,
+    training: dict[str, Any] | None = None,
+    stages: list[list[str]] | None = None,
+    tp_layout: dict[str, TPStyle] | None = None,
+    **strategy_fields: Any,
+) -> Plan:
+    """A plan assembled for ``strategy_fields``, its global batch made to agree."""
+    strategy = Strategy(**strategy_fields)
+    batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+    cluster = Cluster(gpu=GPU, num_gpus=strategy.world_size)
+    settings = Training(global_batch_size=batch, **(training or {}))
+    return assemble_plan(
+        _handle(model), cluster, settings, strategy, stages=stages, tp_layout=tp_layout
+    )
+
+
+@functools.cache
+def searched_llama_plan() -> Plan:
+    """llama3-8b on 64 H100s, the search pinned to every dimension at once."""
+    pins = Pins(
+        tp=4, pp=4, cp=2, zero=3, sequence_parallel=True, recompute=RecomputeMode.FULL,
+        schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, micro_batch_size=1,
+    )  # fmt: skip
+    cluster = Cluster(gpu=GPU, num_gpus=64)
+    return make_plan(_handle("llama3-8b"), cluster, Training(global_batch_size=64), pins=pins)
+
+
+def torchtitan_tables(plan: Plan) -> dict[str, Any]:
+    """The TOML export parsed, every option checked against torchtitan's documented names."""
+    tables = tomllib.loads(to_torchtitan(plan))
+    for table, options in tables.items():
+        assert set(options) <= TORCHTITAN_OPTIONS[table], table
+        for option, value in options.items():
+            choices = TORCHTITAN_CHOICES.get((table, option))
+            assert choices is None or value in choices, (table, option, value)
+    return tables
+
+
+def megatron_args(plan: Plan) -> dict[str, list[str]]:
+    """The argument export parsed, every option checked against Megatron's documented ones."""
+    tokens = shlex.split(to_megatron(plan), comments=True)
+    args: dict[str, list[str]] = {}
+    while tokens:
+        option = tokens.pop(0)
+        assert option in MEGATRON_OPTIONS, option
+        assert option not in args, f"{option} given twice"
+        arity, choices = MEGATRON_OPTIONS[option]
+        values, tokens = tokens[:arity], tokens[arity:]
+        assert len(values) == arity and not any(v.startswith("--") for v in values), option
+        assert choices is None or values[0] in choices, (option, values)
+        args[option] = values
+    return args
+
+
+def deepspeed_config(plan: Plan) -> dict[str, Any]:
+    """The JSON export parsed, its keys checked against DeepSpeed's documented ones."""
+    config = json.loads(to_deepspeed(plan))
+    assert set(config) <= DEEPSPEED_KEYS
+    assert set(config["zero_optimization"]) <= DEEPSPEED_ZERO_KEYS
+    assert set(config["bf16"]) == set(config["fp16"]) == {"enabled"}
+    return config
+
+
+def test_torchtitan_carries_every_dimension_of_a_searched_plan() -> None:
+    plan = searched_llama_plan()
+    strategy = plan.strategy
+    tables = torchtitan_tables(plan)
+    parallelism = tables["parallelism"]
+    degrees = [
+        parallelism[f"{name}_degree"]
+        for name in (
+            "data_parallel_replicate", "data_parallel_shard", "tensor_parallel",
+            "pipeline_parallel", "context_parallel",
+        )
+    ]  # fmt: skip
+    assert degrees == [1, 2, 4, 4, 2]
+    assert math.prod(degrees) == plan.cluster.num_gpus == 64
+    assert parallelism["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert parallelism["module_fqns_per_model_part"] == [list(chunk) for chunk in plan.stages]
+    assert len(parallelism["module_fqns_per_model_part"]) == strategy.pp * 2
+    assert parallelism["fsdp_reshard_after_forward"] == "always"
+    training = tables["training"]
+    micro = parallelism["pipeline_parallel_microbatch_size"]
+    assert training["local_batch_size"] // micro == strategy.num_microbatches
+    assert training["local_batch_size"] * strategy.dp == training["global_batch_size"] == 64
+    assert training["seq_len"] == 8192
+    assert training["mixed_precision_param"] == "bfloat16"
+    assert tables["activation_checkpoint"] == {"mode": "full"}
+    assert tables["optimizer"] == {"name": "AdamW"}
+
+
+def test_megatron_carries_every_dimension_of_a_searched_plan() -> None:
+    plan = searched_llama_plan()
+    args = megatron_args(plan)
+    tp, pp, cp = (
+        int(args[f"--{name}-parallel-size"][0])
+        for name in ("tensor-model", "pipeline-model", "context")
+    )
+    dp = plan.cluster.num_gpus // (tp * pp * cp)
+    assert (dp, tp, pp, cp) == (2, 4, 4, 2)
+    micro, batch = int(args["--micro-batch-size"][0]), int(args["--global-batch-size"][0])
+    assert batch == micro * dp * plan.strategy.num_microbatches == 64
+    per_chunk = int(args["--num-layers-per-virtual-pipeline-stage"][0])
+    assert per_chunk * pp * plan.strategy.virtual_stages == int(args["--num-layers"][0]) == 32
+    assert "--sequence-parallel" in args
+    assert args["--num-query-groups"] == ["8"] and args["--ffn-hidden-size"] == ["14336"]
+    assert args["--rotary-base"] == ["500000"] and args["--normalization"] == ["RMSNorm"]
+    assert args["--recompute-granularity"] == ["full"]
+    assert args["--recompute-method"] == ["uniform"] and args["--recompute-num-layers"] == ["1"]
+    assert args["--data-parallel-sharding-strategy"] == ["optim_grads_params"]
+    assert "--bf16" in args and "--grad-reduce-in-bf16" not in args
+
+
+def test_deepspeed_batch_sizes_multiply_to_the_global_batch() -> None:
+    plan = plan_for(dp=8, zero=2, micro_batch_size=2, num_microbatches=4)
+    config = deepspeed_config(plan)
+    assert config["train_batch_size"] == 64
+    assert (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 8
+        == config["train_batch_size"]
+    )
+    assert config["zero_optimization"] == {"stage": 2}
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["communication_data_type"] == "fp32"
+    assert config["gradient_clipping"] == 1.0
+
+
+def test_deepspeed_maps_compression_dtype_and_hybrid_zero3() -> None:
+    compression = Compression(kind=CompressionKind.FP16)
+    plan = plan_for(
+        dp=16, zero=3, dp_shard=8, compression=compression, training={"dtype": DType.FP16}
+    )
+    config = deepspeed_config(plan)
+    assert config["zero_optimization"] == {"stage": 3, "mics_shard_size": 8}
+    assert config["fp16"] == {"enabled": True} and config["bf16"] == {"enabled": False}
+    assert config["communication_data_type"] == "fp16"
+
+
+def test_torchtitan_hybrid_sharding_zero_bubble_and_selective_recompute() -> None:
+    plan = plan_for(
+        dp=4, zero=2, dp_shard=2, pp=2, schedule=Schedule.ZERO_BUBBLE, num_microbatches=4,
+        micro_batch_size=2, recompute=RecomputeMode.SELECTIVE, training={"grad_clip": False},
+    )  # fmt: skip
+    tables = torchtitan_tables(plan)
+    parallelism = tables["parallelism"]
+    assert parallelism["data_parallel_replicate_degree"] == 2
+    assert parallelism["data_parallel_shard_degree"] == 2
+    assert parallelism["fsdp_reshard_after_forward"] == "never"
+    assert parallelism["pipeline_parallel_schedule"] == "InterleavedZeroBubble"
+    assert tables["training"]["local_batch_size"] == 8
+    assert tables["training"]["max_norm"] == math.inf
+    assert tables["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+
+
+def test_torchtitan_without_pipelining_accumulates_micro_batches() -> None:
+    plan = plan_for(dp=8, zero=3, micro_batch_size=2, num_microbatches=3, training={"dtype": "fp8"})
+    tables = torchtitan_tables(plan)
+    training = tables["training"]
+    steps = training["global_batch_size"] // (training["local_batch_size"] * 8)
+    assert (training["local_batch_size"], steps) == (2, 3)
+    assert "pipeline_parallel_schedule" not in tables["parallelism"]
+    assert tables["model"] == {"converters": ["float8"]}
+
+
+def test_megatron_uneven_split_uses_first_and_last_stage_layers() -> None:
+    stages = [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2", "layers.3", "norm", "output"],
+    ]
+    args = megatron_args(plan_for(pp=2, num_microbatches=4, stages=stages))
+    assert args["--decoder-first-pipeline-num-layers"] == ["1"]
+    assert args["--decoder-last-pipeline-num-layers"] == ["3"]
+    assert "--num-layers-per-virtual-pipeline-stage" not in args
+
+
+def test_megatron_uneven_virtual_split_uses_the_layout_string() -> None:
+    stages = [
+        ["tok_embeddings", "layers.0", "layers.1"],
+        ["layers.2"],
+        ["layers.3"],
+        ["norm", "output"],
+    ]
+    plan = plan_for(
+        pp=2, virtual_stages=2, schedule=Schedule.INTERLEAVED_1F1B, num_microbatches=4,
+        stages=stages,
+    )  # fmt: skip
+    assert megatron_args(plan)["--pipeline-model-parallel-layout"] == ["Ett|t|t|L"]
+    swapped = (stages[0], stages[2], stages[1], stages[3])
+    with pytest.raises(ExportError, match=r"plan.stages\[1\] = .*'layers.3' breaks"):
+        to_megatron(plan.model_copy(update={"stages": tuple(tuple(c) for c in swapped)}))
+
+
+def test_megatron_data_parallel_precision_and_block_recompute() -> None:
+    hybrid = plan_for(dp=8, zero=1, dp_shard=4, recompute=RecomputeMode.FULL, recompute_blocks=2)
+    args = megatron_args(hybrid)
+    assert "--use-distributed-optimizer" in args
+    assert args["--num-distributed-optimizer-instances"] == ["2"]
+    assert args["--recompute-method"] == ["block"] and args["--recompute-num-layers"] == ["2"]
+    compressed = plan_for(dp=8, zero=2, compression=Compression(kind=CompressionKind.BF16))
+    args = megatron_args(compressed)
+    assert args["--data-parallel-sharding-strategy"] == ["optim_grads"]
+    assert "--grad-reduce-in-bf16" in args
+    fp16 = megatron_args(plan_for(dp=8, training={"dtype": DType.FP16}))
+    assert "--fp16" in fp16 and "--accumulate-allreduce-grads-in-fp32" in fp16
+    gpt = megatron_args(plan_for("tiny-gpt", dp=2, tp=2, sequence_parallel=True))
+    assert gpt["--normalization"] == ["LayerNorm"] and "--swiglu" not in gpt
+    assert "--disable-bias-linear" not in gpt
+
+
+REFUSALS = [
+    ("deepspeed", {"tp": 2}, {}, "strategy.tp = 2"),
+    ("deepspeed", {"pp": 2, "num_microbatches": 2}, {}, "strategy.pp = 2"),
+    ("deepspeed", {"dp": 2, "cp": 2, "zero": 3}, {}, "strategy.cp = 2"),
+    ("deepspeed", {"dp": 2, "recompute": RecomputeMode.FULL}, {}, "strategy.recompute = 'full'"),
+    ("deepspeed", {"dp": 8, "zero": 2, "dp_shard": 4}, {}, "strategy.dp_shard = 4"),
+    ("deepspeed", {"dp": 2}, {"dtype": DType.FP8}, "training.dtype = 'fp8'"),
+    ("torchtitan", {"dp": 2}, {"dtype": DType.FP16}, "training.dtype = 'fp16'"),
+    ("torchtitan", {"dp": 2, "zero": 3, "compression": Compression(kind=CompressionKind.BF16)},
+     {}, "strategy.compression.kind = 'bf16'"),
+    ("torchtitan", {"dp": 2, "zero": 3, "tp": 2}, {}, "strategy.sequence_parallel = False"),
+    ("torchtitan", {"dp": 2, "tp": 2, "sequence_parallel": True}, {}, "strategy.zero = 0"),
+    ("torchtitan", {"cp": 2}, {}, "strategy.zero = 0"),
+    ("torchtitan", {"tp": 2, "sequence_parallel": True, "zero": 1}, {}, "training.dtype = 'bf16'"),
+    ("torchtitan", {"dp": 2}, {"optimizer": Optimizer.SGD}, "training.optimizer = 'sgd'"),
+    ("torchtitan", {"dp": 2, "recompute": RecomputeMode.FULL, "recompute_blocks": 1}, {},
+     "strategy.recompute_blocks = 1"),
+    ("torchtitan", {"dp": 2, "zero": 3, "pp": 2, "num_microbatches": 2,
+                    "recompute_per_stage": (RecomputeMode.FULL, RecomputeMode.NONE)}, {},
+     "strategy.recompute_per_stage = ('full', 'none')"),
+    ("megatron", {"pp": 2, "num_microbatches": 2, "schedule": Schedule.GPIPE}, {},
+     "strategy.schedule = 'gpipe'"),
+    ("megatron", {"pp": 2, "num_microbatches": 2, "schedule": Schedule.ZERO_BUBBLE}, {},
+     "strategy.schedule = 'zero-bubble'"),
+    ("megatron", {"dp": 8, "zero": 3, "dp_shard": 4}, {}, "strategy.dp_shard = 4"),
+    ("megatron", {"dp": 2}, {"optimizer": Optimizer.ADAM}, "training.optimizer = 'adam'"),
+    ("megatron", {"dp": 2, "zero": 3, "compression": Compression(kind=CompressionKind.FP16)},
+     {}, "strategy.compression.kind = 'fp16'"),
+    ("megatron", {"dp": 2, "recompute": RecomputeMode.SELECTIVE, "recompute_blocks": 1}, {},
+     "strategy.recompute_blocks = 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "strategy", "training", "field"), REFUSALS)
+def test_refuses_what_the_target_cannot_express(
+    target: str, strategy: dict[str, Any], training: dict[str, Any], field: str
+) -> None:
+    plan = plan_for(training=training, **strategy)
+    with pytest.raises(ExportError, match=f"cannot export to {target}: ") as info:
+        export_plan(plan, target)
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_every_target_refuses_hook_only_compression(target: str) -> None:
+    for compression in (
+        Compression(kind=CompressionKind.POWERSGD, rank=4),
+        Compression(kind=CompressionKind.LOCAL_SGD, period=4, local_group=2),
+    ):
+        plan = plan_for(dp=4, compression=compression)
+        with pytest.raises(ExportError, match=f"strategy.compression.kind = '{compression.kind}'"):
+            export_plan(plan, target)
+
+
+def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
+    plan = plan_for(tp=2, sequence_parallel=True)
+    layout = plan.tp_layout | {"layers.*.attention.wo": TPStyle.COLWISE}
+    with pytest.raises(ExportError, match=r"plan.tp_layout\['layers.\*.attention.wo'\]"):
+        to_megatron(plan.model_copy(update={"tp_layout": layout}))
+    with pytest.raises(ExportError, match=r"plan\.model\.family = 'encoder'"):
+        to_megatron(plan_for("bert-base", dp=2))
+
+
+def test_colwise_embedding_is_exported_with_a_note() -> None:
+    plan = plan_for(tp=2, sequence_parallel=True, zero=1, dp=2)
+    layout = plan.tp_layout | {"tok_embeddings": TPStyle.COLWISE}
+    text = to_torchtitan(plan.model_copy(update={"tp_layout": layout}))
+    assert "# note: tok_embeddings: the plan shards it on the embedding dim" in text
+
+
+def test_unknown_target_names_the_known_ones() -> None:
+    with pytest.raises(UnknownNameError, match="deepspeed, megatron, torchtitan"):
+        export_plan(plan_for(dp=2), "colossal")
+
+
+def test_cli_prints_or_writes_the_export(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(plan_for(dp=8, zero=3, num_microbatches=2).to_json())
+    assert main(["export", str(path), "--to", "deepspeed"]) == 0
+    assert json.loads(capsys.readouterr().out)["gradient_accumulation_steps"] == 2
+    out = tmp_path / "megatron.args"
+    assert main(["export", str(path), "--to", "megatron", "-o", str(out)]) == 0
+    assert "--use-megatron-fsdp" in shlex.split(out.read_text(), comments=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_refusal_exits_2_naming_the_field(tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(plan_for(tp=2).to_json())
+    assert main(["export", str(path), "--to", "deepspeed"]) == 2
+    assert "strategy.tp = 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["export", str(path), "--to", "colossal"])
+    assert info.value.code == 2
+
+
+def test_exports_are_torch_free() -> None:
+    """The export modules import the standard library and the planner's documents only."""
+    allowed = ("planner.spec", "planner.errors", "planner.export", "__future__")
+    for path in Path(planner.export.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert name.startswith(allowed) or name.split(".")[0] in sys.stdlib_module_names, (
+                    f"{path.name} imports {name}"
+                )
