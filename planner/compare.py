@@ -1,4 +1,5 @@
-"""Predicted against measured: one table and one bar chart per plan (``plan compare``).
+"""Predicted against measured: one table per plan (``plan compare``; the bar chart is
+:func:`planner.plots.plot_comparison`).
 
 The measured side is a :class:`~planner.measured.MeasuredProfile` (``plan measure``),
 or a ``torch.profiler`` Chrome/Kineto trace (``export_chrome_trace``) from any run: its
@@ -9,12 +10,9 @@ model's time for each class. Times are seconds per optimizer step per rank.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import re
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,6 @@ __all__ = [
     "read_trace",
     "load_measured_side",
     "format_comparison",
-    "plot_comparison",
 ]
 
 _GIB = 2**30
@@ -257,50 +254,3 @@ def format_comparison(comparison: Comparison) -> str:
                      f"{_value(row.measured, row.unit):>12} {error:>8}")  # fmt: skip
     lines += [f"  {note}" for note in comparison.notes]
     return "\n".join(lines)
-
-
-def plot_comparison(comparison: Comparison, path: Path) -> None:
-    """Grouped bars (predicted, measured) per time component in ms; written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in comparison.rows if r.unit == "s"]
-    positions = range(len(rows))
-    width = 0.38
-    figure, axes = plt.subplots(figsize=(8, 4.5))
-    predicted = axes.bar([p - width / 2 for p in positions], [r.predicted * 1e3 for r in rows],
-                         width, label="predicted", color="#4c72b0")  # fmt: skip
-    measured = axes.bar([p + width / 2 for p in positions], [r.measured * 1e3 for r in rows],
-                        width, label="measured", color="#dd8452")  # fmt: skip
-    for bars in (predicted, measured):
-        axes.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
-    axes.set_xticks(list(positions), [_label(r) for r in rows])
-    axes.set_ylabel("time per step (ms)")
-    axes.set_xlabel("component (error of the prediction)")
-    axes.set_title(comparison.title, fontsize=10)
-    axes.legend()
-    axes.margins(y=0.15)
-    figure.tight_layout()
-    _save_figure_atomic(figure, path)
-    plt.close(figure)
-
-
-def _label(row: Row) -> str:
-    return row.name if row.error is None else f"{row.name}\n({row.error:+.0%})"
-
-
-def _save_figure_atomic(figure: Any, path: Path) -> None:
-    if not path.parent.is_dir():
-        raise SpecError(f"cannot write {path}: directory {path.parent} does not exist")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -18,12 +18,12 @@ from planner.compare import (
     compare_trace,
     format_comparison,
     load_measured_side,
-    plot_comparison,
     read_trace,
 )
 from planner.errors import PlanMismatchError, SpecError
 from planner.hardware import load_profile
 from planner.models import build
+from planner.plots import plot_comparison
 from tests.test_measure import fake_measured, make_plan
 
 

@@ -4,6 +4,7 @@
 
     plan compare plan.json measured.json            # a 'plan measure' profile
     plan compare plan.json trace.json --profile P   # a torch.profiler Chrome/Kineto trace
+    plan compare plan.json measured.json --plot out.png
 
 The prediction is the plan's own (``plan search`` stores it); ``--profile`` re-prices
 the plan with another hardware profile instead (needed for traces, whose operator
@@ -23,11 +24,11 @@ from planner.compare import (
     compare_trace,
     format_comparison,
     load_measured_side,
-    plot_comparison,
 )
 from planner.errors import SpecError
 from planner.hardware import load_profile
 from planner.measured import check_same_plan
+from planner.plots import check_plot_path, plot_comparison
 from planner.spec import Plan, Prediction, load_document
 
 
@@ -45,14 +46,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="re-price the plan with this hardware profile (default: the plan's prediction, "
         "or for traces the plan's cluster profile)",
     )  # fmt: skip
-    parser.add_argument("--png", type=Path, metavar="PATH",
-                        help="bar chart (default: next to the measured file, *-compare.png)")  # fmt: skip
+    parser.add_argument(
+        "--plot", "--png", dest="plot", type=Path, metavar="out.png",
+        help="bar chart (default: next to the measured file, *-compare.png)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
     measured = load_measured_side(args.measured)
+    png = args.plot or args.measured.with_name(f"{args.measured.stem}-compare.png")
+    check_plot_path(png)  # before pricing
     if isinstance(measured, TraceSummary):
         profile = load_profile(args.profile or plan.cluster.gpu)
         options = measured_run_options(profile)
@@ -62,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_same_plan(plan, measured, source=str(args.measured))  # before any pricing
         comparison = compare_measured(plan, measured, _prediction(plan, args.profile))
-    png = args.png or args.measured.with_name(f"{args.measured.stem}-compare.png")
     plot_comparison(comparison, png)
     print(format_comparison(comparison))
     print(f"wrote {png}")

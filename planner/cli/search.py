@@ -13,7 +13,8 @@ from planner.cli.common import add_model_args, positive_int, resolve_model_args
 from planner.cli.render import render_plan
 from planner.errors import SpecError
 from planner.io import write_text_atomic
-from planner.solve.make_plan import make_plan
+from planner.plots import check_plot_path, plot_plan
+from planner.solve.make_plan import search_plan
 from planner.solve.search import Pins
 from planner.spec import (
     Cluster,
@@ -70,6 +71,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
     out.add_argument("--top-k", type=positive_int, default=5, help="runners-up to keep")
     out.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    out.add_argument(
+        "--plot", type=Path, metavar="out.png",
+        help="draw the step-time breakdown of the plan and its runners-up, and the Pareto "
+        "front of throughput against memory (the search then prices the whole front)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -127,12 +133,17 @@ def run(args: argparse.Namespace) -> int:
          "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer},
         "command line",
     )  # fmt: skip
+    if args.plot is not None:
+        check_plot_path(args.plot)  # before the search
     progress = _LazyProgress(Console(stderr=True))
     try:
-        plan = make_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
-                         progress=progress)  # fmt: skip
+        found = search_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
+                            progress=progress, pareto=args.plot is not None)  # fmt: skip
     finally:
         progress.close()
+    plan = found.plan
+    if args.plot is not None:
+        plot_plan(found, args.plot)
     if args.output is not None:
         write_text_atomic(args.output, plan.to_json() + "\n")
     console = Console()
@@ -140,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         print(plan.to_json())
     else:
         render_plan(plan, console)
-        if args.output is not None:
-            console.print(f"wrote {args.output}")
+        for path in (args.output, args.plot):
+            if path is not None:
+                console.print(f"wrote {path}")
     return 0
