@@ -2,6 +2,7 @@
 
 import pytest
 
+from planner.cli import main
 from planner.clusters import list_clusters, load_cluster, resolve_cluster
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.communication import link_for_axis
@@ -18,6 +19,7 @@ from planner.spec import (
     CompressionKind,
     DType,
     LinkTier,
+    Plan,
     Strategy,
     Training,
 )
@@ -186,3 +188,19 @@ def test_slow_tier_carries_only_the_outer_axes():
         stride *= axis.size
     outer = plan.mesh[0]
     assert outer.name in (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD)
+
+
+def test_cli_allows_lossy_compression_only_when_asked(tmp_path, capsys):
+    base = ["--model", "gpt3-1.3b", "--cluster", "a100-25gbe", "--global-batch", "256"]
+    exact, lossy = tmp_path / "exact.json", tmp_path / "lossy.json"
+    assert main([*base, "-o", str(exact)]) == 0
+    assert main([*base, "--allow-lossy-compression", "powersgd:2", "-o", str(lossy)]) == 0
+    assert "trade-off" in capsys.readouterr().out
+    assert Plan.from_json(exact.read_text()).strategy.compression.kind is CompressionKind.NONE
+    chosen = Plan.from_json(lossy.read_text())
+    assert chosen.strategy.compression == Compression(kind="powersgd", rank=2, warmup_steps=1000)
+    assert chosen.tradeoffs and chosen.cluster.name == "a100-25gbe"
+    assert main([*base, "--allow-lossy-compression", "int8"]) == 2
+    assert "'int8' is unknown" in capsys.readouterr().err
+    assert main(["profiles"]) == 0
+    assert "h100-2site-100g" in capsys.readouterr().out

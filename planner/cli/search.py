@@ -11,9 +11,10 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from planner.cli.common import add_model_args, positive_int, resolve_model_args
 from planner.cli.render import render_plan
-from planner.errors import SpecError
+from planner.clusters import resolve_cluster
 from planner.io import write_text_atomic
 from planner.plots import check_plot_path, plot_plan
+from planner.solve.lossy import LossyCompression
 from planner.solve.make_plan import search_plan
 from planner.solve.search import Pins
 from planner.spec import (
@@ -37,11 +38,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument(
-        "--cluster", default="h100-sxm-80gb", metavar="PROFILE|cluster.json",
-        help="a GPU profile name (see 'plan profiles') or a Cluster JSON file "
-        "(default: h100-sxm-80gb)",
+        "--cluster", default="h100-sxm-80gb", metavar="PROFILE|CLUSTER|cluster.json",
+        help="a GPU profile with --gpus, a cluster profile with its own GPUs and links (both: "
+        "see 'plan profiles'), or a Cluster JSON file (default: h100-sxm-80gb)",
     )  # fmt: skip
-    cluster.add_argument("--gpus", type=positive_int, help="number of GPUs (with a profile name)")
+    cluster.add_argument("--gpus", type=positive_int, help="number of GPUs (with a GPU profile)")
     cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
                          help="GPUs per node (default: 8)")  # fmt: skip
     training = parser.add_argument_group("training")
@@ -67,6 +68,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pins.add_argument("--schedule", choices=[s.value for s in Schedule], help="pipeline schedule")
     pins.add_argument("--virtual-stages", type=positive_int, metavar="V",
                       help="model chunks per pipeline rank (interleaved-1f1b)")  # fmt: skip
+    lossy = parser.add_argument_group("gradient compression")
+    lossy.add_argument(
+        "--allow-lossy-compression", nargs="?", const="default", metavar="OPTIONS",
+        help="let the search choose lossy gradient compression where it pays: a comma list "
+        "of bf16 (or fp16), powersgd[:RANK] (default rank 4), local_sgd[:PERIOD] (default 8 "
+        "steps); without a list, bf16 and powersgd:4. Off by default",
+    )  # fmt: skip
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
     out.add_argument("--top-k", type=positive_int, default=5, help="runners-up to keep")
@@ -80,12 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
-    if args.cluster.endswith(".json"):
-        return load_document(Cluster, Path(args.cluster))
-    if args.gpus is None:
-        raise SpecError(f"--cluster {args.cluster} needs --gpus N (or pass a cluster.json)")
-    fields = {"gpu": args.cluster, "num_gpus": args.gpus, "gpus_per_node": args.gpus_per_node}
-    return load_document(Cluster, fields, "command line")
+    return resolve_cluster(args.cluster, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node)
 
 
 def _pins(args: argparse.Namespace) -> Pins:
@@ -96,6 +99,11 @@ def _pins(args: argparse.Namespace) -> Pins:
         schedule=Schedule(args.schedule) if args.schedule else None,
         virtual_stages=args.virtual_stages,
     )  # fmt: skip
+
+
+def _lossy(args: argparse.Namespace) -> LossyCompression | None:
+    allowed = args.allow_lossy_compression
+    return None if allowed is None else LossyCompression.parse(allowed)
 
 
 class _LazyProgress:
@@ -138,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     progress = _LazyProgress(Console(stderr=True))
     try:
         found = search_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
-                            progress=progress, pareto=args.plot is not None)  # fmt: skip
+                            progress=progress, pareto=args.plot is not None,
+                            lossy=_lossy(args))  # fmt: skip
     finally:
         progress.close()
     plan = found.plan
