@@ -4,6 +4,17 @@ An optional extra (``pip install torch-parallel-planner[hf]``): ``transformers``
 imported only when a config is resolved. No weights are downloaded; the model is
 ``AutoModelForCausalLM.from_config`` with SDPA attention, on meta, so any size costs
 no memory.
+
+Mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE...) route tokens with
+data-dependent shapes, which a meta trace cannot follow, and transformers' grouped
+kernel carries no FLOP count. On meta each experts module therefore runs a static
+dispatch at the *expected* load: the ``tokens * top_k`` routed (token, expert) pairs
+are sorted by expert and cut into ``num_experts`` equal slots of
+``ceil(tokens * top_k / num_experts)`` rows, and the expert products are two batched
+matmuls. Total expert FLOPs equal the real ones (every routed pair costs one expert
+MLP, whatever the balance; the ceiling adds at most one row per expert); per-expert
+GEMM sizes are the balanced ones. The meta module computes no values, so the dispatch
+never changes a result; a model built on another device keeps transformers' kernels.
 """
 
 from __future__ import annotations
@@ -12,17 +23,21 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from planner.errors import SpecError, UnknownNameError
 from planner.models import ModelHandle
 
-__all__ = ["resolve_hf_config"]
+__all__ = ["resolve_hf_config", "expected_load_experts"]
 
 logger = logging.getLogger(__name__)
+# How transformers' refusal of SDPA attention names it (the message varies by model).
+_SDPA_WORDS = ("sdpa", "scaled_dot_product_attention")
 
 
 def _transformers() -> ModuleType:
@@ -78,14 +93,12 @@ def _build_model(transformers: ModuleType, config: Any, device: torch.device) ->
         try:
             return auto.from_config(config, attn_implementation="sdpa")
         except ValueError as exc:
-            if "sdpa" not in str(exc).lower():
+            if not any(word in str(exc).lower() for word in _SDPA_WORDS):
                 raise SpecError(
                     f"{config.model_type} config does not build a causal LM: {exc}"
                 ) from None
-            logger.warning(
-                "%s has no SDPA attention; using its default attention", config.model_type
-            )
-            return auto.from_config(config)
+            logger.warning("%s has no SDPA attention; using eager attention", config.model_type)
+            return auto.from_config(config, attn_implementation="eager")
 
 
 def _token_inputs(device: torch.device) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
@@ -107,5 +120,84 @@ def resolve_hf_config(path: str | Path, *, device: str | torch.device = "meta") 
     config = _build_config(transformers, data, file)
     device = torch.device(device)
     model = _build_model(transformers, config, device)
+    if device.type == "meta":
+        expected_load_experts(model, model_type=data["model_type"])
     name = str(data.get("_name_or_path") or file.parent.name or data["model_type"])
     return ModelHandle(name, str(path), model, _token_inputs(device))
+
+
+# Layout flags of transformers' experts modules (``use_experts_implementation``) that
+# the expected-load dispatch supports, with the value it needs.
+_EXPERT_LAYOUT = {
+    "has_gate": True,
+    "has_bias": False,
+    "is_transposed": False,
+    "has_post_expert_norm": False,
+}
+
+
+def _is_experts(module: nn.Module) -> bool:
+    weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
+    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+
+
+def _check_expert_layout(module: nn.Module, fqn: str, model_type: str) -> None:
+    wrong = {
+        flag: getattr(module, flag, needed)
+        for flag, needed in _EXPERT_LAYOUT.items()
+        if getattr(module, flag, needed) != needed
+    }
+    if wrong:
+        found = ", ".join(f"{flag}={value}" for flag, value in wrong.items())
+        raise SpecError(
+            f"{model_type}: experts module {fqn!r} ({type(module).__name__}) has {found}; the "
+            "planner prices gated, bias-free experts with [experts, 2*intermediate, hidden] "
+            "weights (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): describe this model as a "
+            "ModelSpec JSON file instead"
+        )
+
+
+def expected_load_experts(model: nn.Module, *, model_type: str) -> int:
+    """Make every experts module of meta ``model`` run the expected-load dispatch.
+
+    Returns how many modules were switched (0 for a dense model). Raises
+    :class:`SpecError` naming ``model_type`` for an experts layout it cannot price.
+    """
+    switched = 0
+    for fqn, module in model.named_modules():
+        if not _is_experts(module):
+            continue
+        _check_expert_layout(module, fqn, model_type)
+        module.forward = MethodType(_expected_load_forward, module)
+        switched += 1
+    if switched:
+        logger.info(
+            "%s: %d experts modules priced at the expected load, tokens * top_k / num_experts "
+            "rows per expert (expert parallelism is not planned)",
+            model_type,
+            switched,
+        )
+    return switched
+
+
+def _expected_load_forward(
+    self: Any,  # a transformers experts module: gate_up_proj, down_proj, _apply_gate
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Experts forward with static shapes: ``(tokens, hidden)`` in and out."""
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    experts = self.gate_up_proj.shape[0]
+    pairs = tokens * top_k
+    slots = -(-pairs // experts)
+    order = torch.argsort(top_k_index.reshape(-1))
+    routed = F.pad(hidden_states[order // top_k], (0, 0, 0, experts * slots - pairs))
+    dispatched = routed.view(experts, slots, hidden).transpose(1, 2)
+    gate_up = torch.bmm(self.gate_up_proj, dispatched).transpose(1, 2)
+    down = torch.bmm(self.down_proj, self._apply_gate(gate_up).transpose(1, 2))
+    out = down.transpose(1, 2).reshape(experts * slots, hidden)[:pairs]
+    weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    combined = weighted[torch.argsort(order)].view(tokens, top_k, hidden).sum(dim=1)
+    return combined.to(hidden_states.dtype)
