@@ -14,14 +14,13 @@ is imported only when a picture is asked for. Files are written atomically.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.errors import SpecError
+from planner.io import write_bytes_atomic
 from planner.spec import Plan, Prediction, Strategy
 
 if TYPE_CHECKING:
@@ -73,21 +72,7 @@ def _save_png_atomic(figure: Figure, path: Path) -> None:
 
     buffer = io.BytesIO()
     FigureCanvasAgg(figure).print_png(buffer)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getvalue())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _new_figure(width_in: float, height_in: float) -> Figure:
