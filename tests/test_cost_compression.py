@@ -3,8 +3,10 @@
 import pytest
 
 from planner.cost import CostModel, CostOptions, graph_from_spec
+from planner.cost.communication import Collective, LinkModel, collective_time
 from planner.cost.compression import (
     GradientShapes,
+    all_gather_break_even_ranks,
     bucket_count,
     gradient_shapes,
     half_wire_bytes,
@@ -131,3 +133,18 @@ def test_powersgd_sends_three_all_reduces_per_bucket():
 def test_powersgd_outside_ddp_is_refused():
     with pytest.raises(SpecError, match="powersgd"):
         _estimate(_model(), POWERSGD, zero=1)
+
+
+@pytest.mark.parametrize("ratio", [2, 4, 16])
+def test_all_gather_break_even_group(ratio):
+    """Up to the break-even size an all-gather of compressed payloads beats an
+    uncompressed all-reduce; one rank more and it no longer does."""
+    link = LinkModel("test", busbw_Bps=1e9, latency_s=0.0)
+    size = 1e8
+
+    def gather_wins(n: int) -> bool:
+        gathered = collective_time(Collective.ALL_GATHER, n * size / ratio, n, link)
+        return gathered < collective_time(Collective.ALL_REDUCE, size, n, link)
+
+    limit = all_gather_break_even_ranks(ratio)
+    assert gather_wins(limit) and not gather_wins(limit + 1)

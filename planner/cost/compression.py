@@ -17,6 +17,11 @@
 
 The compression compute runs inside the hook on the critical path, so it is counted
 exposed; steady state is priced (PowerSGD's uncompressed warm-up steps are not).
+
+Every option offered composes with all-reduce (a sum of fp16 values, of ``P`` or of
+``Q`` factors is what the next step needs). A compressor that does not (int8 with
+per-rank scales, top-k) must all-gather every rank's payload instead, which grows with
+the group: see :func:`all_gather_break_even_ranks`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from planner.graph import OpGraph, OpKind, OpNode
 
 __all__ = [
     "GradientShapes",
+    "all_gather_break_even_ranks",
     "bucket_count",
     "PowerSGDWork",
     "gradient_shapes",
@@ -204,3 +210,14 @@ def half_cast_time(
 def bucket_count(gradient_bytes: float, bucket_bytes: float) -> int:
     """DDP buckets the gradients fill (at least one)."""
     return max(1, math.ceil(gradient_bytes / bucket_bytes))
+
+
+def all_gather_break_even_ranks(compression_ratio: float) -> int:
+    """The largest group for which all-gathering payloads compressed ``compression_ratio``
+    times moves fewer bytes per rank than an uncompressed ring all-reduce.
+
+    All-reduce receives ``2 (n - 1) / n * S`` per rank, an all-gather of ``S / c`` per rank
+    ``(n - 1) * S / c``: the all-gather wins while ``n < 2 c`` (int8 against fp32, ``c = 4``:
+    up to 7 ranks).
+    """
+    return max(1, math.ceil(2 * compression_ratio) - 1)

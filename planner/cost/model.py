@@ -539,10 +539,11 @@ class CostModel:
         """(local group, period) of a local-SGD strategy, checked against ``dp``."""
         compression = strategy.compression
         local, period = compression.local_group, compression.period
-        if local is None or period is None or strategy.zero >= 1 or strategy.pp > 1:
+        if local is None or period is None or strategy.zero >= 1 or strategy.pp * strategy.cp > 1:
             raise SpecError(
                 f"strategy.compression = {compression.describe()} with zero = {strategy.zero}, "
-                f"pp = {strategy.pp}: local SGD is a DDP hook; use zero = 0, pp = 1"
+                f"pp = {strategy.pp}, cp = {strategy.cp}: local SGD is a DDP hook; use zero = 0, "
+                "pp = cp = 1"
             )
         if local >= strategy.dp or strategy.dp % local:
             raise SpecError(
@@ -588,10 +589,11 @@ class CostModel:
     @staticmethod
     def _powersgd_rank(strategy: Strategy) -> int:
         rank = strategy.compression.rank
-        if rank is None or strategy.zero >= 1 or strategy.pp > 1:
+        if rank is None or strategy.zero >= 1 or strategy.pp * strategy.cp > 1:
             raise SpecError(
                 f"strategy.compression = powersgd (rank {rank}) with zero = {strategy.zero}, "
-                f"pp = {strategy.pp}: PowerSGD is a DDP hook; give a rank and use zero = 0, pp = 1"
+                f"pp = {strategy.pp}, cp = {strategy.cp}: PowerSGD is a DDP hook; give a rank "
+                "and use zero = 0, pp = cp = 1"
             )
         return rank
 

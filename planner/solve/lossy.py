@@ -7,9 +7,10 @@ step gets faster:
 
 - ``bf16``/``fp16``: DDP hook on a data-parallel-only mesh, or the FSDP2 reduce dtype
   with ZeRO >= 1 on any mesh;
-- ``powersgd:R``: DDP hook, data-parallel-only mesh, ZeRO 0;
-- ``local_sgd:H``: DDP hook, data-parallel-only mesh, ZeRO 0, when the data-parallel
-  group spans several nodes or sites; the local group is the ranks of one such domain.
+- ``powersgd:R``: DDP hook (ZeRO 0, no pipeline or context parallelism; over
+  tensor-parallel shards when ``tp > 1``);
+- ``local_sgd:H``: the same meshes, when the data-parallel group spans several nodes or
+  sites; the local group is the data-parallel ranks of one such domain.
 
 The rank of PowerSGD and the period of local SGD are the user's: a lower rank or a
 longer period always moves fewer bytes, and what they cost in convergence is not
@@ -134,14 +135,14 @@ class LossyCompression:
         yield _NONE
         if dp * cp == 1:
             return
-        ddp_hook = zero == 0 and tp == pp == cp == 1
+        ddp_hook = zero == 0 and pp == cp == 1  # DDP (over tensor-parallel shards if tp > 1)
         if self.half and (ddp_hook or zero >= 1):
             yield (_half_kind(dtype).value, 0, 0, 0)
         if not ddp_hook:
             return
         for rank in self.powersgd_ranks:
             yield (CompressionKind.POWERSGD.value, rank, 0, 0)
-        for local in _local_groups(cluster, dp):
+        for local in _local_groups(cluster, dp, tp):
             for period in self.local_sgd_periods:
                 yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
 
@@ -172,28 +173,38 @@ def _half_kind(dtype: DType) -> CompressionKind:
     return CompressionKind.FP16 if dtype is DType.FP16 else CompressionKind.BF16
 
 
-def _local_groups(cluster: Cluster, dp: int) -> list[int]:
+def _local_groups(cluster: Cluster, dp: int, tp: int) -> list[int]:
     """Data-parallel ranks of one node or one slower-tier domain, when ``dp`` spans several
-    of them (a data-parallel-only mesh: data-parallel ranks are consecutive GPUs)."""
+    of them (data-parallel ranks are ``tp`` GPUs apart)."""
     domains = {min(cluster.gpus_per_node, cluster.num_gpus)}
     domains |= {tier.domain_size for tier in cluster.extra_tiers}
-    return sorted(d for d in domains if 1 < d < dp and dp % d == 0)
+    groups = {d // tp for d in domains if d % tp == 0}
+    return sorted(g for g in groups if 1 < g < dp and dp % g == 0)
 
 
 def crossover_bandwidth(
-    chooses_option: Callable[[float], bool], low_GBps: float, high_GBps: float, *, steps: int = 12
+    chooses_option: Callable[[float], bool],
+    low_GBps: float,
+    high_GBps: float,
+    *,
+    points: int = 16,
+    steps: int = 6,
 ) -> float | None:
-    """The highest bandwidth in ``[low, high]`` (GB/s) at which ``chooses_option`` holds,
-    by bisection on a log scale; ``None`` if it does not hold even at ``low``.
+    """The highest bandwidth in ``[low, high]`` (GB/s, or any unit) at which
+    ``chooses_option`` holds, ``None`` if it holds nowhere.
 
-    ``chooses_option(bandwidth)`` should be monotone: true below the crossover (e.g.
-    "the search picks PowerSGD on this cluster with this inter-node bandwidth").
+    Scans ``points`` bandwidths spaced evenly on a log scale from ``high`` down (the
+    choice need not be monotone: discrete layouts can flip back and forth), then
+    bisects ``steps`` times between the highest one that holds and the point above it.
     """
-    if not chooses_option(low_GBps):
+    ratio = (high_GBps / low_GBps) ** (1 / (points - 1))
+    grid = [high_GBps / ratio**i for i in range(points)]
+    holds = next((i for i, bandwidth in enumerate(grid) if chooses_option(bandwidth)), None)
+    if holds is None:
         return None
-    if chooses_option(high_GBps):
+    if holds == 0:
         return high_GBps
-    low, high = math.log(low_GBps), math.log(high_GBps)
+    low, high = math.log(grid[holds]), math.log(grid[holds - 1])
     for _ in range(steps):
         middle = (low + high) / 2
         if chooses_option(math.exp(middle)):
