@@ -12,14 +12,24 @@ Module paths (FQNs) in layouts may use ``*`` for one path component, as in
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
+from planner.cost.compression import should_compress
 from planner.errors import PlanMismatchError, SpecError
 from planner.models import fingerprint
 from planner.models.transformer import Transformer
-from planner.spec import CompressionKind, Plan, RecomputeMode, Schedule, TPStyle
+from planner.spec import (
+    Activation,
+    CompressionKind,
+    Family,
+    ModelSpec,
+    Plan,
+    RecomputeMode,
+    Schedule,
+    TPStyle,
+)
 
 __all__ = [
     "validate_plan_for_world",
@@ -28,6 +38,7 @@ __all__ = [
     "match_fqns",
     "find_blocks",
     "pipeline_splittable",
+    "check_powersgd_rank",
 ]
 
 
@@ -80,17 +91,84 @@ def _check_compression(plan: Plan) -> None:
             f"cp({strategy.cp}) > 1 (there is no gradient reduction to compress); set "
             "compression kind 'none'"
         )
-    if kind is CompressionKind.POWERSGD and strategy.zero >= 1:
+    if kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD) and strategy.zero >= 1:
         raise SpecError(
-            f"strategy.compression.kind = 'powersgd' with zero = {strategy.zero}: PowerSGD is a "
+            f"strategy.compression.kind = {kind.value!r} with zero = {strategy.zero}: it is a "
             "DDP communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
         )
-    if strategy.zero == 0 and (strategy.tp > 1 or strategy.pp > 1):
+    if strategy.zero == 0 and strategy.pp > 1:
         raise SpecError(
-            f"strategy.compression.kind = {kind.value!r} with zero = 0 and tp({strategy.tp}) * "
-            f"pp({strategy.pp}) > 1: DDP communication hooks run only on a data-parallel-only "
-            "mesh; use zero >= 1 (FSDP reduce dtype) or tp = pp = 1"
+            f"strategy.compression.kind = {kind.value!r} with zero = 0 and pp({strategy.pp}) > 1: "
+            "DDP communication hooks cannot run under a pipeline schedule; use zero >= 1 "
+            "(FSDP reduce dtype, fp16/bf16) or pp = 1"
         )
+    if kind is CompressionKind.LOCAL_SGD:
+        _check_local_sgd(plan)
+    if kind is CompressionKind.POWERSGD and plan.model is not None:
+        check_powersgd_rank(plan.strategy.compression.rank or 1, _spec_matrices(plan.model))
+
+
+def _check_local_sgd(plan: Plan) -> None:
+    """Local groups of consecutive dp ranks: more than one group, all of one size."""
+    strategy = plan.strategy
+    group = strategy.compression.local_group
+    if strategy.cp > 1:
+        raise SpecError(
+            f"strategy.compression.kind = 'local_sgd' with cp({strategy.cp}) > 1: context-"
+            "parallel ranks must stay identical, but local SGD lets groups drift; use cp = 1"
+        )
+    if group is None or group >= strategy.dp or strategy.dp % group:
+        raise SpecError(
+            f"strategy.compression.local_group = {group} with dp({strategy.dp}): local SGD "
+            "needs a local_group smaller than dp that divides it (dp ranks split into groups "
+            "of consecutive ranks that reduce every step); e.g. local_group = "
+            f"{_largest_proper_divisor(strategy.dp)}"
+        )
+
+
+def _largest_proper_divisor(n: int) -> int:
+    return max((d for d in range(1, n) if n % d == 0), default=1)
+
+
+def _spec_matrices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """The 2-D gradients of the zoo model ``spec`` builds, as torch's PowerSGD sees them."""
+    h, f, v = spec.hidden_size, spec.ffn_size, spec.vocab_size
+    kv = spec.kv_heads * spec.head_dim
+    block = {"wq": (h, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, h), "w1": (f, h), "w2": (h, f)}
+    if spec.act is Activation.SWIGLU:
+        block["w3"] = (f, h)
+    matrices = {f"layers.*.{name}": shape for name, shape in block.items()}
+    matrices["tok_embeddings"] = (v, h)
+    if spec.family is not Family.LLAMA:
+        matrices["pos_embeddings"] = (spec.seq_len, h)
+    if not spec.tied_embeddings:
+        matrices["output"] = (v, h)
+    return matrices
+
+
+def check_powersgd_rank(rank: int, matrices: Mapping[str, tuple[int, int]]) -> None:
+    """Raise if PowerSGD of ``rank`` compresses none of ``matrices`` (name: rows, columns).
+
+    torch's ``powerSGD_hook`` sends a matrix uncompressed unless its factors are less
+    than half its size (``rank * (m + n) * 2 < m * n``); a rank that compresses nothing
+    only adds the hook's overhead.
+    """
+    if any(should_compress(m, n, rank) for m, n in matrices.values()):
+        return
+    best = max(matrices, key=lambda name: _max_useful_rank(*matrices[name]), default=None)
+    largest = f"{best} {matrices[best][0]} x {matrices[best][1]}" if best else "none"
+    limit = _max_useful_rank(*matrices[best]) if best else 0
+    raise SpecError(
+        f"strategy.compression.rank = {rank} compresses no gradient: PowerSGD sends a matrix "
+        f"uncompressed unless rank * (rows + columns) * 2 < rows * columns, and the model's "
+        f"most compressible matrix ({largest}) allows rank <= {limit}; "
+        + (f"choose rank <= {limit}" if limit else "use compression 'fp16' or 'bf16'")
+    )
+
+
+def _max_useful_rank(m: int, n: int) -> int:
+    """The largest rank at which torch's PowerSGD still compresses an ``m x n`` matrix."""
+    return max(0, (m * n - 1) // (2 * (m + n)))
 
 
 def _check_recompute(plan: Plan) -> None:

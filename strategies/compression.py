@@ -5,23 +5,45 @@ DDP communication hooks: ``fp16`` is the stock ``fp16_compress_hook``; ``bf16`` 
 (it checks the function's name), and it does the same thing: cast the bucket to bf16,
 all-reduce the mean, cast back. (No ``from __future__ import annotations`` here: DDP
 checks the hook's annotations at runtime.) ``powersgd`` is the stock ``powerSGD_hook`` with error
-feedback (the batched variant fails on gloo). Under FSDP the fp16/bf16 reduction is the
+feedback (the batched variant fails on gloo), on gloo wrapped by
+:func:`ordered_powersgd_hook` (several buckets otherwise race). Under FSDP the fp16/bf16 reduction is the
 ``MixedPrecisionPolicy`` reduce dtype (see :mod:`strategies.fsdp`).
+
+``local_sgd`` is the stock ``post_localSGD_hook``: after ``warmup_steps`` steps DDP
+all-reduces gradients only within groups of ``local_group`` consecutive data-parallel
+ranks, and a ``PeriodicModelAverager`` averages the parameters over all of them every
+``period`` optimizer steps. The averager must run after every optimizer step: a
+training loop gets it from :func:`after_step_callback` (the
+:class:`~strategies.runner.Trainer` does).
 """
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
-from planner.spec import CompressionKind, Plan
+from planner.spec import Axis, CompressionKind, Plan
+from planner.validate import check_powersgd_rank
+from strategies.mesh import device_type
 
-__all__ = ["apply", "bfloat16_allreduce_hook", "POWERSGD_MIN_START_ITER"]
+__all__ = [
+    "apply",
+    "after_step_callback",
+    "bfloat16_allreduce_hook",
+    "ordered_powersgd_hook",
+    "POWERSGD_MIN_START_ITER",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +68,33 @@ def bfloat16_allreduce_hook(
     return future.then(decompress)
 
 
+def ordered_powersgd_hook(
+    state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """``powerSGD_hook`` that finishes the bucket's reduction before returning (gloo).
+
+    PowerSGD issues its P and Q all-reduces from future callbacks, on gloo's threads,
+    while the autograd thread issues the next bucket's all-reduce: with several buckets
+    the ranks can issue collectives in different orders, and gloo matches them by order
+    (it aborted: "Received data size doesn't match expected size"). Waiting here keeps
+    the order, at the price of not overlapping this bucket's reduction with backward.
+    """
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
 def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     """Register the plan's compression hook on a DDP model (FSDP handles it via dtypes)."""
     compression = plan.strategy.compression
     if compression.kind is CompressionKind.NONE:
         return model
     if not isinstance(model, DistributedDataParallel):
-        if compression.kind is CompressionKind.POWERSGD:
-            raise SpecError("strategy.compression.kind = 'powersgd' needs DDP (zero = 0, tp = 1)")
+        if compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD):
+            raise SpecError(
+                f"strategy.compression.kind = {compression.kind.value!r} needs DDP "
+                "(zero = 0, pp = 1)"
+            )
         log.info("compression: %s as the FSDP reduce dtype", compression.kind.value)
         return model
     group = model.process_group
@@ -61,10 +102,84 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
         model.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif compression.kind is CompressionKind.BF16:
         model.register_comm_hook(group, bfloat16_allreduce_hook)
+    elif compression.kind is CompressionKind.LOCAL_SGD:
+        model.register_comm_hook(
+            _local_sgd_state(group, mesh, plan), post_localSGD_hook.post_localSGD_hook
+        )
     else:
-        model.register_comm_hook(_powersgd_state(group, plan), powerSGD_hook.powerSGD_hook)
-    log.info("compression: %s hook on DDP", compression.kind.value)
+        check_powersgd_rank(compression.rank or 1, _matrices(model.module))
+        hook = powerSGD_hook.powerSGD_hook if device_type() == "cuda" else ordered_powersgd_hook
+        model.register_comm_hook(_powersgd_state(group, plan), hook)
+    log.info("compression: %s hook on DDP", compression.describe())
+    if compression.kind is CompressionKind.LOCAL_SGD:
+        log.info(
+            "local_sgd: the training loop must call after_step_callback(model, plan)'s result "
+            "after every optimizer step (strategies.runner.Trainer does), or replicas never "
+            "average"
+        )
     return model
+
+
+def after_step_callback(model: nn.Module, plan: Plan) -> Callable[[], None] | None:
+    """What a training loop must call after every optimizer step, or ``None``.
+
+    For ``local_sgd`` it is the ``PeriodicModelAverager`` over ``model``'s data-parallel
+    group (``warmup_steps`` and ``period`` from the plan); other options need nothing.
+    """
+    compression = plan.strategy.compression
+    if compression.kind is not CompressionKind.LOCAL_SGD:
+        return None
+    if not isinstance(model, DistributedDataParallel):
+        raise SpecError("strategy.compression.kind = 'local_sgd' needs DDP (zero = 0, pp = 1)")
+    assert compression.period is not None
+    averager = PeriodicModelAverager(
+        period=compression.period,
+        warmup_steps=compression.warmup_steps,
+        process_group=model.process_group,
+    )
+    params = list(model.parameters())
+    return lambda: averager.average_parameters(iter(params))
+
+
+def _local_sgd_state(
+    group: dist.ProcessGroup, mesh: DeviceMesh | None, plan: Plan
+) -> post_localSGD_hook.PostLocalSGDState:
+    """Global all-reduce for ``warmup_steps`` steps, then within this rank's local group.
+
+    Every rank creates every local group (group creation is collective), for each
+    data-parallel group of the mesh (one per tensor-parallel coordinate).
+    """
+    compression = plan.strategy.compression
+    assert compression.local_group is not None
+    size = compression.local_group
+    local, _ = dist.new_subgroups_by_enumeration(
+        [
+            ranks[start : start + size]
+            for ranks in _data_parallel_groups(group, mesh)
+            for start in range(0, len(ranks), size)
+        ]
+    )
+    return post_localSGD_hook.PostLocalSGDState(
+        process_group=group, subgroup=local, start_localSGD_iter=compression.warmup_steps
+    )
+
+
+def _data_parallel_groups(group: dist.ProcessGroup, mesh: DeviceMesh | None) -> list[list[int]]:
+    """Global ranks of every data-parallel group, each in data-parallel order: the rows of
+    the mesh with the ``dp_replicate`` axis last (without a mesh: DDP's group alone)."""
+    if mesh is None:
+        return [dist.get_process_group_ranks(group)]
+    ranks = mesh.mesh.movedim(list(mesh.mesh_dim_names or ()).index(Axis.DP_REPLICATE.value), -1)
+    return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
+
+def _matrices(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each gradient of 2+ dims as torch's PowerSGD views it: (dim 0, the rest)."""
+    return {
+        name: (param.shape[0], param[0].numel())
+        for name, param in module.named_parameters()
+        if param.requires_grad and param.dim() > 1
+    }
 
 
 def _powersgd_state(group: dist.ProcessGroup, plan: Plan) -> powerSGD_hook.PowerSGDState:

@@ -3,18 +3,23 @@
 Context-parallel ranks hold replicas too, so their gradients are averaged over
 dp_replicate x cp (:func:`strategies.mesh.replicate_mesh`).
 
-DDP reduces only plain-tensor parameters, and its reducer fails when a pipeline
-schedule runs several backwards per step (torch 2.13, gloo). So with ``tp > 1`` or
-``pp > 1`` replication over ``dp_replicate`` runs through FSDP2 instead (same averaged
-gradients, with sharded storage), and a warning says so.
+With ``tp > 1`` DDP runs over the tensor-parallel shards: torch's
+``_pre_dp_module_transform`` hands DDP the DTensor parameters' local shards (the way
+torch composes TP with DDP), so DDP communication hooks (compression) apply too.
+DDP's reducer fails when a pipeline schedule runs several backwards per step (torch
+2.13, gloo), so with ``pp > 1`` replication over ``dp_replicate`` runs through FSDP2
+instead (same averaged gradients, with sharded storage), and a warning says so.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
+from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.spec import Plan
@@ -31,17 +36,35 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     if fsdp.uses_fsdp(plan) or plan.strategy.dp * plan.strategy.cp == 1 or mesh is None:
         return model
     dp_mesh = replicate_mesh(mesh)
-    if plan.strategy.tp > 1 or plan.strategy.pp > 1:
+    if plan.strategy.pp > 1:
         log.warning(
-            "data parallel with tp=%d, pp=%d: DDP cannot reduce DTensor parameters nor run "
-            "under a pipeline schedule, so replication over %s runs as FSDP2 "
-            "fully_shard (same gradients, sharded storage)",
-            plan.strategy.tp,
+            "data parallel with pp=%d: DDP cannot run under a pipeline schedule, so "
+            "replication over %s runs as FSDP2 fully_shard (same gradients, sharded storage)",
             plan.strategy.pp,
             dp_mesh.mesh_dim_names,
         )
-        fsdp.shard(model, dp_mesh, plan, reason="zero=0 with tp/pp")
+        fsdp.shard(model, dp_mesh, plan, reason="zero=0 with pp")
         return model
+    if plan.strategy.tp > 1:
+        _over_tensor_parallel_shards(model)
     wrapped = DistributedDataParallel(model, device_mesh=dp_mesh)
     log.info("ddp: over %s, %d ranks", dp_mesh.mesh_dim_names, dp_mesh.size())
     return wrapped
+
+
+def _over_tensor_parallel_shards(model: nn.Module) -> None:
+    """Hand DDP the local shards of ``model``'s DTensor parameters (torch's
+    ``_pre_dp_module_transform``), keeping ``state_dict`` whole.
+
+    The transform turns the parameters into DTensor attributes during forward, so the
+    module stops listing them; a state-dict hook puts each shard back as the DTensor
+    it is (the optimizer holds the shards themselves).
+    """
+    _pre_dp_module_transform(model)
+    shards = {name: p for name, p in model.named_parameters() if hasattr(p, "_st_info")}
+
+    def add_shards(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+        for name, shard in shards.items():
+            state.setdefault(prefix + name, _unflatten_tensor(shard.detach(), shard._st_info))
+
+    model.register_state_dict_post_hook(add_shards)

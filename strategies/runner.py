@@ -23,12 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
 from planner.models import build
 from planner.spec import Axis, DType, Optimizer, Plan
 from strategies.apply import loss_context, parallelize, token_cross_entropy
+from strategies.compression import after_step_callback
 from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
 from strategies.pipeline import PipelineRunner, full_value
@@ -91,6 +93,8 @@ class Trainer:
     ``parallel`` is the result of :func:`~strategies.apply.parallelize`. The loss
     returned is the mean over the global batch (averaged over all ranks). Gradients are
     clipped to a global L2 norm of ``max_grad_norm`` when ``training.grad_clip`` is set.
+    After each optimizer step it runs the compression's after-step callback (local SGD's
+    periodic parameter averaging), if the plan has one.
     """
 
     def __init__(
@@ -106,6 +110,9 @@ class Trainer:
         self.device = torch.device(device_type())
         self.max_grad_norm = max_grad_norm if plan.training.grad_clip else None
         self.optimizer = _optimizer(plan.training.optimizer, list(parallel.parameters()), lr)
+        self.after_step = (
+            None if isinstance(parallel, PipelineRunner) else after_step_callback(parallel, plan)
+        )
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on this rank's share of the global batch."""
@@ -119,6 +126,8 @@ class Trainer:
         if self.max_grad_norm is not None:
             self._clip(self.max_grad_norm)
         self.optimizer.step()
+        if self.after_step is not None:
+            self.after_step()
         return _global_mean(loss)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -141,7 +150,8 @@ class Trainer:
         return torch.stack(losses).sum()
 
     def _clip(self, max_norm: float) -> None:
-        grads = [p.grad for p in self.parallel.parameters() if p.grad is not None]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = [_sharded_grad(p) for p in params if p.grad is not None]
         squares = _squared_norm(grads, self.device)
         if isinstance(self.parallel, PipelineRunner):
             dist.all_reduce(squares, group=self.parallel.group)
@@ -149,6 +159,15 @@ class Trainer:
         if scale < 1.0:
             for grad in grads:
                 grad.mul_(scale)
+
+
+def _sharded_grad(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, as the DTensor it is a shard of when DDP runs over tensor-parallel
+    shards (``_pre_dp_module_transform`` keeps the layout in ``_st_info``); scaling it in
+    place scales the local gradient."""
+    assert param.grad is not None
+    info = getattr(param, "_st_info", None)
+    return param.grad if info is None else _unflatten_tensor(param.grad, info)
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

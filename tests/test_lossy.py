@@ -60,6 +60,12 @@ def test_keys_only_on_meshes_the_runtime_runs():
     ddp = kinds(dp=16, tp=1, pp=1, cp=1, zero=0)
     assert ddp == ["none", "bf16", "powersgd(r4)", "local_sgd(H8,g8)"]
     assert kinds(dp=8, tp=2, pp=1, cp=1, zero=3) == ["none", "bf16"]  # FSDP reduce dtype
+    assert kinds(dp=8, tp=2, pp=1, cp=1, zero=0) == [
+        "none",
+        "bf16",
+        "powersgd(r4)",
+        "local_sgd(H8,g4)",
+    ]
     assert kinds(dp=8, tp=1, pp=2, cp=1, zero=0) == ["none"]  # no DDP hook with pipelines
     assert kinds(dp=1, tp=16, pp=1, cp=1, zero=0) == ["none"]  # nothing to reduce
     assert list(LossyCompression().keys(cluster, DType.BF16, dp=16, tp=1, pp=1, cp=1, zero=0)) == [

@@ -279,6 +279,9 @@ WORLD4 = [
     Case("tiny-gpt tp4", "tiny-gpt", _per_rank(1, tp=4)),
     Case("tiny-gpt tp x dp (zero 0)", "tiny-gpt", _per_rank(2, tp=2)),
     Case(
+        "tiny-llama tp+sp x dp (zero 0)", "tiny-llama", _per_rank(2, tp=2, sequence_parallel=True)
+    ),
+    Case(
         "tiny-llama tp+sp x fsdp", "tiny-llama", _per_rank(2, tp=2, zero=3, sequence_parallel=True)
     ),
     Case("tiny-llama pp x dp", "tiny-llama", _per_rank(2, pp=2, num_microbatches=2)),
@@ -343,15 +346,16 @@ def _expected_error(case: Case, results: list[Any]) -> list[str]:
 
 
 def _consistent_ranks(case: Case, results: list[dict[str, Any]]) -> list[str]:
-    """All ranks report the same losses; pipeline ranks' state dicts cover the whole model."""
+    """All ranks report the same losses; pipeline and tensor-parallel ranks' state dicts
+    cover the whole model."""
     failures = []
     if any(result["losses"] != results[0]["losses"] for result in results):
         failures.append(f"{case.name}: ranks disagree on the loss: {results}")
-    if case.strategy.get("pp", 1) > 1:
-        held = set().union(*(result["state_keys"] for result in results))
+    if case.strategy.get("pp", 1) > 1 or case.strategy.get("tp", 1) > 1:
+        held = {k.removeprefix("module.") for r in results for k in r["state_keys"]}  # DDP's
         whole = set(build_handle(case.model).module.state_dict())
         if held != whole:
-            failures.append(f"{case.name}: pipeline state_dict keys {sorted(held ^ whole)} differ")
+            failures.append(f"{case.name}: state_dict keys {sorted(held ^ whole)} differ")
     return failures
 
 

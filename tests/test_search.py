@@ -11,8 +11,8 @@ from planner.cost import CostModel, estimate_run, graph_from_spec
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.graph import OpKind
 from planner.models import PRESETS, get_preset, resolve_model
-from planner.solve.make_plan import make_plan
 from planner.solve.lossy import LossyCompression
+from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
 from planner.trace import trace
@@ -178,7 +178,7 @@ def test_plan_command_writes_and_explains(tmp_path, capsys):
 
 def test_plan_command_reports_user_errors(capsys):
     assert main(["--model", "tiny-gpt", "--cluster", "h100-sxm-80gb", "--global-batch", "8"]) == 2
-    assert "needs --gpus" in capsys.readouterr().err
+    assert "give --gpus N" in capsys.readouterr().err
     args = ["--model", "gpt3-175b", "--cluster", "a100-sxm-40gb", "--gpus", "8",
             "--global-batch", "8"]  # fmt: skip
     assert main(args) == 2
