@@ -107,6 +107,7 @@ class CompressionKind(StrEnum):
     BF16 = "bf16"
     POWERSGD = "powersgd"
     LOCAL_SGD = "local_sgd"
+    INT8 = "int8"
 
     @property
     def lossy(self) -> bool:
@@ -278,6 +279,8 @@ class Compression(_Doc):
     - ``fp16``/``bf16``: gradients reduced in 2 bytes (DDP hook or FSDP reduce dtype).
     - ``powersgd``: rank-``rank`` approximations with error feedback (DDP hook), after
       ``warmup_steps`` uncompressed steps.
+    - ``int8``: FSDP2's gradient reduce-scatter as an int8 all-to-all with an fp32 scale
+      per 256-element block, summed in fp32 (ZeRO >= 1; :mod:`strategies.int8_reduce_scatter`).
     - ``local_sgd``: after ``warmup_steps`` global steps, gradients are all-reduced only
       among ``local_group`` consecutive data-parallel ranks (a fast domain) and the
       parameters are averaged over all of them every ``period`` optimizer steps

@@ -96,6 +96,12 @@ def _check_compression(plan: Plan) -> None:
             f"strategy.compression.kind = {kind.value!r} with zero = {strategy.zero}: it is a "
             "DDP communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
         )
+    if kind is CompressionKind.INT8 and strategy.shard_degree * strategy.cp == 1:
+        raise SpecError(
+            f"strategy.compression.kind = 'int8' with zero = {strategy.zero} and no sharded "
+            "data-parallel axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, "
+            "or compression 'fp16'/'bf16' with DDP"
+        )
     if strategy.zero == 0 and strategy.pp > 1:
         raise SpecError(
             f"strategy.compression.kind = {kind.value!r} with zero = 0 and pp({strategy.pp}) > 1: "

@@ -95,7 +95,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
                 f"strategy.compression.kind = {compression.kind.value!r} needs DDP "
                 "(zero = 0, pp = 1)"
             )
-        log.info("compression: %s as the FSDP reduce dtype", compression.kind.value)
+        log.info("compression: %s in FSDP's gradient reduction", compression.kind.value)
         return model
     group = model.process_group
     if compression.kind is CompressionKind.FP16:
@@ -106,10 +106,15 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
         model.register_comm_hook(
             _local_sgd_state(group, mesh, plan), post_localSGD_hook.post_localSGD_hook
         )
-    else:
+    elif compression.kind is CompressionKind.POWERSGD:
         check_powersgd_rank(compression.rank or 1, _matrices(model.module))
         hook = powerSGD_hook.powerSGD_hook if device_type() == "cuda" else ordered_powersgd_hook
         model.register_comm_hook(_powersgd_state(group, plan), hook)
+    else:
+        raise SpecError(
+            f"strategy.compression.kind = {compression.kind.value!r} needs FSDP (zero >= 1), "
+            "not DDP"
+        )
     log.info("compression: %s hook on DDP", compression.describe())
     if compression.kind is CompressionKind.LOCAL_SGD:
         log.info(

@@ -10,7 +10,8 @@ keep them gathered between forward and backward (``reshard_after_forward=False``
 so memory lies between ZeRO-2 and ZeRO-3: FSDP2 has no separate ZeRO-1/2 modes). A 2-D
 (dp_replicate, dp_shard) mesh gives hybrid sharding (HSDP). ``MixedPrecisionPolicy``
 takes the parameter dtype from ``training.dtype`` and the gradient-reduction dtype from
-the plan's compression (fp16/bf16), else fp32.
+the plan's compression (fp16/bf16), else fp32; compression ``int8`` replaces the
+gradient reduce-scatter (:mod:`strategies.int8_reduce_scatter`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from planner.errors import SpecError
 from planner.spec import CompressionKind, DType, Plan
 from planner.validate import find_blocks
+from strategies.int8_reduce_scatter import use_int8_reduce_scatter
 from strategies.mesh import shard_mesh
 
 __all__ = ["apply", "uses_fsdp", "mixed_precision"]
@@ -71,6 +73,8 @@ def shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, reason: str) -> 
     for _, block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if plan.strategy.compression.kind is CompressionKind.INT8:
+        use_int8_reduce_scatter(model)
     log.info(
         "fsdp (%s): %d blocks + root over %s, reshard_after_forward=%s, param %s, reduce %s",
         reason,

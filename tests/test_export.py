@@ -409,11 +409,12 @@ def test_refuses_what_the_target_cannot_express(
 
 @pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
 def test_every_target_refuses_hook_only_compression(target: str) -> None:
-    for compression in (
-        Compression(kind=CompressionKind.POWERSGD, rank=4),
-        Compression(kind=CompressionKind.LOCAL_SGD, period=4, local_group=2),
+    for compression, zero in (
+        (Compression(kind=CompressionKind.POWERSGD, rank=4), 0),
+        (Compression(kind=CompressionKind.LOCAL_SGD, period=4, local_group=2), 0),
+        (Compression(kind=CompressionKind.INT8), 3),
     ):
-        plan = plan_for(dp=4, compression=compression)
+        plan = plan_for(dp=4, zero=zero, compression=compression)
         with pytest.raises(ExportError, match=f"strategy.compression.kind = '{compression.kind}'"):
             export_plan(plan, target)
 

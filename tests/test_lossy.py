@@ -24,7 +24,7 @@ from planner.spec import (
     Training,
 )
 
-ALL = LossyCompression.parse("bf16,powersgd:4,local_sgd:8")
+ALL = LossyCompression.parse("bf16,int8,powersgd:4,local_sgd:8")
 SPEC = get_preset("gpt3-1.3b")
 LIMITS = ModelLimits(SPEC.num_layers, SPEC.seq_len, SPEC.num_heads, SPEC.kv_heads)
 
@@ -40,12 +40,12 @@ def _chosen(inter_node_GBps: float, lossy: LossyCompression | None = ALL) -> Str
 
 def test_parse_defaults_items_and_errors():
     default = LossyCompression.parse("")
-    assert default == LossyCompression(half=True, powersgd_ranks=(4,))
+    assert default == LossyCompression(half=True, int8=True, powersgd_ranks=(4,))
     assert LossyCompression.parse("default") == default
     parsed = LossyCompression.parse("fp16, powersgd:2,powersgd:8,local_sgd:16,local_sgd")
-    assert parsed == LossyCompression(True, (2, 8), (8, 16))
+    assert parsed == LossyCompression(True, False, (2, 8), (8, 16))
     assert not LossyCompression().allows_any
-    for bad, named in [("int8", "'int8'"), ("powersgd:0", "powersgd:0"), ("local_sgd:1", ">= 2")]:
+    for bad, named in [("topk", "'topk'"), ("powersgd:0", "powersgd:0"), ("local_sgd:1", ">= 2")]:
         with pytest.raises(SpecError, match=named):
             LossyCompression.parse(bad)
 
@@ -59,7 +59,7 @@ def test_keys_only_on_meshes_the_runtime_runs():
 
     ddp = kinds(dp=16, tp=1, pp=1, cp=1, zero=0)
     assert ddp == ["none", "bf16", "powersgd(r4)", "local_sgd(H8,g8)"]
-    assert kinds(dp=8, tp=2, pp=1, cp=1, zero=3) == ["none", "bf16"]  # FSDP reduce dtype
+    assert kinds(dp=8, tp=2, pp=1, cp=1, zero=3) == ["none", "bf16", "int8"]  # FSDP
     assert kinds(dp=8, tp=2, pp=1, cp=1, zero=0) == [
         "none",
         "bf16",
@@ -206,7 +206,23 @@ def test_cli_allows_lossy_compression_only_when_asked(tmp_path, capsys):
     chosen = Plan.from_json(lossy.read_text())
     assert chosen.strategy.compression == Compression(kind="powersgd", rank=2, warmup_steps=1000)
     assert chosen.tradeoffs and chosen.cluster.name == "a100-25gbe"
-    assert main([*base, "--allow-lossy-compression", "int8"]) == 2
-    assert "'int8' is unknown" in capsys.readouterr().err
+    assert main([*base, "--allow-lossy-compression", "topk"]) == 2
+    assert "'topk' is unknown" in capsys.readouterr().err
     assert main(["profiles"]) == 0
     assert "h100-2site-100g" in capsys.readouterr().out
+
+
+def test_int8_reduce_scatter_is_priced_on_fsdp_only():
+    model = _model(1.0)
+    fsdp = Strategy(dp=16, zero=3, micro_batch_size=4)
+    int8 = fsdp.model_copy(update={"compression": Compression(kind="int8")})
+    exact, quantized = model.estimate(fsdp), model.estimate(int8)
+    assert (
+        quantized.breakdown_s["comm_fsdp"] < 0.75 * exact.breakdown_s["comm_fsdp"]
+    )  # gathers stay
+    assert quantized.breakdown_s["compression"] > 0
+    assert quantized.memory_gib["compression"] > 0
+    ratio = model.dp_payload_bytes(int8) / model.dp_payload_bytes(fsdp)
+    assert ratio == pytest.approx((1 + 4 / 256) / 4, rel=1e-6)
+    with pytest.raises(SpecError, match="int8 with zero = 0"):
+        model.estimate(Strategy(dp=16, micro_batch_size=4, compression=Compression(kind="int8")))

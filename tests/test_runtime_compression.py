@@ -52,7 +52,7 @@ from planner.errors import SpecError
 from planner.models import ModelHandle, resolve_model
 from planner.spec import Cluster, Plan, Strategy, Training
 from planner.validate import validate_plan_for_world
-from strategies.int8_reduce_scatter import BLOCK, Int8ReduceScatter, use_int8_reduce_scatter
+from strategies.int8_reduce_scatter import BLOCK, Int8ReduceScatter
 from strategies.runner import Trainer, local_slice, synthetic_batch
 
 MODEL = "tiny-llama"
@@ -81,7 +81,6 @@ class Run:
     name: str
     strategy: dict[str, Any] = field(hash=False)
     user_module: bool = False  # a plain nn.Module outside the zoo (no model spec)
-    int8: bool = False  # FSDP with strategies.int8_reduce_scatter
     steps: int = STEPS
 
 
@@ -130,8 +129,6 @@ def _train(run: Run, world_size: int, rank: int) -> dict[str, list[Any]]:
     """Global mean loss per step and, for replicated (DDP) models, parameter digests."""
     plan = _plan(run, world_size)
     parallel = planner.parallelize(_handle(run).module, plan)
-    if run.int8:
-        assert use_int8_reduce_scatter(parallel) > 0
     trainer = Trainer(parallel, plan, lr=LR)
     replicated = plan.strategy.zero == 0
     losses, digests = [], []
@@ -237,9 +234,7 @@ WORLD2 = [
     _run("fp16 fsdp reduce", 2, {"kind": "fp16"}, zero=3),
     _run("bf16 fsdp reduce", 2, {"kind": "bf16"}, zero=3),
     _run("powersgd r2", 2, POWERSGD),
-    Run(
-        "int8 fsdp reduce-scatter", {"dp": 2, "micro_batch_size": BATCH // 2, "zero": 3}, int8=True
-    ),
+    _run("int8 fsdp reduce-scatter", 2, {"kind": "int8"}, zero=3),
     Run(
         "bad: powersgd rank on a user module",
         {"dp": 2, "micro_batch_size": BATCH // 2, "compression": {"kind": "powersgd", "rank": 4}},

@@ -15,6 +15,13 @@
   decompressed result (3 memory-bound kernels, 8 element passes) and keeps an error
   buffer the size of the gradients plus the persistent ``P`` and ``Q``.
 
+- ``int8`` (FSDP2, :mod:`strategies.int8_reduce_scatter`): the reduce-scatter sends
+  ``1 + 4 / 256`` bytes per gradient element (int8 plus an fp32 scale per 256-element
+  block) by all-to-all, with a ring's ``(n - 1) / n`` volume and ``n - 1`` latencies;
+  quantizing and the fp32 sum of the dequantized chunks take about 6 passes over the
+  fp32 gradients; the int8 copy and the dequantized chunks of one module are transient.
+  A hybrid-sharding replica all-reduce stays in the reduce dtype.
+
 The compression compute runs inside the hook on the critical path, so it is counted
 exposed; steady state is priced (PowerSGD's uncompressed warm-up steps are not).
 
@@ -36,7 +43,10 @@ from planner.graph import OpGraph, OpKind, OpNode
 
 __all__ = [
     "GradientShapes",
+    "INT8_WIRE_BYTES",
     "all_gather_break_even_ranks",
+    "int8_buffer_bytes",
+    "int8_quantize_time",
     "bucket_count",
     "PowerSGDWork",
     "gradient_shapes",
@@ -59,6 +69,11 @@ _GRAM_SCHMIDT_KERNELS_PER_COLUMN = 7
 # error = clone - decompressed (read 2, write 1)
 _ERROR_FEEDBACK_PASSES = 8
 _ERROR_FEEDBACK_KERNELS = 3
+_INT8_BLOCK = 256  # elements per fp32 scale (strategies.int8_reduce_scatter.BLOCK)
+INT8_WIRE_BYTES = 1 + 4 / _INT8_BLOCK  # per gradient element
+# absmax, scale, round, clamp and cast read or write the fp32 chunks; dequantize and sum
+_INT8_FP32_PASSES = 6
+_INT8_KERNELS = 8
 
 
 @dataclass(frozen=True)
@@ -221,3 +236,15 @@ def all_gather_break_even_ranks(compression_ratio: float) -> int:
     up to 7 ranks).
     """
     return max(1, math.ceil(2 * compression_ratio) - 1)
+
+
+def int8_quantize_time(gradient_elements: float, compute: ComputeModel) -> float:
+    """Seconds of quantizing to int8 and summing the dequantized chunks in fp32, per step."""
+    passes = _INT8_FP32_PASSES * gradient_elements * 4
+    return compute.memory_time(passes) + _INT8_KERNELS * compute.kernel_s
+
+
+def int8_buffer_bytes(module_params: float) -> float:
+    """Transient bytes of one module's int8 reduce-scatter: the int8 copy and the
+    dequantized fp32 chunks of its gradients."""
+    return module_params * (INT8_WIRE_BYTES + 4)

@@ -17,12 +17,15 @@ from itertools import accumulate
 
 from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
 from planner.cost.compression import (
+    INT8_WIRE_BYTES,
     GradientShapes,
     PowerSGDWork,
     bucket_count,
     gradient_shapes,
     half_cast_time,
     half_wire_bytes,
+    int8_buffer_bytes,
+    int8_quantize_time,
     powersgd_comm_time,
     powersgd_compute_time,
     powersgd_memory_bytes,
@@ -495,6 +498,15 @@ class CostModel:
         reduce_bytes = self.options.grad_reduce_bytes
         if kind is CompressionKind.NONE:
             return self._reduction_times(strategy, slowest, reduce_bytes)
+        if kind is CompressionKind.INT8:
+            if strategy.zero == 0:
+                raise SpecError(
+                    "strategy.compression = int8 with zero = 0: int8 replaces FSDP's gradient "
+                    "reduce-scatter; use zero >= 1"
+                )
+            times = self._reduction_times(strategy, slowest, reduce_bytes, INT8_WIRE_BYTES)
+            times["compression"] = int8_quantize_time(slowest.params, self.compute)
+            return times
         times = self._reduction_times(strategy, slowest, half_wire_bytes(reduce_bytes))
         buckets = bucket_count(reduce_bytes * slowest.params, self._bucket_bytes)
         times["compression"] = half_cast_time(slowest.params, buckets, reduce_bytes, self.compute)
@@ -569,6 +581,9 @@ class CostModel:
             return element * params / self._local_sgd_group(strategy)[1]
         if compression.kind in (CompressionKind.FP16, CompressionKind.BF16):
             return half_wire_bytes(element) * params
+        if compression.kind is CompressionKind.INT8:  # an HSDP replica all-reduce stays exact
+            replica = element / strategy.shard_degree if strategy.replicate_degree > 1 else 0.0
+            return params * (INT8_WIRE_BYTES + replica)
         return element * params
 
     def _powersgd_work(self, strategy: Strategy) -> PowerSGDWork:
@@ -604,13 +619,19 @@ class CostModel:
         return self._gradient_shapes[tp]
 
     def _reduction_times(
-        self, strategy: Strategy, slowest: _Rank, reduce_bytes: int
+        self,
+        strategy: Strategy,
+        slowest: _Rank,
+        reduce_bytes: float,
+        scatter_bytes: float | None = None,
     ) -> dict[str, float]:
-        """Exposed 'comm_dp' and 'comm_fsdp' with ``reduce_bytes`` per gradient element."""
+        """Exposed 'comm_dp' and 'comm_fsdp' with ``reduce_bytes`` per gradient element
+        (``scatter_bytes`` in ZeRO's reduce-scatter, if it differs)."""
         params = slowest.params
         shard, replicate = self._zero_shard(strategy), strategy.replicate_degree
         inner = strategy.tp
         grad = reduce_bytes * params
+        scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
         half = 2 * params
         fwd, bwd = (
             slowest.total("forward_s"),
@@ -626,9 +647,11 @@ class CostModel:
         shard_link = self._axis_link(shard, inner)
         rep_link = self._axis_link(replicate, inner * shard)
         replica = collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link)
-        scatter = collective_time(Collective.REDUCE_SCATTER, grad, shard, shard_link)
+        scatter = collective_time(Collective.REDUCE_SCATTER, scattered, shard, shard_link)
         gather = collective_time(Collective.ALL_GATHER, half, shard, shard_link)
-        last_rs = collective_time(Collective.REDUCE_SCATTER, min(grad, bucket), shard, shard_link)
+        last_rs = collective_time(
+            Collective.REDUCE_SCATTER, min(scattered, bucket), shard, shard_link
+        )
         last_ag = collective_time(Collective.ALL_GATHER, min(half, bucket), shard, shard_link)
         if strategy.zero < 3:
             exposed = self._overlap(
@@ -700,6 +723,8 @@ class CostModel:
         }
         if strategy.compression.kind is CompressionKind.POWERSGD:
             parts["compression"] = self._powersgd_memory(strategy, rank)
+        if strategy.compression.kind is CompressionKind.INT8:
+            parts["compression"] = int8_buffer_bytes(max(rank.largest_params, default=0.0))
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
 

@@ -78,15 +78,18 @@ def seq_len(plan: Plan) -> int | None:
 
 
 def check_hook_compression(plan: Plan, target: str) -> None:
-    """Refuse PowerSGD and local SGD: only a DDP communication hook (our runtime) runs them."""
+    """Refuse PowerSGD, local SGD (DDP hooks) and the int8 reduce-scatter (an FSDP2 custom
+    reduce-scatter): only this planner's runtime runs them."""
     compression = plan.strategy.compression
-    if compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD):
+    if compression.kind in (
+        CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD, CompressionKind.INT8
+    ):  # fmt: skip
         raise refuse(
             target,
             "strategy.compression.kind",
             compression.kind,
             f"{compression.describe()} changes the gradients the optimizer sees and runs only as "
-            f"a DDP communication hook, which {target} has no setting for",
+            f"this planner's communication hook, which {target} has no setting for",
             "use compression 'none', 'bf16' or 'fp16', or run the plan with 'plan run'",
         )
 

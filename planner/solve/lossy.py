@@ -5,8 +5,9 @@ user allows it (``plan --allow-lossy-compression``). The search then prices each
 allowed option on every mesh the runtime can run it on and keeps it only where the
 step gets faster:
 
-- ``bf16``/``fp16``: DDP hook on a data-parallel-only mesh, or the FSDP2 reduce dtype
-  with ZeRO >= 1 on any mesh;
+- ``bf16``/``fp16``: DDP hook (ZeRO 0, no pipeline or context parallelism), or the
+  FSDP2 reduce dtype with ZeRO >= 1 on any mesh;
+- ``int8``: FSDP2's reduce-scatter as int8 blocks with fp32 scales, ZeRO >= 1;
 - ``powersgd:R``: DDP hook (ZeRO 0, no pipeline or context parallelism; over
   tensor-parallel shards when ``tp > 1``);
 - ``local_sgd:H``: the same meshes, when the data-parallel group spans several nodes or
@@ -77,31 +78,34 @@ class LossyCompression:
     """The lossy options the user allows; the empty default allows none."""
 
     half: bool = False  # fp16/bf16 reduction, in the training dtype's half type
+    int8: bool = False  # int8 reduce-scatter under FSDP
     powersgd_ranks: tuple[int, ...] = ()
     local_sgd_periods: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> LossyCompression:
-        """``'bf16,powersgd:4,local_sgd:8'``; ``''`` or ``'default'`` means bf16 and
-        PowerSGD rank 4 (local SGD is only chosen when named)."""
+        """``'bf16,int8,powersgd:4,local_sgd:8'``; ``''`` or ``'default'`` means bf16, int8
+        and PowerSGD rank 4 (local SGD is only chosen when named)."""
         items = [item.strip() for item in text.split(",") if item.strip()]
         if not items or items == ["default"]:
-            return cls(half=True, powersgd_ranks=(_DEFAULT_POWERSGD_RANK,))
-        half, ranks, periods = False, [], []
+            return cls(half=True, int8=True, powersgd_ranks=(_DEFAULT_POWERSGD_RANK,))
+        half, int8, ranks, periods = False, False, [], []
         for item in items:
             name, _, value = item.partition(":")
             if name in ("fp16", "bf16", "half"):
                 half = True
+            elif name == "int8":
+                int8 = True
             elif name == "powersgd":
                 ranks.append(_positive(item, value or str(_DEFAULT_POWERSGD_RANK), minimum=1))
             elif name == "local_sgd":
                 periods.append(_positive(item, value or str(_DEFAULT_LOCAL_SGD_PERIOD), minimum=2))
             else:
                 raise SpecError(
-                    f"--allow-lossy-compression item {item!r} is unknown; use bf16, fp16, "
+                    f"--allow-lossy-compression item {item!r} is unknown; use bf16, fp16, int8, "
                     "powersgd[:RANK] or local_sgd[:PERIOD], comma-separated"
                 )
-        return cls(half, tuple(sorted(set(ranks))), tuple(sorted(set(periods))))
+        return cls(half, int8, tuple(sorted(set(ranks))), tuple(sorted(set(periods))))
 
     @classmethod
     def allowing(cls, compression: Compression) -> LossyCompression:
@@ -112,6 +116,8 @@ class LossyCompression:
         kind = compression.kind
         if kind in (CompressionKind.FP16, CompressionKind.BF16):
             return self.half
+        if kind is CompressionKind.INT8:
+            return self.int8
         if kind is CompressionKind.POWERSGD:
             return compression.rank in self.powersgd_ranks
         if kind is CompressionKind.LOCAL_SGD:
@@ -120,10 +126,11 @@ class LossyCompression:
 
     @property
     def allows_any(self) -> bool:
-        return self.half or bool(self.powersgd_ranks) or bool(self.local_sgd_periods)
+        return self.half or self.int8 or bool(self.powersgd_ranks) or bool(self.local_sgd_periods)
 
     def describe(self) -> str:
         parts = ["half"] if self.half else []
+        parts += ["int8"] if self.int8 else []
         parts += [f"powersgd:{r}" for r in self.powersgd_ranks]
         parts += [f"local_sgd:{h}" for h in self.local_sgd_periods]
         return ",".join(parts) or "none"
@@ -138,6 +145,8 @@ class LossyCompression:
         ddp_hook = zero == 0 and pp == cp == 1  # DDP (over tensor-parallel shards if tp > 1)
         if self.half and (ddp_hook or zero >= 1):
             yield (_half_kind(dtype).value, 0, 0, 0)
+        if self.int8 and zero >= 1:
+            yield (CompressionKind.INT8.value, 0, 0, 0)
         if not ddp_hook:
             return
         for rank in self.powersgd_ranks:
@@ -242,6 +251,11 @@ def _fidelity(compression: Compression) -> str:
         return (
             f"gradients are summed in {kind.value} ({mantissa}-bit mantissa): small "
             "contributions can round away"
+        )
+    if kind is CompressionKind.INT8:
+        return (
+            "gradients are sent as int8 in blocks of 256 with an fp32 scale each and summed "
+            "in fp32: each rank's contribution is off by at most max|block| / 254 per element"
         )
     if kind is CompressionKind.POWERSGD:
         return (
