@@ -3,7 +3,7 @@
 For Llama-3-8B (256 x 8192 tokens per step) and GPT-3 13B (1024 x 2048) on 64 H100s
 (8 nodes of 8), the inter-node bandwidth per GPU is swept from 400 Gb/s (one 400G NIC
 per GPU, the DGX norm) down to 1 Gb/s. At each point the search runs three times:
-exact only, with ``bf16,powersgd:4`` allowed, and with ``local_sgd:8`` allowed too; the
+exact only, with ``bf16,int8,powersgd:4`` allowed, and with ``local_sgd:8`` allowed too; the
 table shows the chosen plan, its predicted step time, the compression compute it adds
 and the bytes each rank puts into data-parallel reductions per step without and with
 its compression. Then, for each option alone, the highest bandwidth at which the
@@ -29,10 +29,11 @@ from planner.spec import Cluster, Compression, CompressionKind, Training
 GPUS, GPUS_PER_NODE = 64, 8
 SWEEP_GBIT = (400, 200, 100, 50, 25, 10, 5, 2, 1)
 QUICK_GBIT = (400, 25, 5, 1)
-ALLOWED = LossyCompression.parse("bf16,powersgd:4")
-WITH_LOCAL = LossyCompression.parse("bf16,powersgd:4,local_sgd:8")
+ALLOWED = LossyCompression.parse("bf16,int8,powersgd:4")
+WITH_LOCAL = LossyCompression.parse("bf16,int8,powersgd:4,local_sgd:8")
 OPTIONS = {
     "bf16": (LossyCompression.parse("bf16"), CompressionKind.BF16),
+    "int8": (LossyCompression.parse("int8"), CompressionKind.INT8),
     "powersgd:4": (LossyCompression.parse("powersgd:4"), CompressionKind.POWERSGD),
     "local_sgd:8": (LossyCompression.parse("local_sgd:8"), CompressionKind.LOCAL_SGD),
 }
@@ -76,7 +77,7 @@ def _gb(size: float) -> str:
 
 def sweep(planner: Planner, points: tuple[int, ...]) -> None:
     header = (
-        f"{'Gb/s':>5} | {'exact: plan':<44}{'step s':>8} | {'bf16,powersgd:4 allowed: plan':<58}"
+        f"{'Gb/s':>5} | {'exact: plan':<44}{'step s':>8} | {'bf16,int8,powersgd:4 allowed: plan':<58}"
         f"{'step s':>8}{'gain':>7}{'comp ms':>9}{'GB/rank':>14} | {'+local_sgd:8':<22}{'step s':>8}"
     )
     print(header)
@@ -124,8 +125,9 @@ def composition() -> None:
         ("bf16/fp16", "all-reduce", "S/2", "any"),
         ("powersgd:r", "3 all-reduces (rest, P, Q)", "r(m+n)/mn of each matrix", "any"),
         ("local_sgd:H", "all-reduce in the group; params / H", "S/H across groups", "any"),
+        ("int8 (FSDP reduce-scatter)", "all-to-all, fp32 sum on arrival", "S/4 + scales", "any"),
         (
-            "int8 + scales (not offered)",
+            "int8 by all-gather (not used)",
             "all-gather",
             "S/4",
             f"<= {all_gather_break_even_ranks(4)}",
