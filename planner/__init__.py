@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from planner.errors import PlannerError, SpecError
 from planner.models import fingerprint, handle_for_module, list_models, resolve_model
+from planner.solve.lossy import LossyCompression
 from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
@@ -35,6 +36,7 @@ __all__ = [
     "fingerprint",
     "make_plan",
     "Pins",
+    "LossyCompression",
     "trace",
     "load_document",
     "parallelize",
@@ -48,6 +50,7 @@ def parallelize(
     cluster: Cluster | None = None,
     training: Training | None = None,
     pins: Pins | None = None,
+    lossy: LossyCompression | None = None,
     **options: Any,
 ) -> Any:
     """Apply ``plan`` (a :class:`Plan` or a path to its JSON) to ``model`` with torch.distributed.
@@ -57,7 +60,8 @@ def parallelize(
     runner with ``step(inputs, targets) -> loss``, ``parameters()`` and ``state_dict()``.
     One-shot form: pass ``cluster`` (``num_gpus`` = the world size) and ``training``
     instead of a plan, and the model is planned first (:func:`make_plan`, with
-    ``pins``); every rank computes the same plan. ``options`` go to
+    ``pins`` and the ``lossy`` compression it may choose); every rank computes the same
+    plan. ``options`` go to
     :func:`strategies.apply.parallelize` (``loss_fn``, ``loss_parallel``). Raises
     :class:`PlannerError` before any collective when the plan does not fit the model
     or the world size.
@@ -69,9 +73,11 @@ def parallelize(
             raise SpecError(
                 "parallelize needs a plan, or cluster= and training= to plan the model first"
             )
-        plan = make_plan(handle_for_module(model), cluster, training, pins=pins)
-    elif cluster is not None or training is not None or pins is not None:
-        raise SpecError("give parallelize either a plan or cluster=/training=, not both")
+        plan = make_plan(handle_for_module(model), cluster, training, pins=pins, lossy=lossy)
+    elif cluster is not None or training is not None or pins is not None or lossy is not None:
+        raise SpecError(
+            "give parallelize either a plan or cluster=/training= (with pins=, lossy=), not both"
+        )
     if not isinstance(plan, Plan):
         plan = load_document(Plan, Path(plan))
     return apply_plan(model, plan, **options)

@@ -54,3 +54,33 @@ def test_parallelize_needs_a_plan_or_a_cluster() -> None:
     model = resolve_model("tiny-gpt", device="cpu", seed=0).module
     with pytest.raises(planner.PlannerError, match="cluster= and training="):
         planner.parallelize(model)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lossy_plan_for_a_slow_link_runs_under_torchrun(tmp_path: Path) -> None:
+    """On a 1 MB/s link the search picks PowerSGD; the plan runs, and during its warm-up
+    (uncompressed steps) it trains exactly like one process."""
+    cluster = tmp_path / "slow.json"
+    cluster.write_text(
+        '{"gpu": "a100-sxm-80gb", "num_gpus": 2, "gpus_per_node": 1, "inter_node_GBps": 0.001}'
+    )
+    searched = tmp_path / "lossy.json"
+    args = ["--model", "tiny-llama", "--cluster", str(cluster), "--global-batch", "8",
+            "--seq", "16", "--dtype", "fp32", "--dp", "2",
+            "--allow-lossy-compression", "powersgd:2", "-o", str(searched)]  # fmt: skip
+    assert main(args) == 0
+    plan = load_document(Plan, searched)
+    assert plan.strategy.compression.describe() == "powersgd(r2)" and plan.tradeoffs
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    single = assemble_plan(
+        resolve_model("tiny-llama", seq_len=16), Cluster(gpu="a100-sxm-80gb", num_gpus=1),
+        training, Strategy(micro_batch_size=8),
+    )  # fmt: skip
+    (tmp_path / "single.json").write_text(single.to_json())
+    run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
+    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *run, str(searched)])
+    reference = plan_run_losses(
+        [sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")]
+    )
+    assert distributed == pytest.approx(reference, abs=1e-5)
