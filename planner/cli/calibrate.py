@@ -15,14 +15,17 @@ The profile is written atomically; a failed fit writes nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
 import platform
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from rich.console import Console
 
 from planner.calibrate import microbench
 from planner.calibrate.fit import CalibrationError
@@ -56,7 +59,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(under torchrun), fitted into a hardware profile. With --from: refit --profile's "
         "efficiencies, overheads and bandwidths to measured profiles.",
     )
-    parser.add_argument("-o", "--output", type=Path, required=True, metavar="profile.json")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="profile.json",
+                        help="hardware profile to write (JSON)")  # fmt: skip
     parser.add_argument("--name", help="profile name (default: the output file's stem)")
     parser.add_argument(
         "--base", metavar="PROFILE",
@@ -134,7 +138,8 @@ def _microbenchmark(args: argparse.Namespace) -> int:
     base = load_profile(args.base) if args.base else None
     with runner.process_group_from_env() as rank:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-        measured = _measure(args, device, dtype, collectives)
+        with _sweep_status(show=rank == 0) as announce:
+            measured = _measure(args, device, dtype, collectives, announce)
         if rank != 0:
             return 0
         peak, peak_source = _peak(args, base, gpu, dtype)
@@ -174,21 +179,39 @@ def _capacity(gpu: bool, ranks_per_node: int) -> float:
     return ram_gib(ranks_per_node)
 
 
+@contextlib.contextmanager
+def _sweep_status(*, show: bool) -> Iterator[Callable[[str], None]]:
+    """Yield ``announce(sweep)``: a spinner on stderr naming the sweep in progress when
+    ``show`` (rank 0) and stderr is a terminal; otherwise announcing does nothing."""
+    if not show:
+        yield lambda _sweep: None
+        return
+    with Console(stderr=True).status("calibrating") as status:
+        yield lambda sweep: status.update(f"calibrating: {sweep}")
+
+
 def _measure(
-    args: argparse.Namespace, device: torch.device, dtype: DType, collectives: ModuleType
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: DType,
+    collectives: ModuleType,
+    announce: Callable[[str], None],
 ) -> Measurements:
     gpu = device.type == "cuda"
     repeats = 5 if args.quick else 15
     torch_dtype = _TORCH_DTYPES[dtype]
     cpu_shapes = microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1]
+    announce(f"{dtype.value} matmul sweep")
     matmul = microbench.matmul_sweep(
         device, torch_dtype, _GPU_MATMUL if gpu else cpu_shapes, repeats=repeats
     )
+    announce("memory-bound kernel sweep")
     memory = microbench.memory_sweep(
         device, torch_dtype, _GPU_MEMORY if gpu else microbench.DEFAULT_MEMORY_ELEMENTS,
         repeats=repeats,
     )  # fmt: skip
     cpu_attention = microbench.DEFAULT_ATTENTION_SHAPES[: 3 if args.quick else None]
+    announce("attention sweep")
     attention = microbench.attention_sweep(
         device, torch_dtype, _GPU_ATTENTION if gpu else cpu_attention, repeats=max(3, repeats // 2)
     )
@@ -196,6 +219,7 @@ def _measure(
     samples: list[tuple[Collective, int, float, float]] = []
     if world > 1:
         sizes = _GPU_COLLECTIVE_BYTES if gpu else collectives.DEFAULT_COLLECTIVE_BYTES
+        announce(f"collective sweep over {world} ranks")
         for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):
             samples.append((s.kind, s.ranks, float(s.size_bytes), s.seconds))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

@@ -19,7 +19,10 @@ from planner.spec import Prediction
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "estimate", help="estimate step time and memory of given configurations"
+        "estimate",
+        help="estimate step time and memory of given configurations",
+        description="Predict step time, tokens/s per GPU, MFU/HFU and peak memory per GPU "
+        "for fully specified runs (model, cluster, training, strategy) without searching.",
     )
     parser.add_argument("--config", required=True, type=Path, help="run JSON (object or list)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

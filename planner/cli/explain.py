@@ -12,7 +12,13 @@ from planner.spec import Plan, load_document
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("explain", help="print a saved plan and why it was chosen")
+    parser = subparsers.add_parser(
+        "explain",
+        help="print a saved plan and why it was chosen",
+        description="Print a plan JSON written by 'plan -o' as 'plan' printed it: the mesh "
+        "and settings, the prediction, where the time and memory go, the stages, the "
+        "tensor-parallel layout and the runners-up.",
+    )
     parser.add_argument("plan", type=Path, help="a plan JSON written by 'plan -o'")
     parser.set_defaults(func=run)
 

@@ -12,10 +12,13 @@ per rank, provenance) and prints a summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import shlex
 import sys
 from pathlib import Path
+
+from rich.console import Console
 
 from planner.cli.common import positive_int
 from planner.errors import SpecError
@@ -32,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "one profiled step (phases) and one memory-tracked step; write a measured profile.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
-    parser.add_argument("-o", "--output", type=Path, required=True, metavar="measured.json")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="measured.json",
+                        help="measured profile to write (JSON; rank 0 writes it)")  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
@@ -46,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
     runner = importlib.import_module("strategies.runner")  # torch.distributed only there
     measure = importlib.import_module("strategies.measure")
     command = "plan " + shlex.join(sys.argv[1:])
+    steps = f"measuring {args.plan}: {args.warmup} warm-up and {args.steps} timed steps"
     with runner.process_group_from_env() as rank:
-        measured = measure.measure_plan(
-            plan, steps=args.steps, warmup=args.warmup, seed=args.seed, command=command
-        )
+        status = Console(stderr=True).status(steps) if rank == 0 else contextlib.nullcontext()
+        with status:
+            measured = measure.measure_plan(
+                plan, steps=args.steps, warmup=args.warmup, seed=args.seed, command=command
+            )
         if rank == 0:
             write_text_atomic(args.output, measured.model_dump_json(indent=2) + "\n")
             print(summary(measured))

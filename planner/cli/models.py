@@ -8,7 +8,12 @@ from planner.models import ALIASES, PRESETS, SMALL_MODELS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("models", help="list the built-in models")
+    parser = subparsers.add_parser(
+        "models",
+        help="list the built-in models",
+        description="List the model presets (--model NAME) with their sizes, the aliases "
+        "and the small non-transformer models used in tests.",
+    )
     parser.set_defaults(func=run)
 
 

@@ -11,7 +11,10 @@ from planner.spec import DType
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "profiles", help="list the built-in GPU and cluster profiles (for --cluster)"
+        "profiles",
+        help="list the built-in GPU and cluster profiles (for --cluster)",
+        description="List the GPU profiles (use with --gpus N) and the cluster profiles "
+        "(GPUs and network links included) shipped with the planner.",
     )
     parser.set_defaults(func=run)
 

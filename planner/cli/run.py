@@ -20,7 +20,11 @@ from planner.spec import Plan, load_document
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "run", help="train a plan on synthetic data (launch with torchrun for several ranks)"
+        "run",
+        help="train a plan on synthetic data (launch with torchrun for several ranks)",
+        description="Apply a plan with torch.distributed and train its model on synthetic "
+        "tokens, printing the global mean loss and the time of each step. A plan whose "
+        "degrees are all 1 runs without torchrun.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")

@@ -19,7 +19,12 @@ DOCUMENTS: dict[str, type[BaseModel]] = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("schema", help="print the JSON Schema of a document type")
+    parser = subparsers.add_parser(
+        "schema",
+        help="print the JSON Schema of a document type",
+        description="Print the JSON Schema of a plan, model spec, cluster, training or "
+        "strategy document (for editors and validation of hand-written files).",
+    )
     parser.add_argument(
         "document", nargs="?", default="plan", choices=sorted(DOCUMENTS),
         help="which document (default: plan)",

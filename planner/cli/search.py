@@ -50,8 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           help="sequences per optimizer step")  # fmt: skip
     training.add_argument("--micro-batch", type=positive_int, metavar="SEQS",
                           help="fix the micro-batch size (default: searched)")  # fmt: skip
-    training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16")
-    training.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adamw")
+    training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16",
+                          help="training precision")  # fmt: skip
+    training.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adamw",
+                          help="optimizer (its states count in memory)")  # fmt: skip
     pins = parser.add_argument_group("pins (fix a dimension, search the rest)")
     degrees = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context"}
     for name, what in degrees.items():

@@ -15,7 +15,10 @@ from planner.trace import DTYPES, summarize, trace
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "trace", help="trace a model: parameters, FLOPs and activations per block type"
+        "trace",
+        help="trace a model: parameters, FLOPs and activations per block type",
+        description="Trace a model on the meta device into an operator graph and print, per "
+        "segment type (embedding, block, head), its parameters, FLOPs and saved activations.",
     )
     add_model_args(parser)
     parser.add_argument(
