@@ -133,9 +133,9 @@ def composition() -> None:
             f"<= {all_gather_break_even_ranks(4)}",
         ),
     )
-    print(f"  {'option':<28}{'collective':<38}{'payload':<27}{'pays for group sizes'}")
+    print(f"  {'option':<32}{'collective':<38}{'payload':<27}{'pays for group sizes'}")
     for row in rows:
-        print(f"  {row[0]:<28}{row[1]:<38}{row[2]:<27}{row[3]}")
+        print(f"  {row[0]:<32}{row[1]:<38}{row[2]:<27}{row[3]}")
 
 
 def main() -> None:

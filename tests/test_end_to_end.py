@@ -16,6 +16,23 @@ from planner.models import resolve_model
 from planner.spec import Cluster, Plan, Strategy, Training, load_document
 
 
+def _two_ranks_and_one_process(plan: Path, tmp_path: Path) -> tuple[list[float], list[float]]:
+    """Losses of 3 ``plan run`` steps of ``plan`` (tiny-llama, batch 8, seq 16) on 2 ranks,
+    and of the same training in one process."""
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    single = assemble_plan(
+        resolve_model("tiny-llama", seq_len=16), Cluster(gpu="a100-sxm-80gb", num_gpus=1),
+        training, Strategy(micro_batch_size=8),
+    )  # fmt: skip
+    (tmp_path / "single.json").write_text(single.to_json())
+    run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
+    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *run, str(plan)])
+    reference = plan_run_losses(
+        [sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")]
+    )
+    return distributed, reference
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_searched_plan_runs_under_torchrun_like_one_process(tmp_path: Path) -> None:
@@ -26,17 +43,7 @@ def test_searched_plan_runs_under_torchrun_like_one_process(tmp_path: Path) -> N
     assert main(args) == 0
     plan = load_document(Plan, searched)
     assert plan.strategy.tp == 2 and plan.tp_layout
-    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
-    single = assemble_plan(
-        resolve_model("tiny-llama", seq_len=16), Cluster(gpu="a100-sxm-80gb", num_gpus=1),
-        training, Strategy(micro_batch_size=8),
-    )  # fmt: skip
-    (tmp_path / "single.json").write_text(single.to_json())
-    run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
-    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *run, str(searched)])
-    reference = plan_run_losses(
-        [sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")]
-    )
+    distributed, reference = _two_ranks_and_one_process(searched, tmp_path)
     assert distributed == pytest.approx(reference, abs=1e-5)
     assert distributed[-1] < distributed[0]
 
@@ -72,15 +79,5 @@ def test_lossy_plan_for_a_slow_link_runs_under_torchrun(tmp_path: Path) -> None:
     assert main(args) == 0
     plan = load_document(Plan, searched)
     assert plan.strategy.compression.describe() == "powersgd(r2)" and plan.tradeoffs
-    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
-    single = assemble_plan(
-        resolve_model("tiny-llama", seq_len=16), Cluster(gpu="a100-sxm-80gb", num_gpus=1),
-        training, Strategy(micro_batch_size=8),
-    )  # fmt: skip
-    (tmp_path / "single.json").write_text(single.to_json())
-    run = ["run", "--steps", "3", "--json", "--lr", "0.01"]
-    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *run, str(searched)])
-    reference = plan_run_losses(
-        [sys.executable, "-m", "planner", *run, str(tmp_path / "single.json")]
-    )
+    distributed, reference = _two_ranks_and_one_process(searched, tmp_path)
     assert distributed == pytest.approx(reference, abs=1e-5)

@@ -223,6 +223,9 @@ def _check_lossy(name: str, losses: list[float], reference: list[float]) -> None
     assert before <= EXACT, f"{name}: off by {before:.3g} before compression starts"
     assert _max_gap(losses, reference) > EXACT, f"{name}: never compressed"
     progress = _progress(losses, reference)
+    print(
+        f"{name:<28} {progress:.0%} of the uncompressed loss decrease (bound {PROGRESS[name]:.0%})"
+    )
     assert progress >= PROGRESS[name], f"{name}: {progress:.0%} of the uncompressed progress"
 
 
@@ -271,6 +274,7 @@ def test_compression_on_two_ranks(tmp_path: Path) -> None:
         assert _same_on_all_ranks(runs, "losses"), name
         assert _same_on_all_ranks(runs, "digests"), f"{name}: replicas differ"
         gap = _max_gap(runs[0]["losses"], reference)
+        print(f"{name:<28} max |loss - uncompressed| = {gap:.2g} (bound {HALF_BOUND})")
         assert 0 < gap <= HALF_BOUND, f"{name}: loss off by {gap:.3g}"
     powersgd = _ok(results["powersgd r2"])
     assert _same_on_all_ranks(powersgd, "digests"), "powersgd: replicas differ"
