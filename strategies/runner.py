@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from planner.errors import SpecError
 from planner.models import build
 from planner.spec import Axis, DType, Optimizer, Plan
+from planner.validate import validate_plan_for_world
 from strategies.apply import loss_context, parallelize, token_cross_entropy
 from strategies.compression import after_step_callback
 from strategies.context_parallel import sequence_slice
@@ -245,6 +246,8 @@ def run_plan(
             f"plan for {plan.model_name!r} has no model spec: 'plan run' trains zoo or "
             "spec-file transformers; call planner.parallelize() for other models"
         )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    validate_plan_for_world(plan, world)  # before building a model that may not fit here
     seq_len = plan.training.seq_len or plan.model.seq_len
     model = build(plan.model, device="cpu", seed=seed)
     parallel = parallelize(model, plan, loss_parallel=loss_parallel)
