@@ -74,8 +74,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     lossy.add_argument(
         "--allow-lossy-compression", nargs="?", const="default", metavar="OPTIONS",
         help="let the search choose lossy gradient compression where it pays: a comma list "
-        "of bf16 (or fp16), powersgd[:RANK] (default rank 4), local_sgd[:PERIOD] (default 8 "
-        "steps); without a list, bf16 and powersgd:4. Off by default",
+        "of bf16 (or fp16), int8 (FSDP reduce-scatter), powersgd[:RANK] (default rank 4), "
+        "local_sgd[:PERIOD] (default 8 steps); without a list, bf16, int8 and powersgd:4. "
+        "Off by default",
     )  # fmt: skip
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
