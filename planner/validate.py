@@ -38,6 +38,7 @@ __all__ = [
     "match_fqns",
     "find_blocks",
     "pipeline_splittable",
+    "shares_parameters",
     "check_powersgd_rank",
 ]
 
@@ -301,6 +302,12 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return best
 
 
+def shares_parameters(module: nn.Module) -> bool:
+    """Whether two of ``module``'s submodules hold the same parameter (tied weights)."""
+    every = [param for _, param in module.named_parameters(remove_duplicate=False)]
+    return len({id(param) for param in every}) < len(every)
+
+
 def pipeline_splittable(module: nn.Module) -> bool:
     """Whether the runtime can split ``module`` into pipeline stages: its blocks sit in an
     ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it shares no parameters."""
@@ -308,9 +315,7 @@ def pipeline_splittable(module: nn.Module) -> bool:
     if not blocks:
         return False
     container = module.get_submodule(blocks[0][0].rpartition(".")[0])
-    every = [param for _, param in module.named_parameters(remove_duplicate=False)]
-    shared = len({id(param) for param in every}) < len(every)
-    return isinstance(container, nn.ModuleDict) and not shared
+    return isinstance(container, nn.ModuleDict) and not shares_parameters(module)
 
 
 def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle]:
@@ -338,7 +343,21 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle
     if plan.strategy.cp > 1:
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
+    _check_hooks_over_tp(plan, module)
     return expanded
+
+
+def _check_hooks_over_tp(plan: Plan, module: nn.Module) -> None:
+    """DDP hooks over tensor-parallel shards need DDP, which tied weights rule out there."""
+    strategy = plan.strategy
+    hook = strategy.compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD)
+    if hook and strategy.tp > 1 and shares_parameters(module):
+        raise SpecError(
+            f"strategy.compression.kind = {strategy.compression.kind.value!r} with tp("
+            f"{strategy.tp}) on a model with tied weights: DDP cannot run over tensor-parallel "
+            "shards of shared parameters (the runtime replicates with FSDP2 there), so its "
+            "hooks cannot apply; use tp = 1, compression 'bf16', or untie the weights"
+        )
 
 
 def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:

@@ -2,13 +2,14 @@
 
 import pytest
 
+from planner.assemble import assemble_plan
 from planner.cli import main
 from planner.clusters import list_clusters, load_cluster, resolve_cluster
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.communication import link_for_axis
 from planner.errors import SpecError, UnknownNameError
 from planner.hardware import load_profile
-from planner.models import get_preset, resolve_model
+from planner.models import ModelHandle, build, get_preset, resolve_model
 from planner.solve.lossy import LossyCompression, crossover_bandwidth, decode, encode
 from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, search
@@ -23,6 +24,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
+from planner.validate import check_model_against_plan
 
 ALL = LossyCompression.parse("bf16,int8,powersgd:4,local_sgd:8")
 SPEC = get_preset("gpt3-1.3b")
@@ -226,3 +228,21 @@ def test_int8_reduce_scatter_is_priced_on_fsdp_only():
     assert ratio == pytest.approx((1 + 4 / 256) / 4, rel=1e-6)
     with pytest.raises(SpecError, match="int8 with zero = 0"):
         model.estimate(Strategy(dp=16, micro_batch_size=4, compression=Compression(kind="int8")))
+
+
+def test_tied_weights_keep_ddp_hooks_off_tensor_parallel_shards():
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=16)
+    mesh = {"dp": 8, "tp": 2, "pp": 1, "cp": 1, "zero": 0}
+    untied = [decode(k).kind for k in ALL.keys(cluster, DType.BF16, **mesh)]
+    tied = [decode(k).kind for k in ALL.keys(cluster, DType.BF16, **mesh, ddp_over_tp=False)]
+    assert CompressionKind.POWERSGD in untied and tied == [CompressionKind.NONE]
+    spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
+    handle = ModelHandle(
+        "tiny-gpt-tied", "tests", build(spec, device="meta"), lambda b, s: (), spec
+    )
+    strategy = Strategy(
+        dp=8, tp=2, micro_batch_size=8, compression=Compression(kind="powersgd", rank=4)
+    )
+    plan = assemble_plan(handle, cluster, Training(global_batch_size=64, seq_len=16), strategy)
+    with pytest.raises(SpecError, match="tied weights: DDP cannot run over tensor-parallel"):
+        check_model_against_plan(plan, handle.module)

@@ -136,13 +136,23 @@ class LossyCompression:
         return ",".join(parts) or "none"
 
     def keys(
-        self, cluster: Cluster, dtype: DType, *, dp: int, tp: int, pp: int, cp: int, zero: int
+        self,
+        cluster: Cluster,
+        dtype: DType,
+        *,
+        dp: int,
+        tp: int,
+        pp: int,
+        cp: int,
+        zero: int,
+        ddp_over_tp: bool = True,
     ) -> Iterator[CompressionKey]:
-        """The options (``none`` first) the runtime can run on this mesh and ZeRO stage."""
+        """The options (``none`` first) the runtime can run on this mesh and ZeRO stage;
+        ``ddp_over_tp`` is false for models whose tied weights keep DDP off TP shards."""
         yield _NONE
         if dp * cp == 1:
             return
-        ddp_hook = zero == 0 and pp == cp == 1  # DDP (over tensor-parallel shards if tp > 1)
+        ddp_hook = zero == 0 and pp == cp == 1 and (tp == 1 or ddp_over_tp)
         if self.half and (ddp_hook or zero >= 1):
             yield (_half_kind(dtype).value, 0, 0, 0)
         if self.int8 and zero >= 1:

@@ -35,7 +35,12 @@ from planner.spec import (
     Training,
 )
 from planner.trace import trace
-from planner.validate import check_model_against_plan, pipeline_splittable, validate_plan_for_world
+from planner.validate import (
+    check_model_against_plan,
+    pipeline_splittable,
+    shares_parameters,
+    validate_plan_for_world,
+)
 
 __all__ = ["PlanSearch", "cost_graph", "make_plan", "search_plan", "trace_for_training"]
 
@@ -113,6 +118,7 @@ def search_plan(
         num_kv_heads=spec.kv_heads if spec else None,
         pipeline=pipeline_splittable(handle.module),
         context_parallel=isinstance(handle.module, Transformer),
+        ddp_over_tp=not shares_parameters(handle.module),
     )
     result = search(
         model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy,

@@ -115,6 +115,7 @@ class ModelLimits:
     num_kv_heads: int | None = None
     pipeline: bool = True  # whether the runtime can split the blocks into stages
     context_parallel: bool = True  # whether the runtime can shard its sequences
+    ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
 
     def allows_tp(self, tp: int) -> bool:
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
@@ -353,8 +354,9 @@ class _Space:
             yield encode(pinned)
             return
         yield from self.lossy.keys(
-            self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero
-        )
+            self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
+            ddp_over_tp=self.limits.ddp_over_tp,
+        )  # fmt: skip
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
         """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
