@@ -30,7 +30,7 @@ from planner.cost.model import SegmentCost
 from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.hf import resolve_hf_config
-from planner.solve.layout import Roofline, solve_tp_layout
+from planner.solve.layout import Roofline, solve_tp_layout, weight_module_paths
 from planner.solve.make_plan import trace_for_training
 from planner.spec import Cluster, Plan, Strategy, TPStyle, Training, load_document
 from planner.trace import trace
@@ -206,18 +206,23 @@ def _worker(rank: int, world_size: int, port: int, cases: dict[str, Any], out: s
 def _ilp_layout(path: str) -> dict[str, TPStyle]:
     """The sharding ILP's layout at tp=2, on a roofline where sharding pays.
 
-    DTensor shards only ``nn.Linear`` and ``nn.Embedding`` weights, and the plan
-    validation refuses other modules' weight styles (GPT-2's ``Conv1D``, Mixtral's
-    experts and router), so those are replicated, as its message says.
+    DTensor shards only ``nn.Linear`` and ``nn.Embedding`` weights, so the ILP gives
+    other modules' weights (GPT-2's ``Conv1D``, Mixtral's experts and router) no
+    sharded style.
     """
     handle = resolve_hf_config(path)
     graph = trace(handle, batch_size=BATCH, seq_len=SEQ, dtype="fp32")
-    styles = solve_tp_layout(graph, tp=2, roofline=SLOW).styles
+    weights = [
+        n for n, m in handle.module.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
+    ]
+    styles = solve_tp_layout(
+        graph, tp=2, roofline=SLOW, weight_modules=weight_module_paths(weights)
+    ).styles
     names = [name for name, _ in handle.module.named_modules()]
     for pattern, style in styles.items():
         module = handle.module.get_submodule(match_fqns(pattern, names)[0])
-        if style in _WEIGHT_STYLES and not isinstance(module, nn.Linear | nn.Embedding):
-            styles[pattern] = TPStyle.REPLICATE
+        if style in _WEIGHT_STYLES:
+            assert isinstance(module, nn.Linear | nn.Embedding), (pattern, style, module)
     assert any(".*." in k for k, v in styles.items() if v is not TPStyle.REPLICATE), styles
     return styles
 

@@ -14,8 +14,9 @@ and the one it accepts, and how far it divides its work (compute) and parameters
 - norm, softmax: ``R`` or sharded on a non-normalised dim (sequence parallel).
 - element-wise, reductions, views, parameter-free matmuls: follow their input (``R``
   or ``S<d>`` on any dim the op preserves); views also pass ``P`` through.
-- convolutions and losses: replicate only (the runtime's TP styles cover ``nn.Linear``
-  and ``nn.Embedding``); ops of unknown kind too, and that is logged.
+- convolutions, losses and matmuls with parameters that are not ``nn.Linear`` (GPT-2's
+  ``Conv1D``, batched expert weights): replicate only (the runtime's TP styles cover
+  ``nn.Linear`` and ``nn.Embedding``); ops of unknown kind too, and that is logged.
 
 A node read by several consumers also offers its strategies followed by one
 conversion to ``R`` (gradients accepted as ``R`` or ``P``), so one all-gather or
@@ -47,7 +48,7 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -72,6 +73,7 @@ __all__ = [
     "build_layout_problem",
     "layout_from_solution",
     "solve_tp_layout",
+    "weight_module_paths",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,10 @@ _INTEGER_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8", "bool"}
 _PERMUTING_TARGETS = ("transpose", "permute", "movedim", ".t", "swapaxes")
 REPLICATE, PARTIAL = "R", "P"
 ENTRY = "in"  # ILP name of a segment type's entry port: "<type key>/in:<shape>"
+
+
+# how a traced nn.Linear appears: the module class (fx) or its aten op (export)
+_LINEAR_TARGETS = frozenset({"Linear", "aten.linear.default"})
 
 
 def shard(dim: int) -> str:
@@ -284,15 +290,27 @@ def _dim_map(node: OpNode, src: tuple[int, ...], first: bool) -> dict[int, int |
 class _StrategyBuilder:
     """The candidate strategies of one node, given its input tensors and the TP degree."""
 
-    def __init__(self, node: OpNode, inputs: Sequence[_Tensor], tp: int, roofline: Roofline):
+    def __init__(
+        self,
+        node: OpNode,
+        inputs: Sequence[_Tensor],
+        tp: int,
+        roofline: Roofline,
+        weight_modules: Collection[str] | None,
+    ):
         self.node, self.inputs, self.tp, self.roofline = node, inputs, tp, roofline
+        self.weight_modules = weight_modules
 
     def build(self) -> list[OpStrategy]:
         kind, node = self.node.kind, self.node
-        if node.param_count and kind is OpKind.MATMUL and self.inputs:
-            return self._linear()
-        if node.param_count and kind is OpKind.EMBEDDING:
-            return self._embedding()
+        if node.param_count and kind in (OpKind.MATMUL, OpKind.EMBEDDING):
+            if not self._shardable_weight():
+                log.info("%s (%s): weight not shardable, replicated only", node.name, node.target)
+                return [self._replicate()]
+            if kind is OpKind.EMBEDDING:
+                return self._embedding()
+            if self.inputs:
+                return self._linear()
         if kind is OpKind.ATTENTION and self.inputs:
             return self._attention()
         if kind is OpKind.OTHER and self.inputs:
@@ -300,6 +318,13 @@ class _StrategyBuilder:
         if kind in (OpKind.CONV, OpKind.LOSS, OpKind.OTHER, OpKind.EMBEDDING) or not self.inputs:
             return [self._replicate()]
         return self._follow()
+
+    def _shardable_weight(self) -> bool:
+        """Whether the runtime can shard this node's weight: its module is an ``nn.Linear``
+        or ``nn.Embedding`` (``weight_modules``, when given; else judged by the op)."""
+        if self.weight_modules is not None and self.node.module:  # "": the segment's root
+            return self.node.module in self.weight_modules
+        return self.node.kind is OpKind.EMBEDDING or self.node.target in _LINEAR_TARGETS
 
     def _replicate(self) -> OpStrategy:
         count = len(self.inputs)
@@ -502,8 +527,10 @@ class _ProblemBuilder:
         *,
         sequence_parallel: bool,
         param_memory_factor: float,
+        weight_modules: Collection[str] | None,
     ) -> None:
         self.graph, self.tp, self.roofline = graph, tp, roofline
+        self.weight_modules = weight_modules
         self.sequence_parallel = sequence_parallel
         self.param_memory_factor = param_memory_factor
         self.type_keys = {type_id: f"t{i}" for i, type_id in enumerate(_types_in_order(graph))}
@@ -586,7 +613,9 @@ class _ProblemBuilder:
         for node in segment.nodes:
             name = f"{key}/{node.name}"
             inputs = [self.tensors[src] for src in reads[node.name]]
-            strategies = _StrategyBuilder(node, inputs, self.tp, self.roofline).build()
+            strategies = _StrategyBuilder(
+                node, inputs, self.tp, self.roofline, self.weight_modules
+            ).build()
             tensor = self._output_tensor(node, inputs)
             if fan_out[name] > 1:
                 strategies = _with_gathered_outputs(strategies, tensor, self.tp, self.roofline)
@@ -728,11 +757,15 @@ def build_layout_problem(
     sequence_parallel: bool = False,
     memory_budget_bytes: float = math.inf,
     param_memory_factor: float = 1.0,
+    weight_modules: Collection[str] | None = None,
 ) -> LayoutProblem:
     """The sharding ILP of ``graph`` at TP degree ``tp``, one variable set per segment type.
 
     ``memory_budget_bytes`` bounds the per-device memory of one segment of each type
     (parameters times ``param_memory_factor`` plus saved activations, bytes).
+    ``weight_modules``: module paths, relative to their segment (as ``OpNode.module``),
+    whose weights the runtime can shard (see :func:`weight_module_paths`); ``None``
+    judges by the op (an ``nn.Linear`` or embedding).
     """
     if tp < 1:
         raise SpecError(f"tp = {tp} must be >= 1")
@@ -746,6 +779,7 @@ def build_layout_problem(
         roofline,
         sequence_parallel=sequence_parallel,
         param_memory_factor=param_memory_factor,
+        weight_modules=weight_modules,
     )
     return builder.build(memory_budget_bytes)
 
@@ -878,6 +912,7 @@ def solve_tp_layout(
     param_memory_factor: float = 1.0,
     time_limit_s: float = 10.0,
     tmp_dir: str | None = None,
+    weight_modules: Collection[str] | None = None,
 ) -> TPLayout:
     """Build the sharding ILP of ``graph``, solve it with CBC and map it to module layouts."""
     problem = build_layout_problem(
@@ -887,6 +922,18 @@ def solve_tp_layout(
         sequence_parallel=sequence_parallel,
         memory_budget_bytes=memory_budget_bytes,
         param_memory_factor=param_memory_factor,
+        weight_modules=weight_modules,
     )
     solution = solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
     return layout_from_solution(problem, solution)
+
+
+def weight_module_paths(names: Iterable[str]) -> frozenset[str]:
+    """Every dotted suffix of ``names`` (FQNs of the ``nn.Linear`` and ``nn.Embedding``
+    modules of a model): ``weight_modules`` for :func:`build_layout_problem`, which
+    matches the module paths of ``OpNode`` relative to their segment."""
+    suffixes: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        suffixes.update(".".join(parts[i:]) for i in range(len(parts)))
+    return frozenset(suffixes)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from torch import nn
+
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.communication import link_for_axis
@@ -19,7 +21,7 @@ from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.graph import OpGraph
 from planner.models import ModelHandle, Transformer
-from planner.solve.layout import Roofline, TPLayout, solve_tp_layout
+from planner.solve.layout import Roofline, TPLayout, solve_tp_layout, weight_module_paths
 from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
@@ -236,12 +238,16 @@ def _tp_layout(
         link_bandwidth_GBps=link.busbw_Bps / 1e9,
         link_latency_us=link.latency_s * 1e6,
     )
+    weights = (
+        name for name, m in handle.module.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
+    )
     return solve_tp_layout(
         graph,
         tp=strategy.tp,
         roofline=roofline,
         sequence_parallel=strategy.sequence_parallel,
         time_limit_s=time_limit_s,
+        weight_modules=weight_module_paths(weights),
     )
 
 
