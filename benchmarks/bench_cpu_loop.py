@@ -1,21 +1,27 @@
 """Proof of the calibrate -> plan -> measure -> compare loop on this CPU machine.
 
-    python benchmarks/bench_cpu_loop.py [--workdir DIR] [--steps 8] [--warmup 3]
+    python benchmarks/bench_cpu_loop.py [--workdir DIR] [--steps 6] [--warmup 3] [--passes 2]
+    python benchmarks/bench_cpu_loop.py --workdir DIR --reuse   # refit and compare again
 
 CPU, gloo, 2 ranks with one thread each (``OMP_NUM_THREADS=1``). The benchmark
 
 1. runs ``plan calibrate`` (microbenchmarks) under torchrun;
-2. measures plans of two *other* GPT sizes with ``plan measure`` and refits the
-   profile to them with ``plan calibrate --from`` (the target model is never seen);
-3. predicts, with the refitted profile, seven plans of a GPT with 6 layers, hidden
-   384, sequence 256 (DP, FSDP, TP, TP+SP, PP 1F1B with 4 micro-batches, DP with
-   PowerSGD, full recompute), measures each with ``plan measure`` in ``--passes``
-   interleaved passes (the lowest median counts: other processes on a shared machine
-   slow whole runs down, never speed them up) and prints the
-   table: plan, predicted, measured, error, rank by prediction, rank by measurement,
-   and the peak-memory error; then whether the targets are met (step time within
-   15% for every plan, memory within 10%, the top-ranked plan measured fastest or
-   within 5% of it).
+2. measures plans of two *other* GPT sizes (the calibration runs) and seven plans of a
+   GPT with 6 layers, hidden 384, sequence 256 (DP, FSDP, TP, TP+SP, PP 1F1B with 4
+   micro-batches, DP with PowerSGD, full recompute), all in one torchrun job with
+   ``strategies.measure.measure_plan`` (what ``plan measure`` runs), in ``--passes``
+   interleaved passes: each plan keeps its pass with the lowest median step, since
+   other processes on a shared machine slow whole runs down, never speed them up;
+3. refits the profile to the calibration runs alone with ``plan calibrate --from``
+   (the target model is never seen), predicts the seven target plans with the
+   refitted profile and prints the table: plan, predicted, measured, error, rank by
+   prediction, rank by measurement, the peak-memory error and the prediction from the
+   microbenchmarks alone; then each plan's components (predicted against measured) and
+   whether the targets are met (step time within 15% for every plan, memory within
+   10%, the top-ranked plan measured fastest or within 5% of it).
+
+The load average is printed at the start and the end: the figures mean something only
+on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -31,18 +37,12 @@ from typing import Any
 
 from planner.assemble import assemble_plan
 from planner.calibrate import measured_run_options, predict_plan
-from planner.hardware import load_profile
+from planner.compare import compare_measured
+from planner.hardware import HardwareProfile, load_profile
+from planner.io import write_text_atomic
 from planner.measured import MeasuredProfile
 from planner.models import ModelHandle, build
-from planner.spec import (
-    Cluster,
-    ModelSpec,
-    Plan,
-    Prediction,
-    Strategy,
-    Training,
-    load_document,
-)  # fmt: skip
+from planner.spec import Cluster, ModelSpec, Plan, Prediction, Strategy, Training, load_document
 
 VOCAB = 2048
 TARGET = ModelSpec(name="gpt-6x384", family="gpt", num_layers=6, hidden_size=384,
@@ -76,29 +76,56 @@ def _plan_file(spec: ModelSpec, name: str, workdir: Path) -> Path:
     training = Training(global_batch_size=GLOBAL_BATCH, dtype="fp32", optimizer="adamw")
     plan = assemble_plan(_handle(spec), cluster, training, Strategy(**TARGET_PLANS[name]))
     path = workdir / f"plan-{spec.name}-{name.replace(' ', '_').replace('+', '')}.json"
-    path.write_text(plan.to_json())
+    write_text_atomic(path, plan.to_json())
     return path
 
 
-def _plan(*args: str, torchrun: bool = False, attempts: int = 1) -> str:
-    """Run ``plan ARGS`` (under torchrun with 2 ranks); its stdout. Exits on failure."""
+def _measured_path(plan: Path, index: int) -> Path:
+    return plan.with_name(
+        plan.name.replace("plan-", "measured-").replace(".json", f"-pass{index}.json")
+    )
+
+
+def _run(command: list[str], *, torchrun: bool = False) -> str:
+    """Run ``python [-m torch.distributed.run (2 ranks)] COMMAND``; its stdout and the
+    warnings it logged. Exits on failure."""
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", "2"] if torchrun else []
-    command = [sys.executable, *launcher, "-m", "planner", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for attempt in range(1, attempts + 1):
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode == 0:
-            return result.stdout
-        tail = "\n".join(line for line in result.stderr.splitlines()[-15:] if "USDT" not in line)
-        print(f"attempt {attempt} of {attempts} failed: {' '.join(command)}\n{tail}")
-    sys.exit(f"giving up on: {' '.join(command)}")
+    full = [sys.executable, *launcher, *command]
+    result = subprocess.run(full, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    if result.returncode != 0:
+        tail = "\n".join(line for line in result.stderr.splitlines()[-20:] if "USDT" not in line)
+        sys.exit(f"failed: {' '.join(full)}\n{tail}")
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING planner")]
+    return "\n".join([result.stdout.rstrip(), *warnings])
 
 
-def _measure(plan: Path, steps: int, warmup: int, suffix: str = "") -> MeasuredProfile:
-    out = plan.with_name(plan.name.replace("plan-", "measured-").replace(".json", f"{suffix}.json"))
-    _plan("measure", str(plan), "-o", str(out), "--steps", str(steps), "--warmup", str(warmup),
-          torchrun=True, attempts=3)  # fmt: skip
-    return load_document(MeasuredProfile, out)
+def _worker(args: argparse.Namespace) -> int:
+    """Under torchrun: measure every plan in ``args.plans`` once per pass, interleaved."""
+    import strategies.measure as measure  # torch.distributed only in the worker
+    from strategies.runner import process_group_from_env
+
+    plans = [(path, load_document(Plan, path)) for path in args.plans]
+    with process_group_from_env() as rank:
+        for index in range(args.passes):
+            for path, plan in plans:
+                measured = measure.measure_plan(
+                    plan, steps=args.steps, warmup=args.warmup,
+                    command=f"bench_cpu_loop pass {index}",
+                )  # fmt: skip
+                if rank == 0:
+                    out = _measured_path(path, index)
+                    write_text_atomic(out, measured.model_dump_json(indent=2) + "\n")
+                    print(f"pass {index} {path.stem}: {measured.step_time_median_s * 1e3:.0f} ms",
+                          flush=True)  # fmt: skip
+    return 0
+
+
+def _best(plan: Path, passes: int) -> tuple[MeasuredProfile, Path]:
+    """The pass with the lowest median step of ``plan``, and its file."""
+    runs = [(load_document(MeasuredProfile, p), p) for i in range(passes)
+            if (p := _measured_path(plan, i)).is_file()]  # fmt: skip
+    return min(runs, key=lambda run: run[0].step_time_median_s)
 
 
 def _ranks(values: list[float]) -> list[int]:
@@ -109,12 +136,17 @@ def _ranks(values: list[float]) -> list[int]:
     return ranks
 
 
-def _table(names: list[str], predicted: list[Prediction], measured: list[MeasuredProfile]) -> bool:
+def _table(
+    names: list[str],
+    predicted: list[Prediction],
+    measured: list[MeasuredProfile],
+    micro: list[Prediction],
+) -> bool:
     pred_t = [p.step_time_s for p in predicted]
     meas_t = [m.step_time_median_s for m in measured]
     rank_p, rank_m = _ranks(pred_t), _ranks(meas_t)
     print(f"\n{'plan':<13} {'predicted':>10} {'measured':>16} {'error':>7} {'rank pred':>9} "
-          f"{'rank meas':>9} {'mem pred':>9} {'mem meas':>9} {'mem err':>7}")  # fmt: skip
+          f"{'rank meas':>9} {'mem pred':>9} {'mem meas':>9} {'mem err':>7} {'micro only':>10}")  # fmt: skip
     time_ok = mem_ok = True
     for i, name in enumerate(names):
         m = measured[i]
@@ -126,7 +158,8 @@ def _table(names: list[str], predicted: list[Prediction], measured: list[Measure
         print(
             f"{name:<13} {pred_t[i] * 1e3:8.0f}ms {meas_t[i] * 1e3:8.0f}ms {spread:>5}  "
             f"{error:+6.1%} {rank_p[i]:9d} {rank_m[i]:9d} {predicted[i].peak_memory_gib:8.3f}G "
-            f"{m.peak_memory_max_gib:8.3f}G {mem_error:+6.1%}"
+            f"{m.peak_memory_max_gib:8.3f}G {mem_error:+6.1%} "
+            f"{micro[i].step_time_s / meas_t[i] - 1:+9.1%}"
         )
     best = rank_p.index(1)
     top_gap = meas_t[best] / min(meas_t) - 1
@@ -138,44 +171,73 @@ def _table(names: list[str], predicted: list[Prediction], measured: list[Measure
     return time_ok and mem_ok and top_ok
 
 
+def _components(
+    names: list[str],
+    plans: list[Plan],
+    predicted: list[Prediction],
+    measured: list[MeasuredProfile],
+) -> None:
+    """Per plan, predicted/measured milliseconds of each component of the step."""
+    print("\ncomponents, predicted/measured ms (communication includes the pipeline bubble):")
+    for name, plan, prediction, run in zip(names, plans, predicted, measured, strict=True):
+        rows = compare_measured(plan, run, prediction).rows[1:-1]
+        cells = "  ".join(f"{r.name} {r.predicted * 1e3:.0f}/{r.measured * 1e3:.0f}" for r in rows)
+        print(f"  {name:<13} {cells}")
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, help="keep plans, profiles and measurements here")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per plan")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per plan")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per plan and pass")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan and pass")
     parser.add_argument("--passes", type=int, default=2,
-                        help="measure every target this many times, keep the lowest median")  # fmt: skip
+                        help="measure every plan this many times, keep the lowest median")  # fmt: skip
+    parser.add_argument("--reuse", action="store_true",
+                        help="refit and compare the profile and runs already in --workdir")  # fmt: skip
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("plans", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return _worker(args)
+    if args.reuse and args.workdir is None:
+        parser.error("--reuse needs --workdir")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cpu_loop."))
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    print(f"load average at the start: {_load()}")
     micro = workdir / "my-cpu.json"
-    print(_plan("calibrate", "-o", str(micro), torchrun=True))
-    runs = []
-    for spec in CALIBRATION_MODELS:
-        for name in CALIBRATION_PLANS:
-            measured = _measure(_plan_file(spec, name, workdir), args.steps, args.warmup)
-            runs.append(measured)
-            print(f"calibration run {spec.name} {name}: {measured.step_time_median_s * 1e3:.0f} ms",
-                  flush=True)  # fmt: skip
-    fitted = workdir / "my-cpu-fit.json"
-    run_files = sorted(str(p) for p in workdir.glob("measured-gpt-4x*.json"))
-    print(_plan("calibrate", "--profile", str(micro), "--from", *run_files, "-o", str(fitted)))
-    profile = load_profile(str(fitted))
-    options = measured_run_options(profile)
+    calibration = [_plan_file(spec, name, workdir)
+                   for spec in CALIBRATION_MODELS for name in CALIBRATION_PLANS]  # fmt: skip
     names = list(TARGET_PLANS)
-    plans = {name: _plan_file(TARGET, name, workdir) for name in names}
-    predicted = [predict_plan(load_document(Plan, plans[name]), profile, options) for name in names]
-    passes: dict[str, list[MeasuredProfile]] = {name: [] for name in names}
-    for index in range(args.passes):  # interleaved passes: a busy spell hits one pass of a plan
-        for name in names:
-            passes[name].append(_measure(plans[name], args.steps, args.warmup, f"-pass{index}"))
-            median = passes[name][-1].step_time_median_s
-            print(f"target {name} pass {index}: {median * 1e3:.0f} ms", flush=True)
-    measured_runs = [min(passes[name], key=lambda m: m.step_time_median_s) for name in names]
-    ok = _table(names, predicted, measured_runs)
-    print(f"\nworkdir {workdir}; benchmark took {time.perf_counter() - started:.0f} s")
+    targets = [_plan_file(TARGET, name, workdir) for name in names]
+    if args.reuse:
+        print(f"reusing the microbenchmarks and measurements in {workdir}")
+    else:
+        print(_run(["-m", "planner", "calibrate", "-o", str(micro)], torchrun=True))
+        print(_run([__file__, "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup),
+                    "--passes", str(args.passes), *map(str, calibration + targets)],
+                   torchrun=True))  # fmt: skip
+    fitted = workdir / "my-cpu-fit.json"
+    runs = [str(_best(path, args.passes)[1]) for path in calibration]
+    print(_run(["-m", "planner", "calibrate", "--profile", str(micro), "--from", *runs,
+                "-o", str(fitted)]))  # fmt: skip
+    plans = [load_document(Plan, path) for path in targets]
+    measured = [_best(path, args.passes)[0] for path in targets]
+    predicted = _predict(plans, load_profile(str(fitted)))
+    ok = _table(names, predicted, measured, _predict(plans, load_profile(str(micro))))
+    _components(names, plans, predicted, measured)
+    print(f"\nload average at the end: {_load()}")
+    print(f"workdir {workdir}; benchmark took {time.perf_counter() - started:.0f} s")
     return 0 if ok else 1
+
+
+def _predict(plans: list[Plan], profile: HardwareProfile) -> list[Prediction]:
+    options = measured_run_options(profile)
+    return [predict_plan(plan, profile, options) for plan in plans]
 
 
 if __name__ == "__main__":

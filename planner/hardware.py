@@ -25,6 +25,8 @@ from planner.spec import DType, load_document
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
+    "MAX_FACTOR",
+    "CollectiveName",
     "Link",
     "HardwareProfile",
     "list_profiles",
@@ -35,10 +37,17 @@ __all__ = [
 
 PROFILE_SCHEMA_VERSION: Literal[1] = 1
 Fraction = float
+MAX_FACTOR = 10.0  # largest collective bus-bandwidth factor against all-reduce
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# Collectives a link can carry (the values of planner.cost.communication.Collective)
+CollectiveName = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"
+]
 
 
 class Link(_Frozen):
@@ -47,11 +56,30 @@ class Link(_Frozen):
     ``bandwidth_GBps`` is the line rate per device, one direction; collectives reach
     ``busbw_efficiency`` of it for large messages (nccl-tests bus bandwidth). Each
     algorithm step pays ``latency_us``, which makes small messages latency-bound.
+    ``collective_factors`` scales the bus bandwidth of one collective against the
+    all-reduce's (a library whose reduce-scatter reaches half the all-reduce's bus
+    bandwidth has 0.5); a collective not listed gets 1, as NCCL's ring does.
+    ``call_overhead_us`` is paid once per blocking collective call on top of its
+    algorithm steps: the runtime's dispatch and, in training, the wait for the slowest
+    rank after a stretch of compute, which a back-to-back sweep does not see (None: 0;
+    ``plan calibrate --from`` fits it to measured runs).
     """
 
     bandwidth_GBps: float = Field(gt=0)
     latency_us: float = Field(ge=0)
     busbw_efficiency: Fraction = Field(gt=0, le=1)
+    collective_factors: dict[CollectiveName, float] = {}
+    call_overhead_us: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _positive_factors(self) -> Self:
+        bad = {k: v for k, v in self.collective_factors.items() if not 0 < v <= MAX_FACTOR}
+        if bad:
+            raise ValueError(
+                f"collective_factors {bad} must lie in (0, {MAX_FACTOR:g}]: a factor is a "
+                "collective's bus bandwidth relative to the all-reduce's"
+            )
+        return self
 
 
 class Links(_Frozen):

@@ -10,7 +10,8 @@ and communication (c10d/gloo/NCCL calls, per mesh axis when the plan has one axi
 shares are scaled to the median step time because profiling slows a step down.
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak of live
 tensor storages (:class:`TensorMemoryTracker`; ``MemTracker`` refuses modules called
-more than once per step, as pipelines and gradient accumulation do) plus DDP's buckets.
+more than once per step, as pipelines and gradient accumulation do) plus DDP's buckets,
+counting the state DDP comm hooks keep between steps (PowerSGD's error feedback, P, Q).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from planner.errors import SpecError
 from planner.measured import MeasuredProfile, Provenance, plan_fingerprint, step_statistics
 from planner.models import build
 from planner.spec import Plan
+from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.mesh import device_type
 from strategies.pipeline import PipelineRunner
@@ -236,14 +238,29 @@ def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[fl
     for state in trainer.optimizer.state.values():
         for value in state.values():
             tracker.add(value)
+    for tensor in _comm_hook_tensors(trainer.parallel):
+        tracker.add(tensor)
     with tracker:
         _timed_step(trainer, batches, step)
     method = (
-        "peak of live tensor storages during one step (parameters, gradients and optimizer "
-        "states held at its start, plus every operator output) plus DDP's gradient buckets "
-        "(DDP logging data)"
+        "peak of live tensor storages during one step (parameters, gradients, optimizer "
+        "states and DDP comm-hook state such as PowerSGD's error feedback and P, Q held at "
+        "its start, plus every operator output) plus DDP's gradient buckets (DDP logging data)"
     )
     return (tracker.peak + _ddp_bucket_bytes(trainer.parallel)) / 2**30, method
+
+
+def _comm_hook_tensors(parallel: nn.Module | PipelineRunner) -> list[torch.Tensor]:
+    """Tensors kept by DDP comm hooks' states between steps (PowerSGD's error feedback,
+    P and Q), which persist from earlier steps and so are not seen being allocated."""
+    tensors = []
+    for root in _roots(parallel):
+        for _hook, state in getattr(root, "_comm_hooks", []):
+            slots = getattr(type(state), "__slots__", ())
+            fields = [getattr(state, name, None) for name in slots]
+            fields += list(getattr(state, "__dict__", {}).values())
+            tensors += [leaf for leaf in tree_leaves(fields) if isinstance(leaf, torch.Tensor)]
+    return tensors
 
 
 def _ddp_bucket_bytes(parallel: nn.Module | PipelineRunner) -> int:
@@ -303,6 +320,7 @@ def measure_plan(
     if steps < 1 or warmup < 0:
         raise SpecError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    validate_plan_for_world(plan, world)  # before building a model that may not fit here
     times, phases, profiled_wall, peak, memory_method = _run(plan, steps, warmup, seed, lr)
     gc.collect()  # free FSDP's module cycles while the process group lives (else: abort at exit)
     if dist.is_initialized():

@@ -13,7 +13,12 @@ import pytest
 from planner.assemble import assemble_plan
 from planner.calibrate import CalibrationError, measured_run_options, predict_plan
 from planner.calibrate.fit import fit_alpha_beta, fit_matmul, fit_memory, fit_streaming
-from planner.calibrate.refit import REFIT_BOUNDS, refit_profile, with_parameters
+from planner.calibrate.refit import (
+    REFIT_PARAMETERS,
+    RefitParameter,
+    refit_profile,
+    with_parameters,
+)
 from planner.cost.communication import Collective, bus_factor, latency_steps
 from planner.hardware import HardwareProfile, save_profile
 from planner.measured import MeasuredProfile, Provenance, plan_fingerprint
@@ -57,6 +62,29 @@ def test_alpha_beta_fit_recovers_latency_and_bus_bandwidth() -> None:
     fit = fit_alpha_beta(samples)
     assert fit.values["latency_us"] == pytest.approx(30.0, rel=0.05)
     assert fit.values["busbw_GBps"] == pytest.approx(2.5, rel=0.05)
+
+
+def test_per_collective_factors_are_recovered_against_all_reduce() -> None:
+    factors = {Collective.ALL_REDUCE: 1.0, Collective.REDUCE_SCATTER: 0.55,
+               Collective.SEND_RECV: 1.9}  # fmt: skip
+    samples = []
+    for kind, factor in factors.items():
+        for size in np.geomspace(1e3, 1e8, 7):
+            t = latency_steps(kind, 2) * 200e-6 + bus_factor(kind, 2) * size / (1.2e9 * factor)
+            samples.append((kind, 2, float(size), _noisy(np.array([t]))[0]))
+    fit = fit_alpha_beta(samples, factors=True)
+    assert fit.values["latency_us"] == pytest.approx(200.0, rel=0.05)
+    assert fit.values["busbw_GBps"] == pytest.approx(1.2, rel=0.05)
+    assert fit.values["factor.reduce_scatter"] == pytest.approx(0.55, rel=0.05)
+    assert fit.values["factor.send_recv"] == pytest.approx(1.9, rel=0.05)
+    shared = fit_alpha_beta(samples)  # one bandwidth for all cannot follow the data as well
+    assert shared.rms_after > 2 * fit.rms_after
+
+
+def test_per_collective_factors_need_all_reduce_samples() -> None:
+    samples = [(Collective.ALL_GATHER, 2, s, s / 1e9) for s in (1e3, 1e6, 1e8)]
+    with pytest.raises(CalibrationError, match="measure all_reduce"):
+        fit_alpha_beta(samples, factors=True)
 
 
 def test_faster_than_peak_leaves_physical_bounds() -> None:
@@ -132,22 +160,64 @@ PLANS = (
 )
 
 
-def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
-    truth = _cpu_profile(matmul_overhead_us=20.0, kernel_overhead_us=3.0)
+def _runs(truth: HardwareProfile) -> list[MeasuredProfile]:
     options = measured_run_options(truth)
     runs = []
     for model, strategy in PLANS:
         plan = _plan(model, **strategy)
         runs.append(_measured(plan, predict_plan(plan, truth, options).step_time_s))
+    return runs
+
+
+def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
+    # truth: 20 us framework overhead per operator, a 0.8x link bandwidth, a 1.5x slower
+    # link latency, 500 us more per collective call
+    truth = _cpu_profile(matmul_overhead_us=25.0, kernel_overhead_us=28.0, **{
+        "links.intra_node.bandwidth_GBps": 1.2, "links.intra_node.latency_us": 150.0,
+        "links.intra_node.call_overhead_us": 500.0})  # fmt: skip
     start = _cpu_profile()
-    wanted = [b for b in REFIT_BOUNDS if b.name in ("matmul_overhead_us", "kernel_overhead_us")]
     fitted, report = refit_profile(
-        start, runs, options=options, stamp="test", bounds=wanted, prior_weight=0.0
+        start, _runs(truth), options=measured_run_options(start), stamp="test", prior_weight=0.0
     )
-    assert fitted.matmul_overhead_us == pytest.approx(20.0, rel=0.05)
-    assert fitted.kernel_overhead_us == pytest.approx(3.0, rel=0.05)
+    assert report.parameters["framework overhead per operator"] == pytest.approx(20.0, rel=0.05)
+    assert fitted.links.intra_node.bandwidth_GBps == pytest.approx(1.2, rel=0.05)
+    assert fitted.links.intra_node.latency_us == pytest.approx(150.0, rel=0.05)
+    assert fitted.links.intra_node.call_overhead_us == pytest.approx(500.0, rel=0.05)
+    assert fitted.matmul_efficiency == start.matmul_efficiency  # measured by the sweep
+    assert report.at_bound == ()
     assert max(abs(e.error) for e in report.after) < 0.02 < max(abs(e.error) for e in report.before)
     assert start.matmul_overhead_us == 5.0  # the input profile is not modified
+    assert fitted.memory_bandwidth_GBps == start.memory_bandwidth_GBps  # measured, not refitted
+    assert "bounded least squares" in fitted.sources["matmul_overhead_us"]
+
+
+def test_refit_stays_in_physical_bounds_and_says_which_it_hit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    truth = _cpu_profile(**{"links.intra_node.latency_us": 3000.0})  # 30x the microbenchmark
+    start = _cpu_profile()
+    fitted, report = refit_profile(
+        start, _runs(truth), options=measured_run_options(start), stamp="test"
+    )
+    assert "link latency scale (upper bound)" in report.at_bound
+    assert fitted.links.intra_node.latency_us == pytest.approx(400.0, rel=1e-3)  # 4x at most
+    assert "link latency scale ended on the upper bound" in caplog.text
+    assert set(report.parameters) == {p.name for p in REFIT_PARAMETERS}
+
+
+def test_a_refitted_efficiency_stays_at_most_one() -> None:
+    scale = RefitParameter("compute", ("matmul_efficiency", "attention_efficiency"), "scale",
+                           0.5, 1.5, cap=1.0)  # fmt: skip
+    assert scale.limits([0.4, 0.1])[1] == pytest.approx(np.log(1.5))
+    assert scale.limits([0.9, 0.1])[1] == pytest.approx(np.log(1 / 0.9))
+    truth = _cpu_profile(matmul_efficiency=0.3, attention_efficiency=0.075)
+    start = _cpu_profile()
+    fitted, report = refit_profile(
+        start, _runs(truth), options=measured_run_options(start), stamp="test",
+        parameters=[scale], prior_weight=0.0,
+    )  # fmt: skip
+    assert report.parameters["compute"] == pytest.approx(0.75, rel=0.02)  # 0.4 -> 0.3
+    assert fitted.attention_efficiency == pytest.approx(0.075, rel=0.02)
 
 
 def test_failed_refit_leaves_the_profile_file_untouched(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from scipy.optimize import least_squares
 
 from planner.cost.communication import Collective, bus_factor, latency_steps
 from planner.errors import PlannerError
+from planner.hardware import MAX_FACTOR
 
 __all__ = [
     "CalibrationError",
@@ -196,27 +197,42 @@ def fit_streaming(nbytes: Sequence[float], seconds: Sequence[float]) -> FitResul
 
 
 def fit_alpha_beta(
-    samples: Sequence[tuple[Collective, int, float, float]],
+    samples: Sequence[tuple[Collective, int, float, float]], *, factors: bool = False
 ) -> FitResult:
     """Fit one link's ``latency_us`` and ``busbw_GBps`` to (kind, ranks, bytes, seconds) samples.
 
-    Every collective shares the two parameters, as the cost model prices them.
+    Without ``factors`` every collective shares the two parameters. With ``factors`` the
+    all-reduce samples set ``busbw_GBps`` and every other collective measured gets its own
+    bus-bandwidth factor against it (``factor.<kind>``, the profile's
+    ``collective_factors``); the latency stays shared.
     """
     if len(samples) < 2:
         raise CalibrationError(f"collective fit: need at least two samples, got {len(samples)}")
+    kinds = [k for k, *_ in samples]
     steps = np.array([latency_steps(k, n) for k, n, _, _ in samples], dtype=float)
     moved = np.array([bus_factor(k, n) * s for k, n, s, _ in samples], dtype=float)
     t = np.array([sec for *_, sec in samples], dtype=float)
     if np.any(t <= 0) or np.any(moved <= 0):
         raise CalibrationError("collective fit: sizes and times must be positive (ranks >= 2)")
+    others = sorted({k for k in kinds if k is not Collective.ALL_REDUCE}) if factors else []
+    if others and kinds.count(Collective.ALL_REDUCE) < 2:
+        raise CalibrationError(
+            "collective fit: per-collective factors are relative to all-reduce; measure "
+            "all_reduce at two or more sizes"
+        )
+    # column j + 2 of the parameter vector scales the bandwidth of samples of others[j]
+    column = np.array([others.index(k) + 2 if k in others else -1 for k in kinds])
     rate, latency = _start_rate_overhead(moved, t)
 
     def residuals(p: Array) -> Array:
-        return np.log((steps * p[0] * 1e-6 + moved / (p[1] * 1e9)) / t)
+        scale = np.where(column >= 0, p[np.maximum(column, 0)], 1.0)
+        return np.log((steps * p[0] * 1e-6 + moved / (p[1] * 1e9 * scale)) / t)
 
+    bounds = [Bound("latency_us", 0.0, 1e6, " us"), Bound("busbw_GBps", 1e-4, 1e5, " GB/s")]
+    bounds += [Bound(f"factor.{k.value}", 1 / MAX_FACTOR, MAX_FACTOR) for k in others]
+    start = [latency * 1e6 / max(float(steps.min()), 1.0), rate / 1e9] + [1.0] * len(others)
     return fit_parameters(
-        residuals, [latency * 1e6 / max(float(steps.min()), 1.0), rate / 1e9],
-        [Bound("latency_us", 0.0, 1e6, " us"), Bound("busbw_GBps", 1e-4, 1e5, " GB/s")],
+        residuals, start, bounds,
         what="collective fit",
         hint="check that every rank ran the same collectives, or re-run on an idle machine",
     )  # fmt: skip

@@ -9,10 +9,13 @@ Only plain ``torch`` (no ``torch.distributed``): the collectives live in
 from __future__ import annotations
 
 import functools
+import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,18 +25,25 @@ __all__ = [
     "time_call",
     "matmul_sweep",
     "memory_sweep",
+    "last_level_cache_bytes",
     "attention_sweep",
     "DEFAULT_MATMUL_SHAPES",
     "DEFAULT_MEMORY_ELEMENTS",
     "DEFAULT_ATTENTION_SHAPES",
 ]
 
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # (m, k, n) GEMMs from launch-bound to compute-bound; the CLI scales them on GPUs.
 DEFAULT_MATMUL_SHAPES: tuple[tuple[int, int, int], ...] = (
     (16, 64, 64), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 256, 256),
     (512, 384, 384), (512, 384, 1536), (512, 512, 512), (1024, 512, 512), (1024, 1024, 1024),
 )  # fmt: skip
-DEFAULT_MEMORY_ELEMENTS: tuple[int, ...] = (1 << 8, 1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21)
+# Elements per operand of the memory-bound sweep: tiny sizes measure the per-kernel
+# overhead, the rest stream from DRAM (fp32: 96-384 MB per multiply, beyond CPU caches
+# of up to ~100 MB; cache-resident sizes would report the cache's bandwidth instead).
+DEFAULT_MEMORY_ELEMENTS: tuple[int, ...] = (1 << 8, 1 << 10, 1 << 12, 1 << 23, 1 << 24, 1 << 25)
 # (batch * heads, seq, head_dim) for causal scaled-dot-product attention
 DEFAULT_ATTENTION_SHAPES: tuple[tuple[int, int, int], ...] = (
     (8, 128, 64),
@@ -98,17 +108,41 @@ def memory_sweep(
     *,
     repeats: int = 15,
 ) -> list[Sample]:
-    """Seconds per out-of-place ``x * y`` (two reads, one write); work is bytes moved.
+    """Seconds per ``x * y`` into a preallocated output (two reads, one write); work is
+    bytes moved.
 
-    The smallest sizes measure the fixed per-kernel (launch, dispatch) overhead.
+    The smallest sizes measure the fixed per-kernel (launch, dispatch) overhead, the
+    largest the streaming bandwidth; the output is allocated once so that page faults
+    of fresh allocations are not timed. Warns when the largest size fits in twice the
+    CPU's last-level cache (it would measure the cache, not memory).
     """
     samples = []
     for count in elements:
         x = torch.randn(count, device=device, dtype=dtype)
         y = torch.randn(count, device=device, dtype=dtype)
-        seconds = time_call(functools.partial(torch.mul, x, y), device, repeats=repeats)
+        out = torch.empty_like(x)
+        seconds = time_call(functools.partial(torch.mul, x, y, out=out), device, repeats=repeats)
         samples.append(Sample(f"mul {count}", 3.0 * count * x.element_size(), seconds))
+    cache = last_level_cache_bytes() if device.type == "cpu" else None
+    largest = max((s.work for s in samples), default=0.0)
+    if cache is not None and largest < 2 * cache:
+        log.warning(
+            "memory sweep: the largest multiply moves %.0f MB, less than twice the %.0f MB "
+            "last-level cache; the fitted bandwidth is the cache's: pass larger sizes",
+            largest / 1e6, cache / 1e6,
+        )  # fmt: skip
     return samples
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """Size of CPU 0's largest cache in bytes from sysfs (None where sysfs does not say)."""
+    sizes = []
+    for entry in root.glob("index*/size"):
+        text = entry.read_text().strip()
+        match = re.fullmatch(r"(\d+)([KMG]?)", text)
+        if match:
+            sizes.append(int(match.group(1)) * _UNITS[match.group(2)])
+    return max(sizes, default=None)
 
 
 def attention_sweep(

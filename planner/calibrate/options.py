@@ -3,8 +3,12 @@
 :class:`~planner.cost.CostOptions` defaults describe a GPU training stack (cuBLAS/NCCL
 workspaces, a caching allocator's slack). Runs measured by ``plan measure`` count
 tensor bytes (MemTracker on CPU, ``max_memory_allocated`` on GPU), use DDP's default
-25 MiB gradient buckets and, on CPU, overlap DDP's bucket all-reduces (gloo's own
-thread) with the backward but not FSDP's all-gathers (no CUDA streams to prefetch on).
+25 MiB gradient buckets and DTensor sequence parallelism (a linear keeps its
+all-gathered input for the backward rather than gathering it again as Megatron does).
+On CPU they overlap DDP's bucket all-reduces (gloo's own thread) with the backward, but
+not FSDP's all-gathers (no CUDA streams to prefetch on) nor PowerSGD's reductions (on
+gloo the runtime's ``ordered_powersgd_hook`` waits for each bucket before the backward
+goes on, to keep the ranks' collectives in one order).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ def measured_run_options(profile: HardwareProfile) -> CostOptions:
         return CostOptions(
             overlap_grad_reduce=True,  # gloo reduces DDP buckets on its own thread
             overlap_param_gather=False,  # no streams: FSDP2 gathers before it computes
+            overlap_powersgd=False,  # strategies.compression.ordered_powersgd_hook waits
+            sp_regather_input=False,
             dp_bucket_mib=DDP_BUCKET_MIB,
             allocator_margin=0.0,
             workspace_gib=0.0,
         )
-    return CostOptions(dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0)
+    return CostOptions(dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0, sp_regather_input=False)

@@ -194,25 +194,35 @@ def _links(
             )
         sources = {k: v for k, v in base.sources.items() if k.startswith("links.")}
         return base.links.model_dump(), sources
-    fits["collectives"] = fit_alpha_beta(measured.collectives)
+    fit = fits["collectives"] = fit_alpha_beta(measured.collectives, factors=True)
+    factors = {
+        name.removeprefix("factor."): value
+        for name, value in fit.values.items()
+        if name.startswith("factor.")
+    }
     intra = {
-        "bandwidth_GBps": fits["collectives"].values["busbw_GBps"],
-        "latency_us": fits["collectives"].values["latency_us"],
+        "bandwidth_GBps": fit.values["busbw_GBps"],
+        "latency_us": fit.values["latency_us"],
         "busbw_efficiency": 1.0,
+        "collective_factors": factors,
     }
     how = f"{stamp}: collective sweep over the process group, alpha-beta fit"
     sources = {
-        "links.intra_node.bandwidth_GBps": how + " (achieved bus bandwidth)",
+        "links.intra_node.bandwidth_GBps": how + " (achieved all-reduce bus bandwidth)",
         "links.intra_node.latency_us": how,
         "links.intra_node.busbw_efficiency": f"{stamp}: 1, bandwidth_GBps is the achieved busbw",
     }
+    for kind in factors:
+        sources[f"links.intra_node.collective_factors.{kind}"] = (
+            f"{how} (bus bandwidth of {kind} over all-reduce's)"
+        )
     if base is not None:
         inter = base.links.inter_node.model_dump()
         sources.update({k: v for k, v in base.sources.items() if k.startswith("links.inter_node")})
     else:
         inter = dict(intra)
-        for field in intra:
-            sources[f"links.inter_node.{field}"] = (
+        for path in [k for k in sources if k.startswith("links.intra_node.")]:
+            sources[path.replace("intra_node", "inter_node", 1)] = (
                 f"{stamp}: copy of intra_node (one host measured, no network)"
             )
     return {"intra_node": intra, "inter_node": inter}, sources

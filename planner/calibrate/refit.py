@@ -2,28 +2,43 @@
 
 Each :class:`~planner.measured.MeasuredProfile` carries its plan, so the cost model
 re-prices it under trial parameters; ``scipy.optimize.least_squares`` minimises the log
-ratio of predicted to measured step time over all runs, the same for the optimizer
-phase where it was measured (at half weight: it is what separates memory bandwidth
-from per-kernel overheads), plus a weak pull of every
-parameter towards its starting value (so a parameter the runs cannot see stays where
-the microbenchmarks put it). The parameters are few and physical -- efficiencies,
-per-kernel overheads, bandwidths and the link latency -- so a fit on some runs
-predicts others.
+ratio of predicted to measured step time over all runs, plus a weak pull of every
+parameter towards the microbenchmarks' value (a parameter the runs cannot see stays
+where the microbenchmarks put it).
+
+The parameters are few, physical and bounded around the microbenchmarks
+(:data:`REFIT_PARAMETERS`): one framework overhead added to every operator (Python,
+dispatch and autograd, which a bare kernel call does not pay), the link's bus bandwidth
+and per-step latency, and a fixed cost per collective call (dispatch, and the wait for
+the slowest rank that a training step adds). The sweeps' own measurements are not
+refitted: the GEMM and attention efficiencies and the streaming memory bandwidth are
+measured directly, while in step times an efficiency trades off against every
+per-operator and per-collective cost (a fit then slows every plan's compute to make up
+for what only some plans pay, such as DTensor dispatch), and the only phase that shows
+the memory bandwidth, the optimizer, would pull it towards whatever compensates the
+optimizer's implementation (extra passes, temporaries). Pass ``parameters`` to refit
+others, e.g. ``RefitParameter("compute", ("matmul_efficiency",), "scale", 0.5, 1.5,
+cap=1.0)``. A fit that ends on a bound says so (a warning and
+:attr:`RefitReport.at_bound`): the runs ask for a value beyond the physical range, so
+the model misses something there (or the runs were noisy). A fit that does not
+converge raises :class:`~planner.calibrate.fit.CalibrationError`; nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
+from scipy.optimize import least_squares
 from torch import nn
 
-from planner.calibrate.fit import Bound, CalibrationError, fit_parameters
+from planner.calibrate.fit import MAX_RMS_LOG_ERROR, CalibrationError
 from planner.cost import CostModel, CostOptions
 from planner.cost.sharding import ShardKey
 from planner.errors import SpecError
@@ -35,7 +50,8 @@ from planner.solve.make_plan import cost_graph
 from planner.spec import Plan, Prediction
 
 __all__ = [
-    "REFIT_BOUNDS",
+    "REFIT_PARAMETERS",
+    "RefitParameter",
     "RunError",
     "RefitReport",
     "with_parameters",
@@ -47,20 +63,62 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The refitted parameters (dotted profile paths) and their physical ranges. Attention
-# efficiency is not among them: the SDPA sweep measures it directly, while in step times
-# it trades off against matmul efficiency (both grow with the model), so runs of a few
-# sizes cannot tell the two apart.
-REFIT_BOUNDS: tuple[Bound, ...] = (
-    Bound("matmul_efficiency", 1e-3, 1.0),
-    Bound("matmul_overhead_us", 0.0, 1e5, " us"),
-    Bound("memory_bandwidth_GBps", 1e-3, 1e5, " GB/s"),
-    Bound("kernel_overhead_us", 0.0, 1e5, " us"),
-    Bound("links.intra_node.bandwidth_GBps", 1e-3, 1e5, " GB/s"),
-    Bound("links.intra_node.latency_us", 0.0, 1e6, " us"),
-)
-PRIOR_WEIGHT = 0.05  # residual per unit log deviation of a parameter from its start
-OPTIMIZER_WEIGHT = 0.5  # the optimizer phase pins the memory bandwidth (a step-time share)
+PRIOR_WEIGHT = 0.05  # residual per unit (log multiplier, or overhead / its bound) of a change
+
+
+@dataclass(frozen=True)
+class RefitParameter:
+    """One refitted quantity applied to one or more profile fields (dotted paths).
+
+    ``mode`` "scale" multiplies the fields' starting values by a factor in
+    [``low``, ``high``] (each field at most ``cap``); "add" adds an amount in
+    [``low``, ``high``] (the fields' unit) to each.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    mode: Literal["scale", "add"]
+    low: float
+    high: float
+    cap: float | None = None
+
+    def limits(self, starts: Sequence[float]) -> tuple[float, float]:
+        """The fit variable's range: log multipliers for "scale", the value for "add"."""
+        if self.mode == "add":
+            return self.low, self.high
+        high = self.high
+        if self.cap is not None:
+            high = min(high, self.cap / max(starts))
+        return math.log(self.low), math.log(max(high, self.low))
+
+    def apply(self, variable: float, starts: Sequence[float]) -> list[float]:
+        """The fields' values for the fit variable ``variable``."""
+        if self.mode == "add":
+            return [start + variable for start in starts]
+        return [start * math.exp(variable) for start in starts]
+
+    def value(self, variable: float) -> float:
+        """The parameter as reported: the multiplier, or the added amount."""
+        return math.exp(variable) if self.mode == "scale" else variable
+
+    def prior(self, variable: float) -> float:
+        """A change in comparable units: the log multiplier, or the share of the range."""
+        return variable if self.mode == "scale" else variable / self.high
+
+
+REFIT_PARAMETERS: tuple[RefitParameter, ...] = (
+    RefitParameter("framework overhead per operator", ("matmul_overhead_us", "kernel_overhead_us"),
+                   "add", 0.0, 100.0),
+    RefitParameter("link bandwidth scale", ("links.intra_node.bandwidth_GBps",), "scale",
+                   0.5, 2.0),
+    RefitParameter("link latency scale", ("links.intra_node.latency_us",), "scale", 0.5, 4.0),
+    # 0 to 10 ms per blocking collective: in training a collective also waits out the
+    # other ranks' scheduling jitter after milliseconds of compute, which the back-to-back
+    # sweep does not see (2 ranks on a 2-core machine: a 1 KB all-reduce after a few ms
+    # of compute averaged 2-4 ms, against 0.3 ms back to back)
+    RefitParameter("collective call overhead (us)", ("links.intra_node.call_overhead_us",),
+                   "add", 0.0, 10_000.0),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,19 +137,24 @@ class RunError:
 
 @dataclass(frozen=True)
 class RefitReport:
-    """Per-run errors before and after the refit, and the parameter values."""
+    """Per-run errors before and after the refit, the profile fields' values before
+    (``start``) and after (``fitted``), each parameter's value (a multiplier, or the
+    added amount) and the parameters that ended on a bound of their physical range."""
 
     before: list[RunError]
     after: list[RunError]
     start: dict[str, float]
     fitted: dict[str, float]
+    parameters: dict[str, float]
+    at_bound: tuple[str, ...]
 
 
 def _get(profile: HardwareProfile, path: str) -> float:
+    """A profile field by dotted path; an optional field left out (None) reads 0."""
     value: Any = profile
     for part in path.split("."):
         value = getattr(value, part)
-    return float(value)
+    return float(value or 0.0)
 
 
 def with_parameters(
@@ -217,45 +280,97 @@ def refit_profile(
     *,
     options: CostOptions,
     stamp: str,
-    bounds: Sequence[Bound] = REFIT_BOUNDS,
+    parameters: Sequence[RefitParameter] = REFIT_PARAMETERS,
     prior_weight: float = PRIOR_WEIGHT,
 ) -> tuple[HardwareProfile, RefitReport]:
-    """Fit ``bounds``' parameters of ``profile`` to the step times of ``runs``.
+    """Fit ``parameters`` of ``profile`` to the step times of ``runs``, within their bounds.
 
-    ``prior_weight`` is the residual per unit log deviation of a parameter from its
-    starting value (0: trust the runs alone).
-
-    Raises :class:`CalibrationError` when the fit does not converge or a parameter
-    leaves its physical range; ``profile`` itself is never modified.
+    ``prior_weight`` is the residual per unit change of a parameter (0: trust the runs
+    alone). Raises :class:`CalibrationError` when the fit does not converge; a
+    parameter that ends on a bound is reported in :attr:`RefitReport.at_bound` and
+    logged. ``profile`` itself is never modified.
     """
     if not runs:
         raise CalibrationError("calibrate --from: give at least one measured profile")
     pricer = _Pricer([run.plan for run in runs], options)
     measured = np.array([run.step_time_median_s for run in runs])
-    measured_opt = np.array([run.phases_s.get("optimizer", 0.0) for run in runs])
-    seen = measured_opt > 0
-    names = [b.name for b in bounds]
-    start = [max(_get(profile, name), 1e-3) for name in names]
-    source = f"{stamp}: refitted to {len(runs)} measured run(s), least squares"
+    starts = [[_get(profile, path) for path in p.fields] for p in parameters]
+    limits = [p.limits(s) for p, s in zip(parameters, starts, strict=True)]
+    source = f"{stamp}: refitted to {len(runs)} measured run(s), bounded least squares"
 
-    def trial(x: NDArray[np.float64]) -> HardwareProfile:
-        values = {name: float(min(v, b.high)) if b.high is not None else float(v)
-                  for name, v, b in zip(names, x, bounds, strict=True)}  # fmt: skip
-        return with_parameters(profile, values, source)
+    def fields(x: NDArray[np.float64]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for param, start, variable in zip(parameters, starts, x, strict=True):
+            values.update(zip(param.fields, param.apply(float(variable), start), strict=True))
+        return values
 
     def residuals(x: NDArray[np.float64]) -> NDArray[np.float64]:
-        predictions = pricer.predict(trial(x))
+        predictions = pricer.predict(with_parameters(profile, fields(x), source))
         predicted = np.array([p.step_time_s for p in predictions])
-        optimizer = np.array([p.breakdown_s.get("optimizer", 0.0) for p in predictions])
-        prior = prior_weight * np.log(x / np.asarray(start))
-        phase = OPTIMIZER_WEIGHT * np.log(np.maximum(optimizer[seen], 1e-12) / measured_opt[seen])
-        return np.concatenate([np.log(predicted / measured), phase, prior])
+        prior = [prior_weight * p.prior(float(v)) for p, v in zip(parameters, x, strict=True)]
+        return np.concatenate([np.log(predicted / measured), prior])
 
-    before = _errors(runs, pricer.predict(profile))
-    fit = fit_parameters(
-        residuals, start, bounds, what="refit to measured runs",
-        hint="check that the runs were measured on this machine, or refit fewer parameters",
+    x = _bounded_fit(residuals, limits)
+    fitted = with_parameters(profile, fields(x), source)
+    at_bound = _at_bound(parameters, x, limits)
+    report = RefitReport(
+        before=_errors(runs, pricer.predict(profile)),
+        after=_errors(runs, pricer.predict(fitted)),
+        start={path: _get(profile, path) for p in parameters for path in p.fields},
+        fitted={path: _get(fitted, path) for p in parameters for path in p.fields},
+        parameters={p.name: p.value(float(v)) for p, v in zip(parameters, x, strict=True)},
+        at_bound=at_bound,
+    )
+    return fitted, report
+
+
+_AT_BOUND = 1e-3  # within this share of its range from a bound, a parameter is "on" it
+
+
+def _at_bound(
+    parameters: Sequence[RefitParameter],
+    x: NDArray[np.float64],
+    limits: Sequence[tuple[float, float]],
+) -> tuple[str, ...]:
+    """ "<name> (lower|upper bound)" for every parameter on a bound, each logged as a warning."""
+    found = []
+    for param, value, (low, high) in zip(parameters, x, limits, strict=True):
+        if min(value - low, high - value) > _AT_BOUND * max(high - low, 1e-12):
+            continue
+        side = "lower" if value - low < high - value else "upper"
+        log.warning(
+            "refit: %s ended on the %s bound of its physical range: the runs ask for a "
+            "value beyond it, so the model misses something there (or the runs were noisy)",
+            param.name, side,
+        )  # fmt: skip
+        found.append(f"{param.name} ({side} bound)")
+    return tuple(found)
+
+
+def _bounded_fit(
+    residuals: Callable[[NDArray[np.float64]], NDArray[np.float64]],
+    limits: Sequence[tuple[float, float]],
+) -> NDArray[np.float64]:
+    """Bounded least squares from the microbenchmarks' values (0 multiplier, least add)."""
+    low = np.array([a for a, _ in limits])
+    high = np.array([b for _, b in limits])
+    margin = 1e-6 * (high - low)  # trf starts strictly inside the bounds
+    start = np.clip(np.zeros(len(limits)), low + margin, high - margin)
+    result = least_squares(
+        residuals, start, bounds=(low, high), method="trf", loss="soft_l1", f_scale=0.3,
+        max_nfev=200,
     )  # fmt: skip
-    fitted = with_parameters(profile, fit.values, source)
-    after = _errors(runs, pricer.predict(fitted))
-    return fitted, RefitReport(before, after, dict(zip(names, start, strict=True)), fit.values)
+    after = residuals(result.x)
+    rms = float(np.sqrt(np.mean(np.square(after))))
+    hint = "check that the runs were measured on this machine, or re-measure on an idle one"
+    if not result.success or not np.all(np.isfinite(after)):
+        raise CalibrationError(
+            f"refit to measured runs: the fit did not converge ({result.message}); {hint}"
+        )
+    if rms > MAX_RMS_LOG_ERROR:
+        raise CalibrationError(
+            f"refit to measured runs: the fit did not converge to the data (RMS log error "
+            f"{rms:.2f} > {MAX_RMS_LOG_ERROR:.2f}, i.e. typically off by x{math.exp(rms):.2f}) "
+            f"with every parameter in its physical range; {hint}"
+        )
+    return np.asarray(result.x, dtype=np.float64)

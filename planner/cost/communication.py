@@ -6,7 +6,10 @@ A collective over ``n`` ranks moving an array of ``S`` bytes takes
 send/recv and broadcast 1) and ``busbw`` is the link's line rate times its measured
 bus-bandwidth efficiency. Ring all-gather/reduce-scatter take ``n-1`` latency steps;
 all-reduce takes the fewer of ring (``2(n-1)``) and tree (``2*ceil(log2 n)``) steps,
-as NCCL picks the faster algorithm.
+as NCCL picks the faster algorithm. A link may run one collective at a different bus
+bandwidth than its all-reduce (gloo's reduce-scatter reaches about a third of it):
+the profile's ``collective_factors`` scale ``busbw`` per collective (default 1), and
+its ``call_overhead_us`` adds a fixed cost per call (default 0).
 
 The link tier is the one the mesh axis spans: an axis whose ranks fit in one node
 uses the scale-up link; one that crosses nodes pays the network, with the group's
@@ -21,10 +24,11 @@ node network gives it; the slowest tier crossed decides.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
-from planner.hardware import HardwareProfile
+from planner.hardware import HardwareProfile, Link
 from planner.spec import Cluster
 
 __all__ = [
@@ -66,11 +70,22 @@ def latency_steps(kind: Collective, n: int) -> int:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A link as a collective sees it: achieved bus bandwidth (bytes/s) and step latency (s)."""
+    """A link as a collective sees it: achieved bus bandwidth (bytes/s) and step latency (s).
+
+    ``factors`` maps a collective's value to its bus bandwidth relative to
+    ``busbw_Bps`` (the all-reduce's); missing collectives get 1. ``call_s`` is paid once
+    per collective call (the profile's ``call_overhead_us``).
+    """
 
     name: str
     busbw_Bps: float
     latency_s: float
+    factors: Mapping[str, float] = field(default_factory=dict)
+    call_s: float = 0.0
+
+    def busbw_for(self, kind: Collective) -> float:
+        """Achieved bus bandwidth of ``kind`` on this link (bytes/s)."""
+        return self.busbw_Bps * self.factors.get(kind.value, 1.0)
 
 
 def collective_time(kind: Collective, size_bytes: float, n: int, link: LinkModel) -> float:
@@ -78,7 +93,16 @@ def collective_time(kind: Collective, size_bytes: float, n: int, link: LinkModel
     if n <= 1 or size_bytes <= 0:
         return 0.0
     steps = latency_steps(kind, n)
-    return steps * link.latency_s + bus_factor(kind, n) * size_bytes / link.busbw_Bps
+    moved = bus_factor(kind, n) * size_bytes / link.busbw_for(kind)
+    return link.call_s + steps * link.latency_s + moved
+
+
+def _factors(link: Link) -> dict[str, float]:
+    return {str(kind): factor for kind, factor in link.collective_factors.items()}
+
+
+def _call_s(link: Link) -> float:
+    return (link.call_overhead_us or 0.0) * 1e-6
 
 
 def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
@@ -87,7 +111,10 @@ def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
     latency = (
         link.latency_us if cluster.intra_node_latency_us is None else cluster.intra_node_latency_us
     )
-    return LinkModel("intra_node", bandwidth * 1e9 * link.busbw_efficiency, latency * 1e-6)
+    return LinkModel(
+        "intra_node", bandwidth * 1e9 * link.busbw_efficiency, latency * 1e-6,
+        _factors(link), _call_s(link),
+    )  # fmt: skip
 
 
 def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) -> LinkModel:
@@ -98,8 +125,9 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
     )
     intra = _intra(cluster, profile)
     return LinkModel(
-        "inter_node", min(members_per_node * bandwidth, intra.busbw_Bps), latency * 1e-6
-    )
+        "inter_node", min(members_per_node * bandwidth, intra.busbw_Bps), latency * 1e-6,
+        _factors(link), _call_s(link),
+    )  # fmt: skip
 
 
 def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwareProfile) -> LinkModel:
@@ -115,5 +143,6 @@ def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwarePro
             continue
         share = tier.uplink_GBps * 1e9 / min(stride, tier.domain_size)
         if share < link.busbw_Bps:
-            link = LinkModel(tier.name, share, max(link.latency_s, tier.latency_us * 1e-6))
+            latency = max(link.latency_s, tier.latency_us * 1e-6)
+            link = LinkModel(tier.name, share, latency, link.factors, link.call_s)
     return link

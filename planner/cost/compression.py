@@ -199,12 +199,12 @@ def powersgd_comm_time(
 
 
 def powersgd_memory_bytes(
-    work: PowerSGDWork, gradient_elements: float, bucket_bytes: float, element_bytes: int
+    work: PowerSGDWork, gradient_elements: float, element_bytes: int
 ) -> float:
-    """Error-feedback buffer (every gradient element), persistent ``P`` and ``Q``, and one
-    bucket's clone, in bytes."""
-    persistent = (gradient_elements + work.p_elements + work.q_elements) * element_bytes
-    return persistent + min(bucket_bytes, gradient_elements * element_bytes)
+    """Error-feedback buffer (every gradient element) and the persistent ``P`` and ``Q``, in
+    bytes: what PowerSGD keeps between steps. The bucket clone it makes inside the hook is
+    freed before the hook returns, late in backward, so it is not at the step's peak."""
+    return (gradient_elements + work.p_elements + work.q_elements) * element_bytes
 
 
 def half_wire_bytes(reduce_bytes: int) -> int:

@@ -526,7 +526,7 @@ class CostModel:
         comm, last = powersgd_comm_time(work, buckets, strategy.dp, link, element)
         backward = slowest.total("backward_s") + slowest.total("recompute_s")
         compute = powersgd_compute_time(work, rank, buckets, slowest.params, self.compute, element)
-        overlapped = self.options.overlap_grad_reduce
+        overlapped = self.options.overlap_grad_reduce and self.options.overlap_powersgd
         return {"comm_dp": self._overlap(comm, backward, last, overlapped), "compression": compute}
 
     def _local_sgd_times(self, strategy: Strategy, slowest: _Rank) -> dict[str, float]:
@@ -729,10 +729,9 @@ class CostModel:
         return parts
 
     def _powersgd_memory(self, strategy: Strategy, rank: _Rank) -> float:
-        """Error-feedback buffer, persistent P and Q, and a bucket's clone (bytes)."""
+        """Error-feedback buffer and persistent P and Q (bytes)."""
         work = self._powersgd_work(strategy)
-        element = self.options.grad_reduce_bytes
-        return powersgd_memory_bytes(work, rank.params, self._bucket_bytes, element)
+        return powersgd_memory_bytes(work, rank.params, self.options.grad_reduce_bytes)
 
     def _fsdp_working_params(self, strategy: Strategy, rank: _Rank) -> float:
         """Parameters held unsharded: the whole stage with pp > 1, else two blocks (prefetch)."""

@@ -35,6 +35,7 @@ class CostOptions(BaseModel):
     dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
     overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute
+    overlap_powersgd: bool = True  # PowerSGD's bucket reductions run during backward (not when the hook waits, as on gloo)
     tp_comm_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs
     selective: SelectivePolicy = SelectivePolicy.ATTENTION  # what "selective" recompute means
     fused_pointwise: bool = False  # chains of memory-bound ops run as one kernel (torch.compile, Apex/Megatron fused kernels)
