@@ -53,7 +53,7 @@ class Int8ReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise NotImplementedError(f"int8 reduce-scatter supports SUM and AVG, not {op}")
+            raise ValueError(f"int8 reduce-scatter supports SUM and AVG, not {op}")
         world = group.size()
         blocks = _blocks(input_tensor.view(world, -1).float())
         scales = blocks.abs().amax(dim=-1, keepdim=True).div_(_INT8_MAX)
