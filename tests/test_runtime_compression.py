@@ -33,7 +33,6 @@ import functools
 import hashlib
 import json
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from planner.spec import Cluster, Plan, Strategy, Training
 from planner.validate import validate_plan_for_world
 from strategies.int8_reduce_scatter import BLOCK, Int8ReduceScatter
 from strategies.runner import Trainer, local_slice, synthetic_batch
+from tests.test_runtime_numerics import _free_port
 
 MODEL = "tiny-llama"
 STEPS = 30
@@ -175,12 +175,6 @@ def _worker(rank: int, world_size: int, port: int, tasks: dict[str, Task], out: 
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()  # tearing gloo down under a peer's pending work aborts the process
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(
