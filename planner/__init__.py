@@ -62,7 +62,7 @@ def parallelize(
     instead of a plan, and the model is planned first (:func:`make_plan`, with
     ``pins`` and the ``lossy`` compression it may choose); every rank computes the same
     plan. ``options`` go to
-    :func:`strategies.apply.parallelize` (``loss_fn``, ``loss_parallel``). Raises
+    :func:`strategies.apply.parallelize` (``loss_fn``). Raises
     :class:`PlannerError` before any collective when the plan does not fit the model
     or the world size.
     """

@@ -3,8 +3,9 @@
 The search decides the strategy; this module fills in what the runtime needs besides:
 the mesh, the model fingerprint and source, the pipeline stage split as FQN lists
 (torchtitan's ``module_fqns_per_model_part`` form) and, for tensor parallelism on the
-zoo transformer, the Megatron layout. Models outside the zoo need an explicit
-``tp_layout`` (the sharding search produces one in the same ``{fqn: style}`` form).
+zoo transformer, Megatron-LM's layout (:func:`planner.layouts.megatron_constraints`,
+written out module by module). Models outside the zoo need an explicit ``tp_layout``
+(:func:`planner.make_plan` writes the one the sharding ILP finds).
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from torch import nn
 
 from planner import __version__
 from planner.errors import SpecError
+from planner.layouts import MEGATRON_PRICER, ModelLayouts
 from planner.models import ModelHandle, fingerprint
 from planner.spec import (
-    Activation,
     Candidate,
     Cluster,
-    ModelSpec,
+    ModuleTP,
     Plan,
     Prediction,
     SolverStats,
     Strategy,
-    TPStyle,
     Training,
 )
+from planner.trace import trace_for_training
 from planner.validate import find_blocks
 
 __all__ = ["assemble_plan", "megatron_layout", "even_stages"]
@@ -37,12 +38,11 @@ def assemble_plan(
     training: Training,
     strategy: Strategy,
     *,
-    tp_layout: dict[str, TPStyle] | None = None,
+    tp_layout: dict[str, ModuleTP] | None = None,
     stages: list[list[str]] | None = None,
     prediction: Prediction | None = None,
     runners_up: tuple[Candidate, ...] = (),
     solver: SolverStats | None = None,
-    vocab_parallel: bool = True,
     tradeoffs: tuple[str, ...] = (),
 ) -> Plan:
     """A :class:`Plan` for ``handle`` under ``strategy``, with defaults for layout and stages.
@@ -51,11 +51,7 @@ def assemble_plan(
     defaults to :func:`megatron_layout` when ``strategy.tp > 1`` (zoo models only).
     """
     if strategy.tp > 1 and tp_layout is None:
-        tp_layout = megatron_layout(
-            _zoo_spec(handle),
-            sequence_parallel=strategy.sequence_parallel,
-            vocab_parallel=vocab_parallel,
-        )
+        tp_layout = megatron_layout(handle, training, strategy)
     if strategy.pp > 1 and stages is None:
         stages = even_stages(handle.module, strategy.num_stages)
     return Plan(
@@ -77,41 +73,22 @@ def assemble_plan(
     )
 
 
-def _zoo_spec(handle: ModelHandle) -> ModelSpec:
+def megatron_layout(
+    handle: ModelHandle, training: Training, strategy: Strategy
+) -> dict[str, ModuleTP]:
+    """Megatron-LM's tensor-parallel layout of a zoo transformer at ``strategy``'s tp and
+    sequence parallelism, module by module (redistributions chosen and rehearsed)."""
     if handle.spec is None:
         raise SpecError(
-            f"strategy.tp > 1 for model {handle.name!r}, which is not a zoo transformer: pass "
-            "tp_layout={fqn: 'colwise'|'rowwise'|'sequence_parallel'|'vocab_parallel'|"
-            "'replicate'} naming its modules"
+            f"strategy.tp > 1 for model {handle.name!r}, which is not a zoo transformer: "
+            "give its tp_layout (planner.make_plan writes the one the sharding ILP finds)"
         )
-    return handle.spec
-
-
-def megatron_layout(
-    spec: ModelSpec, *, sequence_parallel: bool = False, vocab_parallel: bool = True
-) -> dict[str, TPStyle]:
-    """Megatron-LM tensor-parallel layout of the zoo transformer, keyed by FQN patterns.
-
-    Attention ``wq/wk/wv`` and FFN ``w1``/``w3`` are column-parallel, ``wo``/``w2``
-    row-parallel, the output head column-parallel; the token embedding is sharded on
-    the vocabulary (or replicated); norms are sequence-parallel when SP is on.
-    """
-    layout = {
-        "tok_embeddings": TPStyle.VOCAB_PARALLEL if vocab_parallel else TPStyle.REPLICATE,
-        "layers.*.attention.wq": TPStyle.COLWISE,
-        "layers.*.attention.wk": TPStyle.COLWISE,
-        "layers.*.attention.wv": TPStyle.COLWISE,
-        "layers.*.attention.wo": TPStyle.ROWWISE,
-        "layers.*.feed_forward.w1": TPStyle.COLWISE,
-        "layers.*.feed_forward.w2": TPStyle.ROWWISE,
-    }
-    if spec.act is Activation.SWIGLU:
-        layout["layers.*.feed_forward.w3"] = TPStyle.COLWISE
-    if sequence_parallel:
-        for norm in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm"):
-            layout[norm] = TPStyle.SEQUENCE_PARALLEL
-    layout["output"] = TPStyle.COLWISE
-    return layout
+    layouts = ModelLayouts(
+        handle, None, MEGATRON_PRICER, trace=lambda: trace_for_training(handle, training)
+    )
+    layout = layouts.layout(strategy.tp, strategy.sequence_parallel)
+    assert layout is not None  # Megatron's layout raises rather than give up
+    return layout.modules
 
 
 def even_stages(module: nn.Module, num_chunks: int) -> list[list[str]]:

@@ -30,6 +30,7 @@ __all__ = [
     "Schedule",
     "CompressionKind",
     "TPStyle",
+    "ModuleTP",
     "ModelSpec",
     "LinkTier",
     "Cluster",
@@ -123,6 +124,11 @@ class TPStyle(StrEnum):
     SEQUENCE_PARALLEL = "sequence_parallel"
     VOCAB_PARALLEL = "vocab_parallel"  # embedding sharded on the vocabulary dim
     REPLICATE = "replicate"
+    BOUNDARY = "boundary"  # a block whose input or output changes placement (SP starts)
+
+
+Placement = Annotated[str, Field(pattern=r"^(Replicate\(\)|Partial\(\)|Shard\(-?\d+\))$")]
+"""A DTensor placement over the tensor-parallel ranks, spelled as in torch."""
 
 
 class _Doc(BaseModel):
@@ -134,6 +140,33 @@ class _Doc(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+
+class ModuleTP(_Doc):
+    """How one module runs on the tensor-parallel group: what the runtime applies.
+
+    ``params``: each direct parameter's placement (absent: a plain tensor, whole on
+    every rank). ``input``: the placement its first argument arrives in and the one it
+    runs on; ``output``: the placement it produces and the one handed to its consumers
+    (``Shard(1)``: the sequence, ``Shard(-1)``: the last dim, ``Partial()``: partial
+    sums, reduced where the next block reads them). ``output_dtensor``: handed on as a DTensor, so its consumers' gradients are
+    summed before one collective (or, ``Shard(-1)`` logits, the loss is vocabulary-
+    parallel); otherwise as a local tensor.
+    """
+
+    style: TPStyle
+    params: dict[str, Placement] = {}
+    input: tuple[Placement, Placement] | None = None
+    output: tuple[Placement, Placement] | None = None
+    output_dtensor: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.input is not None and self.input[1] == "Partial()":
+            raise ValueError("input runs on Partial(): a module computes on a value, not partial sums")
+        if self.output_dtensor and self.output is None:
+            raise ValueError("output_dtensor needs output placements")
+        return self
 
 
 class ModelSpec(_Doc):
@@ -474,11 +507,20 @@ class Plan(_Doc):
     strategy: Strategy
     mesh: tuple[MeshAxis, ...]
     stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk (torchtitan form)
-    tp_layout: dict[str, TPStyle] = {}  # module FQN (or pattern with *) -> layout
+    tp_layout: dict[str, ModuleTP] = {}  # module FQN (or pattern with *) -> how it runs
     prediction: Prediction | None = None
     tradeoffs: tuple[str, ...] = ()  # what the chosen lossy options trade, in words
     runners_up: tuple[Candidate, ...] = ()
     solver: SolverStats = SolverStats()
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The output head hands on vocabulary-sharded logits: compute the loss under
+        ``loss_parallel()`` (:func:`strategies.apply.loss_context`)."""
+        return any(
+            m.output_dtensor and m.output is not None and m.output[1].startswith("Shard")
+            for m in self.tp_layout.values()
+        )
 
     @model_validator(mode="after")
     def _check_mesh(self) -> Self:

@@ -31,7 +31,7 @@ from torch import nn
 from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.models import ModelHandle, resolve_model
-from planner.spec import Family
+from planner.spec import DType, Family, Training
 from planner.trace_fx import (
     BlockCall,
     Traced,
@@ -42,7 +42,14 @@ from planner.trace_fx import (
 )
 from planner.trace_ops import OpCost, RawOp, cost_of, is_known
 
-__all__ = ["DTYPES", "trace", "trace_model", "summarize"]
+__all__ = [
+    "DTYPES",
+    "trace",
+    "trace_model",
+    "trace_for_training",
+    "summarize",
+    "prepare_traced_module",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +139,15 @@ def _prepare(
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
     return _WithLoss(model, hf), (inputs[0], targets), _WRAPPED
+
+
+def prepare_traced_module(
+    handle: ModelHandle, batch_size: int, seq_len: int, dtype: torch.dtype
+) -> tuple[nn.Module, str, tuple[torch.Tensor, ...]]:
+    """What :func:`trace` runs: a meta copy of the model (wrapped with its loss for token
+    models), the FQN prefix the wrapper adds, and meta inputs."""
+    root, inputs, prefix = _prepare(handle, batch_size, seq_len, dtype)
+    return root, prefix, inputs
 
 
 def _run_front_ends(
@@ -345,6 +361,14 @@ def trace(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
     )  # fmt: skip
+
+
+def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
+    """The model's graph at batch 1 and the training sequence length and dtype (fp8
+    training traces bf16 activations)."""
+    seq = training.seq_len or (handle.spec.seq_len if handle.spec else None)
+    dtype = {DType.FP32: "fp32", DType.FP16: "fp16"}.get(training.dtype, "bf16")
+    return trace(handle, batch_size=1, seq_len=seq, dtype=dtype)
 
 
 def trace_model(

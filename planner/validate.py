@@ -25,10 +25,10 @@ from planner.spec import (
     CompressionKind,
     Family,
     ModelSpec,
+    ModuleTP,
     Plan,
     RecomputeMode,
     Schedule,
-    TPStyle,
 )
 
 __all__ = [
@@ -222,20 +222,27 @@ def match_fqns(pattern: str, names: Iterable[str]) -> list[str]:
     ]
 
 
-def expand_layout(module: nn.Module, layout: dict[str, TPStyle]) -> dict[str, TPStyle]:
-    """Concrete ``{fqn: style}`` for ``module``; raise naming any key that matches nothing."""
+def expand_layout(module: nn.Module, layout: Mapping[str, ModuleTP]) -> dict[str, ModuleTP]:
+    """Concrete ``{fqn: layout}`` for ``module``; raise naming any key that matches nothing
+    or places a parameter the module does not have."""
     modules = dict(module.named_modules())
-    expanded: dict[str, TPStyle] = {}
-    for pattern, style in layout.items():
+    expanded: dict[str, ModuleTP] = {}
+    for pattern, entry in layout.items():
         matches = match_fqns(pattern, modules)
         if not matches:
             raise SpecError(
-                f"plan.tp_layout[{pattern!r}] = {TPStyle(style).value!r} names no module of "
+                f"plan.tp_layout[{pattern!r}] ({entry.style.value}) names no module of "
                 f"{type(module).__name__}; known modules include {_sample(modules)}. Fix the key"
             )
         for fqn in matches:
-            _check_style_fits(fqn, modules[fqn], TPStyle(style))
-            expanded[fqn] = TPStyle(style)
+            own = dict(modules[fqn].named_parameters(recurse=False))
+            missing = [name for name in entry.params if name not in own]
+            if missing:
+                raise SpecError(
+                    f"plan.tp_layout[{pattern!r}] places {', '.join(map(repr, missing))}, but "
+                    f"{fqn!r} ({type(modules[fqn]).__name__}) holds {sorted(own) or 'no parameters'}"
+                )
+            expanded[fqn] = entry
     return expanded
 
 
@@ -245,44 +252,20 @@ def _sample(modules: dict[str, nn.Module], limit: int = 8) -> str:
     return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
 
-def _check_style_fits(fqn: str, module: nn.Module, style: TPStyle) -> None:
-    needs = {
-        TPStyle.COLWISE: (nn.Linear, nn.Embedding),
-        TPStyle.ROWWISE: (nn.Linear, nn.Embedding),
-        TPStyle.VOCAB_PARALLEL: (nn.Embedding,),
-    }.get(style)
-    if needs is not None and not isinstance(module, needs):
-        kinds = " or ".join(cls.__name__ for cls in needs)
-        raise SpecError(
-            f"plan.tp_layout: {fqn!r} is a {type(module).__name__}, but {style.value!r} "
-            f"needs {kinds}; give it 'replicate' or lay out its Linear children instead"
-        )
-
-
-def _check_tp_divides(expanded: dict[str, TPStyle], module: nn.Module, tp: int) -> None:
-    modules = dict(module.named_modules())
-    for fqn, style in expanded.items():
-        mod = modules[fqn]
-        size = _sharded_size(mod, style)
-        if size is not None and size % tp:
-            raise SpecError(
-                f"plan.tp_layout[{fqn!r}] = {style.value!r}: the sharded dimension of "
-                f"{type(mod).__name__} has size {size}, not divisible by tp({tp}); "
-                "choose a tp that divides it or replicate this module"
-            )
-
-
-def _sharded_size(module: nn.Module, style: TPStyle) -> int | None:
-    if isinstance(module, nn.Linear):
-        return {TPStyle.COLWISE: module.out_features, TPStyle.ROWWISE: module.in_features}.get(
-            style
-        )
-    if isinstance(module, nn.Embedding):
-        if style is TPStyle.COLWISE:
-            return module.embedding_dim
-        if style in (TPStyle.ROWWISE, TPStyle.VOCAB_PARALLEL):
-            return module.num_embeddings
-    return None
+def _check_tp_divides(expanded: dict[str, ModuleTP], module: nn.Module, tp: int) -> None:
+    """Every sharded parameter dim has a size tp divides."""
+    for fqn, entry in expanded.items():
+        own = dict(module.get_submodule(fqn).named_parameters(recurse=False))
+        for name, placement in entry.params.items():
+            if not placement.startswith("Shard("):
+                continue
+            dim = int(placement[6:-1])
+            size = own[name].shape[dim]
+            if size % tp:
+                raise SpecError(
+                    f"plan.tp_layout[{fqn!r}] shards {name} on dim {dim} of size {size}, not "
+                    f"divisible by tp({tp}); choose a tp that divides it or replicate this module"
+                )
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -318,7 +301,7 @@ def pipeline_splittable(module: nn.Module) -> bool:
     return isinstance(container, nn.ModuleDict) and not shares_parameters(module)
 
 
-def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle]:
+def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleTP]:
     """Raise if ``module`` is not the model ``plan`` was made for, or cannot take its layout.
 
     Checks the fingerprint, the layout keys (and that tp divides every sharded
@@ -337,7 +320,6 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, TPStyle
         _check_heads(plan, tp)
     expanded = expand_layout(module, plan.tp_layout) if tp > 1 else {}
     _check_tp_divides(expanded, module, tp)
-    _check_sequence_parallel(plan, expanded)
     if plan.strategy.pp > 1:
         _check_stages(plan, module)
     if plan.strategy.cp > 1:
@@ -369,30 +351,24 @@ def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:
         )
 
 
-def _check_sequence_parallel(plan: Plan, expanded: dict[str, TPStyle]) -> None:
-    marked = [fqn for fqn, style in expanded.items() if style is TPStyle.SEQUENCE_PARALLEL]
-    if plan.strategy.sequence_parallel and plan.strategy.tp > 1 and not marked:
-        raise SpecError(
-            "strategy.sequence_parallel is true but plan.tp_layout marks no module "
-            "'sequence_parallel': mark the norms (e.g. 'layers.*.attention_norm') or turn it off"
-        )
-
-
-def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, TPStyle]) -> None:
-    """Modules sharing a parameter must shard it alike under TP and sit in one pipeline chunk."""
-    modules = dict(module.named_modules())
-    owners: dict[int, list[str]] = {}
+def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, ModuleTP]) -> None:
+    """Modules sharing a parameter must place it alike under TP and sit in one pipeline chunk."""
+    owners: dict[int, list[tuple[str, str]]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
-    for tied in (names for names in owners.values() if len(names) > 1):
-        layouts = {m: _weight_layout(modules[m], expanded.get(m, TPStyle.REPLICATE)) for m in tied}
-        if len(set(layouts.values())) > 1:
-            given = ", ".join(f"{m!r} {layout}" for m, layout in layouts.items())
+        owner, _, attr = name.rpartition(".")
+        owners.setdefault(id(param), []).append((owner, attr))
+    for group in (names for names in owners.values() if len(names) > 1):
+        tied = [owner for owner, _ in group]
+        placements = {
+            owner: expanded[owner].params.get(attr, "plain") if owner in expanded else "plain"
+            for owner, attr in group
+        }
+        if len(set(placements.values())) > 1:
+            given = ", ".join(f"{m!r} {p}" for m, p in placements.items())
             raise SpecError(
                 f"{' and '.join(tied)} share a parameter (tied weights), but plan.tp_layout "
-                f"shards it differently ({given}): give them layouts that shard the same "
-                "dimension (embedding 'vocab_parallel' with output 'colwise'), or "
-                "'replicate' both"
+                f"places it differently ({given}): place it alike (an embedding sharded on "
+                "the vocabulary, Shard(0), with a column-parallel head), or replicate both"
             )
         chunks = {_chunk_of(plan, m) for m in tied} if plan.strategy.pp > 1 else set()
         if len(chunks) > 1:
@@ -402,16 +378,6 @@ def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, TPStyle]) -> 
                 "across pipeline stages; put them in one chunk or untie them "
                 "(tied_embeddings = false)"
             )
-
-
-def _weight_layout(module: nn.Module, style: TPStyle) -> str:
-    """How ``style`` lays out ``module``'s weight over the tp ranks, in words."""
-    if style is TPStyle.REPLICATE:
-        return "unsharded"
-    if style is TPStyle.SEQUENCE_PARALLEL:
-        return "replicated DTensor"
-    colwise_dim = 1 if isinstance(module, nn.Embedding) else 0
-    return f"sharded on dim {colwise_dim if style is TPStyle.COLWISE else 1 - colwise_dim}"
 
 
 def _chunk_of(plan: Plan, fqn: str) -> int:

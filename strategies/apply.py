@@ -58,15 +58,14 @@ def parallelize(
     plan: Plan,
     *,
     loss_fn: LossFn = token_cross_entropy,
-    loss_parallel: bool = False,
 ) -> nn.Module | PipelineRunner:
     """Apply ``plan`` to ``model`` on the current process group (or a single process).
 
     Returns the parallel model, or for ``pp > 1`` a :class:`PipelineRunner` whose
-    ``step(inputs, targets)`` runs the schedule with ``loss_fn``. ``loss_parallel``
-    (with ``tp > 1``) keeps the head's logits sharded on the vocabulary: compute the
-    loss and run backward inside :func:`loss_context` (the runner and
-    :class:`~strategies.runner.Trainer` do).
+    ``step(inputs, targets)`` runs the schedule with ``loss_fn``. When the plan's layout
+    is loss-parallel (``plan.loss_parallel``: the head keeps its logits sharded on the
+    vocabulary) compute the loss and run backward inside :func:`loss_context` (the
+    runner and :class:`~strategies.runner.Trainer` do).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
@@ -76,11 +75,11 @@ def parallelize(
     if mesh is not None and plan.strategy.pp > 1:
         pp_rank = axis_rank(mesh, Axis.PP)
         chunks = [
-            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, loss_parallel, index == 0))
+            (index, _apply_dimensions(chunk, mesh, plan, pp_rank))
             for index, chunk in pipeline.split(model, mesh, plan)
         ]
         return pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
-    return _apply_dimensions(model, mesh, plan, 0, loss_parallel, True)
+    return _apply_dimensions(model, mesh, plan, 0)
 
 
 def _check_materialised(model: nn.Module) -> None:
@@ -93,11 +92,9 @@ def _check_materialised(model: nn.Module) -> None:
 
 
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
-    """Where vocabulary-sharded logits may meet the loss: ``loss_parallel()`` when tp > 1.
-
-    It changes only DTensor cross-entropy, so full (gathered) logits are unaffected.
-    """
-    return tp_loss_parallel() if plan.strategy.tp > 1 else contextlib.nullcontext()
+    """Where vocabulary-sharded logits meet the loss: ``loss_parallel()`` when the plan's
+    layout hands the head's logits on sharded (``plan.loss_parallel``)."""
+    return tp_loss_parallel() if plan.loss_parallel else contextlib.nullcontext()
 
 
 def _apply_dimensions(
@@ -105,15 +102,11 @@ def _apply_dimensions(
     mesh: DeviceMesh | None,
     plan: Plan,
     pp_rank: int,
-    loss_parallel: bool,
-    holds_input: bool,
 ) -> nn.Module:
     if device_type() == "cuda":
         model.to(torch.device("cuda", torch.cuda.current_device()))
     model = context_parallel.apply(model, mesh, plan)
-    model = tensor_parallel.apply(
-        model, mesh, plan, loss_parallel=loss_parallel, holds_input=holds_input
-    )
+    model = tensor_parallel.apply(model, mesh, plan)
     model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
     model = fsdp.apply(model, mesh, plan)
     model = data_parallel.apply(model, mesh, plan)

@@ -237,9 +237,7 @@ def _global_mean(loss: torch.Tensor) -> float:
     return float(total) / dist.get_world_size()
 
 
-def run_plan(
-    plan: Plan, *, steps: int, seed: int, lr: float = 1e-3, loss_parallel: bool = False
-) -> Iterator[StepRecord]:
+def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator[StepRecord]:
     """Build the plan's model, apply the plan and train ``steps`` steps on synthetic tokens."""
     if plan.model is None:
         raise SpecError(
@@ -250,7 +248,7 @@ def run_plan(
     validate_plan_for_world(plan, world)  # before building a model that may not fit here
     seq_len = plan.training.seq_len or plan.model.seq_len
     model = build(plan.model, device="cpu", seed=seed)
-    parallel = parallelize(model, plan, loss_parallel=loss_parallel)
+    parallel = parallelize(model, plan)
     trainer = Trainer(parallel, plan, lr=lr)
     rank = dist.get_rank() if dist.is_initialized() else 0
     for step in range(steps):

@@ -1,233 +1,187 @@
-"""Tensor and sequence parallelism from the plan's per-module layouts (DTensor).
+"""Tensor and sequence parallelism: the plan's per-module layout, applied as written.
 
-Any ``{fqn: style}`` dict is accepted, not only the zoo's names:
+``plan.tp_layout`` maps module FQNs (or ``*`` patterns) to a
+:class:`~planner.spec.ModuleTP`; this module does exactly what each entry says, with
+no guess from module names (the planner derived every entry from the sharding ILP and
+rehearsed it on the model's code):
 
-- ``colwise`` Linear: weight sharded on the output features. Its output stays sharded
-  when a ``rowwise`` Linear is a sibling (the Megatron pair); otherwise (an output head)
-  it is gathered to a full tensor, or with loss parallel left as a vocabulary-sharded
-  DTensor for :func:`~torch.distributed.tensor.parallel.loss_parallel`.
-- ``rowwise`` Linear: weight sharded on the input features, output all-reduced
-  (reduce-scattered on the sequence dim under sequence parallel).
-- ``vocab_parallel`` (or ``rowwise``) Embedding: sharded on the vocabulary, output
-  all-reduced; ``colwise`` Embedding: sharded on the embedding dim, output gathered.
-- ``sequence_parallel``: norms and other per-token modules run on a sequence shard.
-  Without ``strategy.sequence_parallel`` (the residual stream replicated) such a
-  module slices its input, runs on the shard and all-gathers its output.
-- ``replicate``: left as is (identical on every tensor-parallel rank).
+- ``params``: each listed parameter becomes a DTensor with that placement on the
+  ``tp`` axis (``Shard(0)``, ``Shard(1)``, ``Replicate()``); unlisted ones stay plain.
+  Parameters shared by several modules (tied weights) stay one parameter.
+- ``input``: the module's first argument, a local tensor placed as ``input[0]`` (or a
+  DTensor handed on by the module before), is redistributed to ``input[1]``; a module
+  with DTensor parameters computes on the DTensor, any other on its local tensor.
+- ``output``: the result, placed ``output[0]``, is redistributed to ``output[1]`` and
+  handed on as a local tensor, or as a DTensor when ``output_dtensor`` (then the
+  consumers' partial gradients are summed before one collective; ``Shard(-1)`` logits
+  go to the loss under :func:`~torch.distributed.tensor.parallel.loss_parallel`).
 
-Tied weights (a parameter shared by modules, e.g. ``tok_embeddings.weight is
-output.weight``) stay tied: each module's style shards its own reference, then every
-reference is pointed back at one DTensor parameter. A vocabulary-parallel embedding
-and a column-parallel head both shard the weight on the vocabulary (``Shard(0)``), so
-they share it exactly; :func:`planner.validate.check_model_against_plan` refuses
-layouts that shard a tied weight differently.
-
-Under sequence parallel the residual stream is a local tensor sharded on the sequence
-dim (dim 1). It enters that form at the parent of the first sequence-parallel module
-(the first block) of the chunk that takes the model's input; a module holding a
-colwise/rowwise pair (attention, MLP) all-gathers its input and the rowwise output is
-reduce-scattered back; the gathered ``colwise`` head all-gathers its input.
+The gradient of a replicated DTensor parameter computed on a shard (a sequence-parallel
+norm's weight) comes out as partial sums; it is all-reduced once per backward, right
+after it accumulates, so optimizers and clipping see whole gradients.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from planner.errors import SpecError
-from planner.spec import Plan, TPStyle
-from planner.validate import match_fqns
+from planner.rehearse import expand_patterns
+from planner.spec import ModuleTP, Plan
 
-__all__ = ["apply", "concrete_layout", "tied_parameters"]
+__all__ = ["apply", "concrete_layout", "torch_placement"]
 
 log = logging.getLogger(__name__)
 
 
-def concrete_layout(model: nn.Module, layout: dict[str, TPStyle]) -> dict[str, TPStyle]:
-    """Layout keyed by the FQNs of ``model`` (a pipeline chunk may hold only some modules)."""
-    names = [name for name, _ in model.named_modules()]
-    concrete: dict[str, TPStyle] = {}
-    for pattern, style in layout.items():
-        for fqn in match_fqns(pattern, names):
-            concrete[fqn] = TPStyle(style)
-    return concrete
+def torch_placement(text: str) -> Placement:
+    """``"Shard(1)"`` -> ``Shard(1)``, ``"Replicate()"``, ``"Partial()"``."""
+    if text == "Replicate()":
+        return Replicate()
+    if text == "Partial()":
+        return Partial()
+    return Shard(int(text.removeprefix("Shard(").removesuffix(")")))
 
 
-def apply(
-    model: nn.Module,
-    mesh: DeviceMesh | None,
-    plan: Plan,
-    *,
-    loss_parallel: bool = False,
-    holds_input: bool = True,
-) -> nn.Module:
-    """Shard ``model``'s modules over the ``tp`` axis as ``plan.tp_layout`` says (in place).
+def concrete_layout(model: nn.Module, plan: Plan) -> dict[str, ModuleTP]:
+    """``plan.tp_layout`` keyed by the FQNs of ``model`` (a pipeline chunk holds some)."""
+    names = [name for name, _ in model.named_modules() if name]
+    return expand_patterns(plan.tp_layout, names)
 
-    With ``loss_parallel`` the output head keeps its logits sharded on the vocabulary
-    (a DTensor); compute the loss under :func:`torch.distributed.tensor.parallel.loss_parallel`.
-    ``holds_input`` says the model (chunk) receives the model's input, so under sequence
-    parallel it is where the residual stream gets sliced (false for later pipeline chunks).
-    """
+
+def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
+    """Lay ``model``'s modules out over the ``tp`` axis as ``plan.tp_layout`` says (in place)."""
     if plan.strategy.tp == 1 or mesh is None:
         return model
-    layout = concrete_layout(model, plan.tp_layout)
-    sequence_parallel = plan.strategy.sequence_parallel
-    styles = _styles(model, layout, sequence_parallel, loss_parallel)
-    if sequence_parallel:
-        if holds_input:
-            styles.update(_sequence_parallel_entry(model, layout))
-        styles.update(_gather_before_pairs(layout))
-    in_block = [] if sequence_parallel else _sequence_parallel_modules(layout)
     tp_mesh = mesh["tp"]
-    tied = tied_parameters(model)
-    if in_block:
-        parallelize_module(model, tp_mesh, dict.fromkeys(in_block, _SLICE_SEQUENCE))
-    parallelize_module(model, tp_mesh, styles)
-    if in_block:
-        parallelize_module(model, tp_mesh, dict.fromkeys(in_block, _GATHER_SEQUENCE))
-    for names in tied:
-        _retie(model, names)
+    layout = concrete_layout(model, plan)
+    shared: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # original (kept alive), DTensor
+    for fqn, module_layout in layout.items():
+        module = model.get_submodule(fqn)
+        _distribute_parameters(module, fqn, module_layout, tp_mesh, shared)
+        _convert_boundaries(module, module_layout, tp_mesh)
+    _retie(model, shared)
+    reduced = _reduce_partial_gradients(model)
     log.info(
-        "tensor parallel: tp=%d, %d modules sharded%s%s%s",
+        "tensor parallel: tp=%d, %d modules laid out (%d sharded)%s%s, %d replicated "
+        "parameters reduce partial gradients",
         plan.strategy.tp,
-        len(styles),
-        f", {len(tied)} tied parameters kept tied" if tied else "",
-        ", sequence parallel" if sequence_parallel else "",
-        ", loss parallel" if loss_parallel else "",
+        len(layout),
+        sum(1 for m in layout.values() if any(p.startswith("Shard") for p in m.params.values())),
+        ", sequence parallel" if plan.strategy.sequence_parallel else "",
+        ", loss parallel" if plan.loss_parallel else "",
+        reduced,
     )
     return model
 
 
-def tied_parameters(model: nn.Module) -> list[list[str]]:
-    """Names of each parameter that several modules share (tied weights), one list per parameter."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _retie(model: nn.Module, names: list[str]) -> None:
-    """Point every name in ``names`` at the (sharded) parameter the first name now holds."""
-    shared = model.get_parameter(names[0])
-    for name in names[1:]:
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner)
-        if _placements(getattr(module, attr)) != _placements(shared):
-            raise SpecError(
-                f"tied parameters {names[0]!r} and {name!r} were sharded differently by "
-                f"plan.tp_layout ({_placements(shared)} vs {_placements(getattr(module, attr))}): "
-                "give both modules layouts that shard the same dimension, or replicate both"
-            )
-        module.register_parameter(attr, shared)
-
-
-def _placements(param: nn.Parameter) -> tuple[object, ...]:
-    return tuple(param.placements) if isinstance(param, DTensor) else ("unsharded",)
-
-
-def _styles(
-    model: nn.Module, layout: dict[str, TPStyle], sp: bool, loss_parallel: bool
-) -> dict[str, ParallelStyle]:
-    modules = dict(model.named_modules())
-    return {
-        fqn: _style(fqn, modules[fqn], style, layout, sp, loss_parallel)
-        for fqn, style in layout.items()
-        if style is not TPStyle.REPLICATE
-    }
-
-
-def _style(
-    fqn: str,
+def _distribute_parameters(
     module: nn.Module,
-    style: TPStyle,
-    layout: dict[str, TPStyle],
-    sp: bool,
-    loss_parallel: bool,
-) -> ParallelStyle:
-    seq_or_full = Shard(1) if sp else Replicate()
-    if isinstance(module, nn.Embedding):
-        return _embedding_style(style)
-    if style is TPStyle.COLWISE:
-        if _has_rowwise_sibling(fqn, layout):
-            return ColwiseParallel()
-        if loss_parallel:
-            return ColwiseParallel(
-                input_layouts=seq_or_full, output_layouts=Shard(-1), use_local_output=False
+    fqn: str,
+    layout: ModuleTP,
+    mesh: DeviceMesh,
+    shared: dict[int, tuple[nn.Parameter, nn.Parameter]],
+) -> None:
+    for name, text in layout.params.items():
+        param = module._parameters.get(name)
+        if param is None:
+            raise SpecError(
+                f"plan.tp_layout[{fqn!r}] places parameter {name!r}, which "
+                f"{type(module).__name__} {fqn!r} does not have"
             )
-        return ColwiseParallel(input_layouts=seq_or_full, output_layouts=Replicate())
-    if style is TPStyle.ROWWISE:
-        return RowwiseParallel(output_layouts=seq_or_full)
-    if style is TPStyle.SEQUENCE_PARALLEL:
-        return SequenceParallel(use_local_output=sp)
-    raise AssertionError(f"unhandled layout {style!r} for {fqn!r}")
+        placement = torch_placement(text)
+        if id(param) in shared:
+            done = shared[id(param)][1]
+            assert isinstance(done, DTensor)
+            if tuple(done.placements) != (placement,):
+                raise SpecError(
+                    f"{fqn}.{name} is a tied parameter placed {done.placements[0]} by another "
+                    f"module and {placement} here: place both alike"
+                )
+            module.register_parameter(name, done)
+            continue
+        dtensor = distribute_tensor(param.detach(), mesh, [placement])
+        local = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        shared[id(param)] = (param, local)
+        module.register_parameter(name, local)
 
 
-def _sequence_parallel_modules(layout: dict[str, TPStyle]) -> list[str]:
-    return [fqn for fqn, style in layout.items() if style is TPStyle.SEQUENCE_PARALLEL]
+def _retie(model: nn.Module, shared: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Point every module still holding an original tied parameter at its DTensor."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in shared and shared[id(param)][0] is param:
+                module.register_parameter(name, shared[id(param)][1])
 
 
-# A sequence-parallel module inside a replicated stream: slice its input on the sequence
-# dim, run it on the shard, all-gather its output.
-_SLICE_SEQUENCE = PrepareModuleInput(
-    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
-)
-_GATHER_SEQUENCE = PrepareModuleOutput(
-    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
-)
+def _convert_boundaries(module: nn.Module, layout: ModuleTP, mesh: DeviceMesh) -> None:
+    computes_on_dtensor = bool(layout.params)
+    input_pair = layout.input or (("Replicate()", "Replicate()") if computes_on_dtensor else None)
+    if input_pair is not None:
+        arrives, runs = (torch_placement(p) for p in input_pair)
+
+        def prepare(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise SpecError(
+                    f"{type(_module).__name__}: the layout redistributes the first argument, "
+                    "which is not a tensor"
+                )
+            x = _as_dtensor(args[0], mesh, arrives)
+            if tuple(x.placements) != (runs,):
+                x = x.redistribute(placements=[runs])
+            return (x if computes_on_dtensor else x.to_local(), *args[1:])
+
+        module.register_forward_pre_hook(prepare)
+    if layout.output is None and not computes_on_dtensor:
+        return
+    produced = torch_placement(layout.output[0]) if layout.output else None
+    handed = torch_placement(layout.output[1]) if layout.output else None
+    keep = layout.output_dtensor
+
+    def finish(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            raise SpecError(
+                f"{type(_module).__name__}: the layout redistributes the output, which is not "
+                "a tensor"
+            )
+        y = _as_dtensor(output, mesh, produced or Replicate())
+        if handed is not None and not _same(y.placements[0], handed):
+            y = y.redistribute(placements=[handed])
+        return y if keep else y.to_local()
+
+    module.register_forward_hook(finish)
 
 
-def _embedding_style(style: TPStyle) -> ParallelStyle:
-    if style is TPStyle.COLWISE:
-        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+def _same(placement: Placement, wanted: Placement) -> bool:
+    """Equal placements; any partial sum (a vocabulary-parallel embedding's masked one)
+    counts as ``Partial()``: it is handed on as the local partial tensor it is."""
+    return placement == wanted or (placement.is_partial() and wanted.is_partial())
 
 
-def _has_rowwise_sibling(fqn: str, layout: dict[str, TPStyle]) -> bool:
-    parent = fqn.rpartition(".")[0]
-    return any(
-        style is TPStyle.ROWWISE and other.rpartition(".")[0] == parent
-        for other, style in layout.items()
-    )
+def _as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh, [placement], run_check=False)
 
 
-def _gather_before_pairs(layout: dict[str, TPStyle]) -> dict[str, ParallelStyle]:
-    """Under SP, a module holding a colwise/rowwise pair gathers its sequence-sharded input."""
-    parents = {
-        fqn.rpartition(".")[0]
-        for fqn, style in layout.items()
-        if style is TPStyle.COLWISE and _has_rowwise_sibling(fqn, layout)
-    }
-    gather = PrepareModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-    )
-    return {parent: gather for parent in sorted(parents)}
+def _reduce_partial_gradients(model: nn.Module) -> int:
+    """All-reduce partial-sum gradients of replicated DTensor parameters as they accumulate."""
+    count = 0
+    for param in {id(p): p for p in model.parameters()}.values():
+        if not isinstance(param, DTensor) or not all(p.is_replicate() for p in param.placements):
+            continue
+        param.register_post_accumulate_grad_hook(_replicate_grad)
+        count += 1
+    return count
 
 
-def _sequence_parallel_entry(
-    model: nn.Module, layout: dict[str, TPStyle]
-) -> dict[str, ParallelStyle]:
-    """Slice the full residual stream to a sequence shard where it enters the SP region."""
-    first_sp = next(
-        (fqn for fqn, _ in model.named_modules() if layout.get(fqn) is TPStyle.SEQUENCE_PARALLEL),
-        None,
-    )
-    if first_sp is None:
-        return {}
-    entry = first_sp.rpartition(".")[0]
-    return {
-        entry: PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-    }
+def _replicate_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))

@@ -40,7 +40,7 @@ from torch import nn
 
 from planner.calibrate.fit import MAX_RMS_LOG_ERROR, CalibrationError
 from planner.cost import CostModel, CostOptions
-from planner.cost.sharding import ShardKey
+from planner.cost.tp import ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind
 from planner.hardware import HardwareProfile
@@ -249,10 +249,13 @@ def predict_op_classes(
     model = CostModel(graph, plan.cluster, training, profile=profile, options=options)
     s = plan.strategy
     key = ShardKey(s.tp, s.cp, s.sequence_parallel, s.micro_batch_size)
+    layout = model.tp_layout(s.tp, s.sequence_parallel)
     totals = {"matmul": 0.0, "attention": 0.0, "memory-bound": 0.0}
     for segment in graph.segments:
-        nodes = graph.segment_type(segment).nodes
-        for node, time in zip(nodes, model.compute.segment_times(nodes, key), strict=True):
+        seg_type = graph.segment_type(segment)
+        nodes = seg_type.nodes
+        scales = [key.token_scale / d for d in layout.segment(seg_type.type_id).work_divisor]
+        for node, time in zip(nodes, model.compute.segment_times(nodes, scales), strict=True):
             totals[_op_class(node.kind)] += time.forward_s + time.backward_s
     return {name: value * s.num_microbatches / s.pp for name, value in totals.items()}
 

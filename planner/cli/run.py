@@ -30,10 +30,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
-    parser.add_argument(
-        "--loss-parallel", action="store_true",
-        help="with tp > 1, keep logits sharded on the vocabulary for the loss",
-    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document at the end")
     parser.set_defaults(func=run)
 
@@ -42,9 +38,7 @@ def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
     runner = importlib.import_module("strategies.runner")  # torch.distributed only here
     with runner.process_group_from_env() as rank:
-        records = runner.run_plan(
-            plan, steps=args.steps, seed=args.seed, lr=args.lr, loss_parallel=args.loss_parallel
-        )
+        records = runner.run_plan(plan, steps=args.steps, seed=args.seed, lr=args.lr)
         steps = [_report(record, show=rank == 0 and not args.json) for record in records]
         if rank == 0 and args.json:
             summary = {

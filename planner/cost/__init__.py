@@ -4,7 +4,7 @@ Modules, each named for what it prices: :mod:`~planner.cost.compute` (operators,
 roofline), :mod:`~planner.cost.communication` (collectives, link tiers),
 :mod:`~planner.cost.memory` (model states, activations, in-flight micro-batches),
 :mod:`~planner.cost.pipeline` (schedules, stage splits), :mod:`~planner.cost.flops`
-(MFU/HFU conventions), :mod:`~planner.cost.sharding` (the tensor-parallel rule),
+(MFU/HFU conventions), :mod:`~planner.cost.tp` (what a tensor-parallel layout splits),
 :mod:`~planner.cost.compression` (fp16/bf16 and PowerSGD gradient compression),
 :mod:`~planner.cost.model` (:class:`CostModel`), :mod:`~planner.cost.run` (the
 ``plan estimate`` contract).

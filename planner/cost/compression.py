@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from planner.cost.communication import Collective, LinkModel, collective_time
 from planner.cost.compute import ComputeModel
-from planner.cost.sharding import TPShard, tp_shard
+from planner.cost.tp import TPAssignment
 from planner.graph import OpGraph, OpKind, OpNode
 
 __all__ = [
@@ -101,26 +101,21 @@ class PowerSGDWork:
     orthogonalize_flops: float  # 2 m r^2 per compressed matrix (Gram-Schmidt of P)
 
 
-def _matmul_matrix(node: OpNode, tp: int) -> tuple[int, int] | None:
-    """A linear's weight ``(out, in)`` per tensor-parallel shard (split along ``out``)."""
-    if node.kind is not OpKind.MATMUL or node.gemm is None or node.param_count == 0:
-        return None
-    _, _, out_features, in_features = node.gemm
-    shards = tp if tp_shard(node) is TPShard.SPLIT else 1
-    return max(1, out_features // shards), in_features
-
-
-def _table_matrix(node: OpNode, tp: int) -> tuple[int, int] | None:
-    """An embedding table ``(rows, width)`` per shard: width is the output's last dim."""
+def _matrix(node: OpNode, held: float) -> tuple[int, int] | None:
+    """A linear's weight ``(out, in)`` or an embedding table ``(rows, width)`` per rank,
+    for a node holding ``held`` parameters on this rank (the split taken off its rows)."""
+    if node.kind is OpKind.MATMUL and node.gemm is not None:
+        _, _, out_features, in_features = node.gemm
+        shards = node.param_count / held
+        return max(1, round(out_features / shards)), in_features
     is_table = node.kind is OpKind.EMBEDDING or node.module.endswith("embeddings")
-    if not is_table or node.param_count == 0 or not node.output_shape:
-        return None
-    width = node.output_shape[-1]
-    shards = tp if tp_shard(node) is TPShard.SPLIT else 1
-    return max(1, node.param_count // width // shards), width
+    if is_table and node.output_shape:
+        width = node.output_shape[-1]
+        return max(1, int(held // width)), width
+    return None
 
 
-def gradient_shapes(graph: OpGraph, tp: int) -> GradientShapes:
+def gradient_shapes(graph: OpGraph, layout: TPAssignment) -> GradientShapes:
     """Weight matrices of the linears and embedding tables of ``graph``, per TP shard.
 
     A linear's ``gemm`` is ``(1, tokens, out, in)``; a tensor-parallel split divides
@@ -131,12 +126,12 @@ def gradient_shapes(graph: OpGraph, tp: int) -> GradientShapes:
     matrices: list[tuple[int, int]] = []
     vectors = 0.0
     for segment in graph.segments:
-        for node in graph.segment_type(segment).nodes:
-            if node.param_count == 0:
+        seg_type = graph.segment_type(segment)
+        held_per_node = layout.segment(seg_type.type_id).param_elements
+        for node, held in zip(seg_type.nodes, held_per_node, strict=True):
+            if node.param_count == 0 or held <= 0:
                 continue
-            shards = tp if tp_shard(node) is TPShard.SPLIT else 1
-            matrix = _matmul_matrix(node, tp) or _table_matrix(node, tp)
-            held = node.param_count / shards
+            matrix = _matrix(node, held)
             if matrix is None:
                 vectors += held
                 continue

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost.options import AttentionKernel, CostOptions
-from planner.cost.sharding import ShardKey, tp_shard, work_divisor
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
 from planner.spec import DType
@@ -50,7 +49,8 @@ def unfused_score_bytes(node: OpNode, element_bytes: int, dropout: bool) -> floa
 
 
 class ComputeModel:
-    """Prices the operators of one segment type for one :class:`ShardKey`."""
+    """Prices operators; ``scale`` is the node's work on one GPU relative to the traced
+    batch-1 node (micro-batch tokens over the context- and tensor-parallel split)."""
 
     def __init__(self, profile: HardwareProfile, dtype: DType, options: CostOptions) -> None:
         self.profile = profile
@@ -72,15 +72,14 @@ class ComputeModel:
         rate = self.matmul_peak * self.profile.matmul_efficiency
         return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
 
-    def segment_times(self, nodes: Sequence[OpNode], key: ShardKey) -> list[OpTime]:
+    def segment_times(self, nodes: Sequence[OpNode], scales: Sequence[float]) -> list[OpTime]:
         """Per-node forward and backward seconds, with compiled fusion applied."""
-        times = [self.node_time(node, key) for node in nodes]
+        times = [self.node_time(node, scale) for node, scale in zip(nodes, scales, strict=True)]
         if self.options.fused_pointwise:
-            return self._fuse_memory_bound(nodes, times, key)
+            return self._fuse_memory_bound(nodes, times, scales)
         return times
 
-    def node_time(self, node: OpNode, key: ShardKey) -> OpTime:
-        scale = key.token_scale / work_divisor(tp_shard(node), key)
+    def node_time(self, node: OpNode, scale: float) -> OpTime:
         if node.kind in _MATMUL_KINDS:
             flops, nbytes = node.flops_fwd * scale, (node.bytes_read + node.bytes_written) * scale
             forward, backward = self.gemm_time(flops, nbytes), 2 * self.gemm_time(flops, nbytes)
@@ -130,7 +129,7 @@ class ComputeModel:
         return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
 
     def _fuse_memory_bound(
-        self, nodes: Sequence[OpNode], times: list[OpTime], key: ShardKey
+        self, nodes: Sequence[OpNode], times: list[OpTime], scales: Sequence[float]
     ) -> list[OpTime]:
         fused = list(times)
         run: list[int] = []
@@ -140,9 +139,7 @@ class ComputeModel:
                 continue
             if len(run) > 1:
                 first, last = nodes[run[0]], nodes[run[-1]]
-                scale_first = key.token_scale / work_divisor(tp_shard(first), key)
-                scale_last = key.token_scale / work_divisor(tp_shard(last), key)
-                nbytes = first.bytes_read * scale_first + last.bytes_written * scale_last
+                nbytes = first.bytes_read * scales[run[0]] + last.bytes_written * scales[run[-1]]
                 for position in run:
                     fused[position] = OpTime(0.0, 0.0)
                 fused[run[0]] = OpTime(self.memory_time(nbytes), self.memory_time(2 * nbytes))

@@ -10,7 +10,7 @@ the *exposed* part on the critical path; the parts add up to ``step_time_s``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
@@ -37,9 +37,9 @@ from planner.cost.memory import ModelStateBytes, in_flight_microbatches, model_s
 from planner.cost.options import CostOptions
 from planner.cost.pipeline import balanced_chunks, pipeline_time, rank_chunks
 from planner.cost.segment import SegmentPricer, TypeCost
-from planner.cost.sharding import ShardKey
+from planner.cost.tp import AssignmentSource, ShardKey, TPAssignment, megatron_assignment, unsharded
 from planner.errors import SpecError
-from planner.graph import OpGraph, OpKind, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, SegmentType
 from planner.hardware import HardwareProfile, load_profile
 from planner.spec import (
     Cluster,
@@ -52,7 +52,7 @@ from planner.spec import (
     Training,
 )
 
-__all__ = ["CostModel", "SegmentCost", "WholeModelCost"]
+__all__ = ["CostModel", "LayoutCosts", "SegmentCost", "WholeModelCost"]
 
 _GIB = 2**30
 _RANK_CACHE_SIZE = 4096  # per-rank sums kept for reuse (a search's groups come in bursts)
@@ -96,6 +96,23 @@ class WholeModelCost:
     time_s: float  # forward, backward, recompute and TP/CP communication
     param_count: float  # per tensor-parallel rank
     least_block_activation_bytes: float  # the smallest block's kept activations
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    """Seconds the layout ILP weighs, from the cost model's own compute and link models."""
+
+    compute: ComputeModel
+    axis_link: Callable[[int, int], LinkModel]
+
+    def op_seconds(self, node: OpNode, divisor: int) -> float:
+        """Forward plus backward of ``node`` at the traced batch, split ``divisor`` ways."""
+        time = self.compute.node_time(node, 1.0 / divisor)
+        return time.forward_s + time.backward_s
+
+    def comm_seconds(self, kind: Collective, nbytes: float, tp: int) -> float:
+        """One collective of ``nbytes`` (the whole array) over the ``tp`` group's link."""
+        return collective_time(kind, nbytes, tp, self.axis_link(tp, 1))
 
 
 _TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s")
@@ -155,7 +172,9 @@ class CostModel:
 
     ``graph`` is traced at batch 1 and the training sequence length; micro-batch,
     tensor- and context-parallel splits are applied by scaling. ``profile`` defaults
-    to the cluster's GPU profile.
+    to the cluster's GPU profile. ``tp_layouts(tp, sequence_parallel)`` gives the
+    tensor-parallel layout to price (the sharding ILP's for a traced model); a zoo
+    formula graph defaults to Megatron-LM's (:func:`~planner.cost.tp.megatron_assignment`).
     """
 
     def __init__(
@@ -166,6 +185,7 @@ class CostModel:
         *,
         profile: HardwareProfile | None = None,
         options: CostOptions | None = None,
+        tp_layouts: AssignmentSource | None = None,
     ) -> None:
         if graph.batch_size != 1:
             raise SpecError(f"graph.batch_size = {graph.batch_size}: trace the model at batch 1")
@@ -180,7 +200,9 @@ class CostModel:
         self.profile = profile or load_profile(cluster.gpu)
         self.options = options or CostOptions()
         self.compute = ComputeModel(self.profile, training.dtype, self.options)
-        self._pricer = SegmentPricer(self.compute, self.options, self._axis_link)
+        self._tp_source = tp_layouts or self._default_layouts
+        self._assignments: dict[tuple[int, bool], TPAssignment] = {}
+        self._pricer = SegmentPricer(self.compute, self.options, self._axis_link, self.tp_layout)
         self._type_costs: dict[tuple[str, ShardKey, RecomputeMode], TypeCost] = {}
         self._recompute_flops: dict[tuple[str, RecomputeMode], float] = {}
         self._tables: dict[tuple[object, ...], _SegmentTable] = {}
@@ -188,9 +210,31 @@ class CostModel:
         self._modes: dict[tuple[object, ...], list[RecomputeMode]] = {}
         self._rank_sums: dict[tuple[object, ...], list[_Rank]] = {}  # tables live as long
         self._step_flops: dict[tuple[RecomputeMode, ...], tuple[float, float]] = {}
-        self._gradient_shapes: dict[int, GradientShapes] = {}
+        self._gradient_shapes: dict[tuple[int, bool], GradientShapes] = {}
 
     # ----- per segment type -------------------------------------------------------------
+
+    def tp_layout(self, tp: int, sequence_parallel: bool) -> TPAssignment:
+        """The tensor-parallel layout priced at ``tp`` (cached)."""
+        key = (tp, sequence_parallel and tp > 1)
+        if key not in self._assignments:
+            self._assignments[key] = unsharded(self.graph) if tp == 1 else self._tp_source(*key)
+        return self._assignments[key]
+
+    def layout_pricer(self) -> LayoutCosts:
+        """Operator and collective seconds as this model prices them, for the layout ILP."""
+        return LayoutCosts(self.compute, self._axis_link)
+
+    def _default_layouts(self, tp: int, sequence_parallel: bool) -> TPAssignment:
+        if self.graph.tracer != "formula":
+            raise SpecError(
+                f"tp = {tp} for the traced model {self.graph.model_name!r}: its tensor-parallel "
+                "layout comes from the sharding ILP; build the cost model with tp_layouts "
+                "(planner.make_plan and plan estimate do)"
+            )
+        return megatron_assignment(
+            self.graph, tp, sequence_parallel, regather=self.options.sp_regather_input
+        )
 
     @cached_property
     def _element_bytes(self) -> int:
@@ -589,7 +633,7 @@ class CostModel:
     def _powersgd_work(self, strategy: Strategy) -> PowerSGDWork:
         """PowerSGD's elements and FLOPs; refuses a rank that compresses no matrix."""
         rank = self._powersgd_rank(strategy)
-        shapes = self._shapes(strategy.tp)
+        shapes = self._shapes(strategy)
         work = powersgd_work(shapes, rank)
         if not work.compressed:
             m, n = max(shapes.matrices, key=lambda mn: mn[0] * mn[1], default=(0, 0))
@@ -612,11 +656,13 @@ class CostModel:
             )
         return rank
 
-    def _shapes(self, tp: int) -> GradientShapes:
+    def _shapes(self, strategy: Strategy) -> GradientShapes:
         """The graph's 2-D weight gradients and vector elements per tensor-parallel shard."""
-        if tp not in self._gradient_shapes:
-            self._gradient_shapes[tp] = gradient_shapes(self.graph, tp)
-        return self._gradient_shapes[tp]
+        key = (strategy.tp, strategy.sequence_parallel)
+        if key not in self._gradient_shapes:
+            layout = self.tp_layout(*key)
+            self._gradient_shapes[key] = gradient_shapes(self.graph, layout)
+        return self._gradient_shapes[key]
 
     def _reduction_times(
         self,

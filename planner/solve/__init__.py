@@ -6,7 +6,8 @@ All three take plain numbers, numpy arrays and the torch-free
 
 from __future__ import annotations
 
-from planner.solve.layout import Roofline, TPLayout, build_layout_problem, solve_tp_layout
+from planner.solve.layout import Roofline, build_layout_problem
+from planner.solve.program import TPLayout, solve_tp_layout
 from planner.solve.sharding import (
     ShardingEdge,
     ShardingInfeasibleError,

@@ -1,45 +1,36 @@
-"""From an operator graph to a sharding ILP, and from its solution to TP module layouts.
+"""The tensor-parallel sharding ILP of a traced model, built so its answer can run.
 
-Every tensor on the tensor-parallel group has a *placement*: ``R`` (replicated),
-``P`` (partial sums: the value is the sum over ranks) or ``S<d>`` (sharded on its
-dim ``d``). Each operator offers strategies, each fixing the placements it needs on
-its inputs, the one it gives its output, the placement of the gradients it sends back
-and the one it accepts, and how far it divides its work (compute) and parameters:
+Operators offer strategies (:mod:`planner.solve.placements`); they run on local
+tensors, so along an edge between two operators the placement never changes, forward
+or backward. Placements change only where the runtime can redistribute a DTensor: at
+the boundary of a module that holds parameters (an ``nn.Linear``, an embedding, a
+norm) and at a block's input or output. Each such boundary is a *conversion node*
+whose strategies are the redistributions DTensor performs there:
 
-- linear ``[out, in]``: ``replicate``; ``colwise`` (input R, output sharded on the
-  last dim, input gradient partial); ``rowwise`` (input sharded on the last dim,
-  output partial).
-- embedding ``[vocab, hidden]``: ``replicate``; ``vocab`` (output partial); ``colwise``.
-- attention: ``replicate``; ``heads`` (q, k, v and output sharded on the heads dim).
-- norm, softmax: ``R`` or sharded on a non-normalised dim (sequence parallel).
-- element-wise, reductions, views, parameter-free matmuls: follow their input (``R``
-  or ``S<d>`` on any dim the op preserves); views also pass ``P`` through.
-- convolutions, losses and matmuls with parameters that are not ``nn.Linear`` (GPT-2's
-  ``Conv1D``, batched expert weights): replicate only (the runtime's TP styles cover
-  ``nn.Linear`` and ``nn.Embedding``); ops of unknown kind too, and that is logged.
+- ``a>b``: the tensor arrives placed ``a`` and leaves placed ``b`` as a local tensor
+  (``S -> R`` all-gather, ``P -> R`` all-reduce, ``P -> S`` reduce-scatter, ``R -> S``
+  a local slice), its gradient arriving as ``b`` and converted back;
+- ``a>R*``: the same, handed on as a DTensor (``*``): the consumers' partial
+  gradients are summed before one collective (one all-reduce for q, k and v);
+- ``R*``: a DTensor passing through (a column-parallel linear fed by such a hand-off);
+- ``=a``: no conversion.
 
-A node read by several consumers also offers its strategies followed by one
-conversion to ``R`` (gradients accepted as ``R`` or ``P``), so one all-gather or
-all-reduce serves every consumer instead of one per edge.
+A module's input gets a conversion node when one tensor from outside enters it, its
+output when one of its tensors leaves it (identity casts at its entry, which a fp32
+trace records in place of the input, are looked through). Identical segments share
+one set of variables; consecutive segment types are joined by a conversion at the
+block's input (or the last block's output). The residual stream entering a block is
+``S1`` under sequence parallelism and ``R`` without; before the first block (where
+models compute positions and masks from the embeddings' shape) activations shard
+only on their last dim. The model's output is replicated (a token model's loss may
+take vocabulary-sharded logits: loss parallel). Modules sharing a weight are tied to
+one placement of it.
 
-Edge costs are the forward resharding of the producer's output into the consumer's
-placement plus the backward resharding of the consumer's gradient into the producer's
-(``P -> R`` all-reduce, ``P -> S`` reduce-scatter, ``S -> R`` all-gather, ``S -> S``
-all-to-all, ``R -> S`` free; a gradient becomes ``P`` for free, a forward value never
-does), priced with an alpha-beta model of the
-TP group's link. Compute is a roofline over forward and backward FLOPs and twice the
-forward bytes. Memory per device is parameter bytes (times ``param_memory_factor``
-for gradients and optimizer states) over the parameter split plus saved activations
-over the compute split.
-
-All segment types of a model are solved in one ILP, each type's variables shared by
-every segment of that type (so the memory budget bounds one segment of each type);
-consecutive segments are joined by boundary edges, so a block type feeding itself
-forces the residual stream into one placement (``R``, or ``S1`` with sequence
-parallelism). The trace names only producers inside a segment, so an op reads the
-segment's entry when one of its input shapes is left over after its producers' and
-equals the previous segment's output shape. Model inputs arrive replicated; the model
-output may stay sharded on its last dim (loss parallel) or be replicated.
+Costs: each operator's compute and each strategy's collectives, from a
+:class:`LayoutPricer` (the cost model's compute and communication model, or a plain
+:class:`Roofline`), times the segments of its type. Memory per device is parameter
+bytes per rank (times ``param_memory_factor``) plus kept activations over their split.
+The solution maps to the plan's per-module layout (:mod:`planner.solve.program`).
 """
 
 from __future__ import annotations
@@ -48,79 +39,74 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from typing import Protocol
 
 import numpy as np
 
+from planner.cost.communication import Collective, LinkModel, collective_time
+from planner.cost.tp import Comm
 from planner.errors import SpecError
-from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, SegmentType
+from planner.solve.placements import (
+    PARTIAL,
+    REPLICATE,
+    VOCAB,
+    OpStrategy,
+    StrategyBuilder,
+    TensorInfo,
+    element_bytes,
+    reshard_collectives,
+    shard,
+    shard_dim,
+    tensor_of,
+    valid,
+)
 from planner.solve.sharding import (
     ShardingEdge,
     ShardingNode,
     ShardingProblem,
     ShardingSolution,
+    ShardingTie,
     solve_sharding,
 )
 from planner.spec import TPStyle
 
 __all__ = [
+    "LayoutPricer",
     "Roofline",
-    "OpStrategy",
-    "TPLayout",
+    "ModuleInfo",
+    "LayoutConstraints",
+    "Conversion",
     "LayoutProblem",
     "build_layout_problem",
-    "layout_from_solution",
-    "solve_tp_layout",
-    "weight_module_paths",
+    "solve_layout",
+    "segment_root",
+    "root_patterns",
 ]
 
 log = logging.getLogger(__name__)
 
-_ELEMENT_BYTES = {
-    "fp64": 8,
-    "fp32": 4,
-    "tf32": 4,
-    "fp16": 2,
-    "bf16": 2,
-    "fp8": 1,
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-    "complex64": 8,
-}
-_INTEGER_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8", "bool"})
-_PERMUTING_TARGETS = ("transpose", "permute", "movedim", ".t", "swapaxes")
-REPLICATE, PARTIAL = "R", "P"
-ENTRY = "in"  # ILP name of a segment type's entry port: "<type key>/in:<shape>"
+_ALIAS_TARGETS = ("to", "alias", "contiguous", "detach", "type_as", "float", "clone", "_to_copy")
 
 
-# how a traced nn.Linear appears: the module class (fx) or its aten op (export)
-_LINEAR_TARGETS = frozenset({"Linear", "aten.linear.default"})
+class LayoutPricer(Protocol):
+    """Seconds for the ILP: an operator's forward + backward at the traced batch, its work
+    divided ``divisor`` ways, and one collective of ``nbytes`` over ``tp`` ranks."""
 
+    def op_seconds(self, node: OpNode, divisor: int) -> float: ...
 
-def shard(dim: int) -> str:
-    return f"S{dim}"
-
-
-def shard_dim(placement: str) -> int | None:
-    return int(placement[1:]) if placement.startswith("S") else None
+    def comm_seconds(self, kind: Collective, nbytes: float, tp: int) -> float: ...
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """Plain hardware numbers for pricing strategies, independent of the cost model.
+    """A plain :class:`LayoutPricer` from hardware numbers (tests, benchmarks).
 
     ``peak_flops`` FLOP/s and ``memory_bandwidth_GBps`` (10^9 B/s) per device;
-    ``link_bandwidth_GBps`` per device in one direction and ``link_latency_us`` per
+    ``link_bandwidth_GBps`` bus bandwidth per device and ``link_latency_us`` per
     collective step on the TP group's link.
     """
 
@@ -136,361 +122,88 @@ class Roofline:
         if self.link_latency_us < 0:
             raise SpecError(f"Roofline.link_latency_us = {self.link_latency_us} must be >= 0")
 
-    def compute_s(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.peak_flops, nbytes / (self.memory_bandwidth_GBps * 1e9))
+    @property
+    def link(self) -> LinkModel:
+        return LinkModel("tp", self.link_bandwidth_GBps * 1e9, self.link_latency_us * 1e-6)
 
-    def collective_s(self, volume_factor: float, nbytes: float, steps: int) -> float:
-        """Seconds to move ``volume_factor * nbytes`` per device in ``steps`` latency steps."""
-        return steps * self.link_latency_us * 1e-6 + volume_factor * nbytes / (
-            self.link_bandwidth_GBps * 1e9
-        )
+    def op_seconds(self, node: OpNode, divisor: int) -> float:
+        flops = node.flops_fwd + node.flops_bwd
+        nbytes = 2 * (node.bytes_read + node.bytes_written)
+        return max(flops / self.peak_flops, nbytes / (self.memory_bandwidth_GBps * 1e9)) / divisor
 
-    def reshard_s(self, src: str, dst: str, nbytes: float, tp: int) -> float:
-        """Seconds to turn a tensor of ``nbytes`` (whole) from placement ``src`` into ``dst``."""
-        if src == dst or dst == PARTIAL or (src == REPLICATE and dst.startswith("S")):
-            return 0.0
-        ring = (tp - 1) / tp
-        if src == PARTIAL:
-            factor = 2 * ring if dst == REPLICATE else ring  # all-reduce or reduce-scatter
-            return self.collective_s(factor, nbytes, 2 * (tp - 1) if dst == REPLICATE else tp - 1)
-        if dst == REPLICATE:
-            return self.collective_s(ring, nbytes, tp - 1)  # all-gather
-        return self.collective_s(ring / tp, nbytes, tp - 1)  # all-to-all between shard dims
+    def comm_seconds(self, kind: Collective, nbytes: float, tp: int) -> float:
+        return collective_time(kind, nbytes, tp, self.link)
 
 
 @dataclass(frozen=True)
-class OpStrategy:
-    """One way to run an operator on the TP group (placements as ``R``, ``P``, ``S<d>``)."""
+class ModuleInfo:
+    """What the ILP needs to know of the real ``nn.Module`` (model-level FQNs).
 
-    name: str
-    inputs: tuple[str, ...]  # forward placement required of each input
-    input_grads: tuple[str, ...]  # placement of the gradient sent back to each input
-    output: str
-    output_grad: str  # placement of the output gradient this strategy's backward takes
-    compute_divisor: int = 1
-    param_divisor: int = 1
-    comm_s: float = 0.0
-    style: TPStyle | None = None  # module layout, for operators holding parameters
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """A node's output as the ILP sees it."""
-
-    shape: tuple[int, ...]
-    nbytes: float
-    needs_grad: bool
-
-
-def _element_bytes(node: OpNode) -> int:
-    size = _ELEMENT_BYTES.get(node.dtype.removeprefix("torch."))
-    if size is None:
-        raise SpecError(
-            f"node {node.name!r} has dtype {node.dtype!r} of unknown size: "
-            f"use one of {sorted(_ELEMENT_BYTES)}"
-        )
-    return size
-
-
-def _valid(placement: str, shape: tuple[int, ...], tp: int) -> bool:
-    """Whether ``placement`` fits ``shape``: a shard needs tp > 1 and a dim tp divides."""
-    dim = shard_dim(placement)
-    if dim is None:
-        return True
-    return tp > 1 and 0 <= dim < len(shape) and shape[dim] >= tp and shape[dim] % tp == 0
-
-
-# --- which output dims an operator preserves from each input ---------------------
-
-
-def _same_size_map(
-    out: tuple[int, ...], src: tuple[int, ...], repeats: bool = False
-) -> dict[int, int | None]:
-    """Output dim -> input dim (``None``: broadcast) for ops aligned from the right.
-
-    With ``repeats`` (``repeat_interleave``) a dim grown by a whole factor keeps its
-    sharding: each rank's slice expands into its own slice.
+    ``weight_modules``: ``nn.Linear``/``nn.Embedding`` modules, whose weight the runtime
+    can shard; ``port_modules``: modules holding parameters directly (where it can
+    redistribute inputs and outputs); ``tied``: groups of modules sharing a parameter; ``params``: each port module's
+    direct parameter names.
     """
-    offset = len(out) - len(src)
-    mapping: dict[int, int | None] = {}
-    for d, size in enumerate(out):
-        j = d - offset
-        if j < 0 or (src[j] == 1 and size > 1):
-            mapping[d] = None
-        elif src[j] == size or (repeats and size % src[j] == 0):
-            mapping[d] = j
-    return mapping
 
-
-def _subsequence_map(out: tuple[int, ...], src: tuple[int, ...]) -> dict[int, int | None]:
-    """Output dims matched in order to input dims of the same size (reductions, selects)."""
-    mapping: dict[int, int | None] = {}
-    j = 0
-    for d, size in enumerate(out):
-        while j < len(src) and src[j] != size:
-            j += 1
-        if j == len(src):
-            break
-        mapping[d] = j
-        j += 1
-    return mapping
-
-
-def _permutation_map(out: tuple[int, ...], src: tuple[int, ...]) -> dict[int, int | None]:
-    """Transposes: dims whose size is unique on both sides are traceable."""
-    mapping: dict[int, int | None] = {}
-    for d, size in enumerate(out):
-        if out.count(size) == 1 and src.count(size) == 1:
-            mapping[d] = src.index(size)
-    return mapping
-
-
-def _reshape_map(out: tuple[int, ...], src: tuple[int, ...]) -> dict[int, int | None]:
-    """Views that split or merge dims: the outermost dims of matching groups correspond."""
-    mapping: dict[int, int | None] = {}
-    i = j = 0
-    while i < len(src) and j < len(out):
-        group_in, group_out = [i], [j]
-        size_in, size_out = src[i], out[j]
-        while size_in != size_out:
-            if size_in < size_out and i + 1 < len(src):
-                i += 1
-                size_in *= src[i]
-                group_in.append(i)
-            elif j + 1 < len(out):
-                j += 1
-                size_out *= out[j]
-                group_out.append(j)
-            else:
-                return mapping
-        outer_in = next((k for k in group_in if src[k] > 1), None)
-        outer_out = next((k for k in group_out if out[k] > 1), None)
-        if outer_in is not None and outer_out is not None:
-            mapping[outer_out] = outer_in
-        i, j = i + 1, j + 1
-    return mapping
-
-
-def _dim_map(node: OpNode, src: tuple[int, ...], first: bool) -> dict[int, int | None]:
-    out = node.output_shape
-    if node.kind is OpKind.VIEW and first:
-        permutes = any(word in node.target.lower() for word in _PERMUTING_TARGETS)
-        if sorted(out) == sorted(src) and (out != src or permutes):
-            return _permutation_map(out, src)
-        if math.prod(out) == math.prod(src):
-            return _reshape_map(out, src)
-    if len(src) > len(out):
-        return _subsequence_map(out, src)
-    return _same_size_map(out, src, repeats="repeat_interleave" in node.target)
-
-
-# --- strategies per operator kind ---------------------------------------------------
-
-
-class _StrategyBuilder:
-    """The candidate strategies of one node, given its input tensors and the TP degree."""
-
-    def __init__(
-        self,
-        node: OpNode,
-        inputs: Sequence[_Tensor],
-        tp: int,
-        roofline: Roofline,
-        weight_modules: Collection[str] | None,
-    ):
-        self.node, self.inputs, self.tp, self.roofline = node, inputs, tp, roofline
-        self.weight_modules = weight_modules
-
-    def build(self) -> list[OpStrategy]:
-        kind, node = self.node.kind, self.node
-        if node.param_count and kind in (OpKind.MATMUL, OpKind.EMBEDDING):
-            if not self._shardable_weight():
-                log.info("%s (%s): weight not shardable, replicated only", node.name, node.target)
-                return [self._replicate()]
-            if kind is OpKind.EMBEDDING:
-                return self._embedding()
-            if self.inputs:
-                return self._linear()
-        if kind is OpKind.ATTENTION and self.inputs:
-            return self._attention()
-        if kind is OpKind.OTHER and self.inputs:
-            log.info("%s (%s): operator of unknown kind, replicated only", node.name, node.target)
-        if kind in (OpKind.CONV, OpKind.LOSS, OpKind.OTHER, OpKind.EMBEDDING) or not self.inputs:
-            return [self._replicate()]
-        return self._follow()
-
-    def _shardable_weight(self) -> bool:
-        """Whether the runtime can shard this node's weight: its module is an ``nn.Linear``
-        or ``nn.Embedding`` (``weight_modules``, when given; else judged by the op)."""
-        if self.weight_modules is not None and self.node.module:  # "": the segment's root
-            return self.node.module in self.weight_modules
-        return self.node.kind is OpKind.EMBEDDING or self.node.target in _LINEAR_TARGETS
-
-    def _replicate(self) -> OpStrategy:
-        count = len(self.inputs)
-        style = TPStyle.REPLICATE if self.node.param_count else None
-        return OpStrategy(
-            "R", (REPLICATE,) * count, (REPLICATE,) * count, REPLICATE, REPLICATE, style=style
-        )
-
-    def _rest(self, count: int) -> tuple[str, ...]:
-        return (REPLICATE,) * (len(self.inputs) - count)
-
-    def _linear(self) -> list[OpStrategy]:
-        tp, x = self.tp, self.inputs[0].shape
-        last_in, last_out = len(x) - 1, len(self.node.output_shape) - 1
-        strategies = [self._replicate()]
-        if _valid(shard(last_out), self.node.output_shape, tp):
-            strategies.append(
-                OpStrategy(
-                    "colwise",
-                    (REPLICATE, *self._rest(1)),
-                    (PARTIAL, *self._rest(1)),
-                    shard(last_out),
-                    shard(last_out),
-                    tp,
-                    tp,
-                    style=TPStyle.COLWISE,
-                )
-            )
-        if _valid(shard(last_in), x, tp):
-            strategies.append(
-                OpStrategy(
-                    "rowwise",
-                    (shard(last_in), *self._rest(1)),
-                    (shard(last_in), *self._rest(1)),
-                    PARTIAL,
-                    REPLICATE,
-                    tp,
-                    tp,
-                    style=TPStyle.ROWWISE,
-                )
-            )
-        return strategies
-
-    def _embedding(self) -> list[OpStrategy]:
-        tp, out = self.tp, self.node.output_shape
-        vocab = self.node.param_count // out[-1]
-        rest = self._rest(0)
-        strategies = [self._replicate()]
-        if tp > 1 and vocab >= tp and vocab % tp == 0:
-            strategies.append(
-                OpStrategy(
-                    "vocab", rest, rest, PARTIAL, REPLICATE, tp, tp, style=TPStyle.VOCAB_PARALLEL
-                )
-            )
-        if _valid(shard(len(out) - 1), out, tp):
-            last = shard(len(out) - 1)
-            strategies.append(
-                OpStrategy("colwise", rest, rest, last, last, tp, tp, style=TPStyle.COLWISE)
-            )
-        return strategies
-
-    def _attention(self) -> list[OpStrategy]:
-        main = self.inputs[:3]
-        heads = [shard(max(0, len(t.shape) - 3)) for t in main]
-        out = shard(max(0, len(self.node.output_shape) - 3))
-        strategies = [self._replicate()]
-        legal = all(_valid(p, t.shape, self.tp) for p, t in zip(heads, main, strict=True))
-        if legal and _valid(out, self.node.output_shape, self.tp):
-            placements = (*heads, *self._rest(len(main)))
-            strategies.append(OpStrategy("heads", placements, placements, out, out, self.tp))
-        return strategies
-
-    def _shardable_dims(self) -> range:
-        out = self.node.output_shape
-        kind = self.node.kind
-        if kind in (OpKind.NORM, OpKind.SOFTMAX) or self.node.param_count:
-            return range(len(out) - 1)  # keep the normalised (or parameter) dim whole
-        if kind is OpKind.MATMUL:
-            return range(len(out) - 2)  # batch dims of a parameter-free matmul
-        return range(len(out))
-
-    def _follow(self) -> list[OpStrategy]:
-        strategies = [self._replicate()]
-        maps = [_dim_map(self.node, t.shape, i == 0) for i, t in enumerate(self.inputs)]
-        for d in self._shardable_dims():
-            strategy = self._follow_dim(d, maps)
-            if strategy is not None:
-                strategies.append(strategy)
-        if self.node.kind is OpKind.VIEW and len(self.inputs) == 1:
-            strategies.append(OpStrategy("P", (PARTIAL,), (REPLICATE,), PARTIAL, REPLICATE))
-        return strategies
-
-    def _follow_dim(self, d: int, maps: list[dict[int, int | None]]) -> OpStrategy | None:
-        placement = shard(d)
-        if not _valid(placement, self.node.output_shape, self.tp):
-            return None
-        needs, grads = [], []
-        for tensor, mapping in zip(self.inputs, maps, strict=True):
-            if d not in mapping:
-                return None
-            source = mapping[d]
-            if source is None:  # broadcast along d: every rank needs all of it
-                needs.append(REPLICATE)
-                grads.append(PARTIAL)
-            elif _valid(shard(source), tensor.shape, self.tp):
-                needs.append(shard(source))
-                grads.append(shard(source))
-            else:
-                return None
-        # Parameter gradients are partial; their all-reduce is bucketed once per step, so
-        # it pays bandwidth, not a latency per operator.
-        grad_sync = self.roofline.collective_s(
-            2 * (self.tp - 1) / self.tp, self.node.param_bytes, steps=0
-        )
-        style = TPStyle.SEQUENCE_PARALLEL if self.node.param_count else None
-        return OpStrategy(
-            placement,
-            tuple(needs),
-            tuple(grads),
-            placement,
-            placement,
-            self.tp,
-            comm_s=grad_sync if self.node.param_count else 0.0,
-            style=style,
-        )
-
-
-def _with_gathered_outputs(
-    strategies: list[OpStrategy], out: _Tensor, tp: int, roofline: Roofline
-) -> list[OpStrategy]:
-    """Add, for a node with several consumers, each strategy followed by one conversion to R."""
-    variants = []
-    for base in strategies:
-        for grad in (REPLICATE, PARTIAL):
-            if (base.output, base.output_grad) == (REPLICATE, grad):
-                continue
-            extra = roofline.reshard_s(base.output, REPLICATE, out.nbytes, tp)
-            if out.needs_grad:
-                extra += roofline.reshard_s(grad, base.output_grad, out.nbytes, tp)
-            name = f"{base.name}>R" + ("~" if grad == PARTIAL else "")
-            variants.append(
-                OpStrategy(
-                    name,
-                    base.inputs,
-                    base.input_grads,
-                    REPLICATE,
-                    grad,
-                    base.compute_divisor,
-                    base.param_divisor,
-                    base.comm_s + extra,
-                    base.style,
-                )
-            )
-    return strategies + variants
-
-
-# --- the joint problem over segment types --------------------------------------------
+    weight_modules: frozenset[str] = frozenset()
+    port_modules: frozenset[str] = frozenset()
+    tied: tuple[tuple[str, ...], ...] = ()
+    params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # direct parameter names
 
 
 @dataclass(frozen=True)
-class _Port:
-    """A virtual node: an input of a segment type, or the model's output."""
+class LayoutConstraints:
+    """Restrictions on the ILP, keyed by model FQN or ``*`` pattern (``layers.*.attention.wq``).
 
-    name: str
-    tensor: _Tensor
-    placements: tuple[str, ...]
+    ``styles`` pins a module's style (Megatron's layout for the zoo); ``inputs`` and
+    ``outputs`` pin its boundary conversions as ``(arrives, leaves)`` placement pairs
+    (``R``, ``P``, ``S<d>``, ``V``) and ``handoff`` whether its output leaves as a
+    DTensor (a hand-written plan, reproduced exactly); ``replicated`` keeps every
+    operator under a module whole (a region whose code cannot run on shards);
+    ``loss_parallel`` forces (``True``) or forbids (``False``) the vocabulary-parallel loss;
+    ``exhaustive``: a module with parameters that ``styles`` does not name is replicated
+    and its boundaries convert nothing (a plan's layout lists every module it touches).
+    """
+
+    styles: Mapping[str, TPStyle] = field(default_factory=dict)
+    inputs: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    outputs: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    handoff: Mapping[str, bool] = field(default_factory=dict)
+    replicated: frozenset[str] = frozenset()
+    loss_parallel: bool | None = None
+    exhaustive: bool = False
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A boundary where the runtime may redistribute: ``module`` (relative to its segment
+    type) and ``side`` (``input``/``output``), or a block boundary (``module`` is the
+    model FQN pattern of the blocks whose input or output it is)."""
+
+    type_id: str
+    module: str
+    side: str
+    tensor: TensorInfo
+
+
+@dataclass(frozen=True)
+class _Strategy:
+    """A conversion's choice: arrives ``src``, leaves ``dst``; gradients ``grad_in`` (from
+    the consumers) and ``grad_out`` (sent on); ``dtensor``: handed on as a DTensor."""
+
+    src: str
+    dst: str
+    grad_in: str
+    grad_out: str
+    dtensor: bool
+
+    @property
+    def name(self) -> str:
+        if self.dtensor and self.grad_out == PARTIAL:
+            return f"{self.src}*"  # a DTensor passing through
+        if self.src == self.dst and not self.dtensor:
+            return f"={self.src}"
+        return f"{self.src}>{self.dst}" + ("*" if self.dtensor else "")
 
 
 @dataclass
@@ -499,70 +212,336 @@ class LayoutProblem:
 
     graph: OpGraph
     tp: int
+    sequence_parallel: bool
     problem: ShardingProblem
     strategies: dict[str, list[OpStrategy]]  # ILP node name -> strategies, in ILP order
     type_keys: dict[str, str]  # segment type id -> short prefix of its ILP node names
     ops: dict[str, tuple[str, OpNode]]  # ILP node name -> (segment type id, operator)
-    consumers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
-    producers: dict[str, list[str]] = field(default_factory=dict)
+    conversions: dict[str, Conversion] = field(default_factory=dict)
+    ports: dict[str, str] = field(default_factory=dict)  # type id -> port modules, comma-joined
+    boundaries: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+
+    def node_strategy(self, name: str, choice: str) -> OpStrategy:
+        return self.strategies[name][self.problem.node(name).strategies.index(choice)]
 
 
-def _port_strategy(placement: str) -> OpStrategy:
-    return OpStrategy(placement, (placement,), (placement,), placement, placement)
+# --- segment roots and FQN patterns --------------------------------------------------
 
 
-class _ProblemBuilder:
-    """Collects ILP nodes and edges for every segment type and the boundaries between them.
+def segment_root(graph: OpGraph, type_id: str, fqn: str) -> str:
+    """A block segment is rooted at its module (``layers.3``); the runs before and after
+    the blocks at the model, their names being labels."""
+    return fqn if graph.types[type_id].kind == "block" else ""
 
-    The trace lists only producers inside a segment as inputs; a node reads the
-    segment's entry (the previous segment's output) when one of its input shapes is
-    left over after its producers' shapes and equals that output's shape.
-    """
+
+def root_patterns(graph: OpGraph, type_id: str) -> list[str]:
+    """The roots of a type's segments: one ``*`` pattern (``layers.*``) when it names them
+    and no segment of another type, else each root."""
+    roots = list(
+        dict.fromkeys(segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id)
+    )
+    parts = [root.split(".") for root in roots]
+    if len(parts) == 1 or len({len(p) for p in parts}) != 1:
+        return roots
+    pattern = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts, strict=True))
+    others = (segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id != type_id)
+    return roots if any(fnmatchcase(other, pattern) for other in others) else [pattern]
+
+
+def _relative(fqns: Iterable[str], root: str) -> set[str]:
+    """``fqns`` under ``root`` as paths relative to it (all of them when ``root`` is "")."""
+    if not root:
+        return set(fqns)
+    prefix = root + "."
+    return {fqn[len(prefix) :] for fqn in fqns if fqn.startswith(prefix)}
+
+
+def _within(module: str, region: str) -> bool:
+    return module == region or module.startswith(region + ".") or region == ""
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(
+        fnmatchcase(n, p) for n, p in zip(names, parts, strict=True)
+    )
+
+
+class _TypeModules:
+    """Per segment type: its roots and the module paths (relative) of its ports and weights."""
+
+    def __init__(self, graph: OpGraph, type_id: str, info: ModuleInfo | None) -> None:
+        self.roots = [segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id]
+        nodes = graph.types[type_id].nodes
+        if info is None:
+            self.weights: set[str] | None = None
+            self.ports = {n.module for n in nodes if n.param_count and n.module}
+            return
+        self.weights = set().union(*(_relative(info.weight_modules, r) for r in self.roots))
+        self.ports = set().union(*(_relative(info.port_modules, r) for r in self.roots))
+
+    def fqns(self, module: str) -> list[str]:
+        return [".".join(p for p in (root, module) if p) for root in self.roots]
+
+    def port_of(self, module: str) -> list[str]:
+        """Port modules containing ``module``, innermost first."""
+        parts = module.split(".") if module else []
+        paths = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        return [p for p in paths if p in self.ports]
+
+
+def _constraint_for(mapping: Mapping[str, object], fqns: list[str]) -> object | None:
+    for pattern, value in mapping.items():
+        if any(_matches(pattern, fqn) for fqn in fqns):
+            return value
+    return None
+
+
+# --- the builder ---------------------------------------------------------------------
+
+
+class _Builder:
+    """Collects ILP nodes and edges for every segment type and the boundaries between them."""
 
     def __init__(
         self,
         graph: OpGraph,
         tp: int,
-        roofline: Roofline,
+        pricer: LayoutPricer,
         *,
         sequence_parallel: bool,
+        info: ModuleInfo | None,
+        constraints: LayoutConstraints,
         param_memory_factor: float,
-        weight_modules: Collection[str] | None,
     ) -> None:
-        self.graph, self.tp, self.roofline = graph, tp, roofline
-        self.weight_modules = weight_modules
-        self.sequence_parallel = sequence_parallel
+        self.graph, self.tp, self.pricer = graph, tp, pricer
+        self.sp = sequence_parallel
+        self.info = info
+        self.constraints = constraints
         self.param_memory_factor = param_memory_factor
-        self.type_keys = {type_id: f"t{i}" for i, type_id in enumerate(_types_in_order(graph))}
+        order = list(dict.fromkeys(s.type_id for s in graph.segments))
+        self.type_keys = {type_id: f"t{i}" for i, type_id in enumerate(order)}
+        self.counts = Counter(segment.type_id for segment in graph.segments)
+        first_block = next(
+            (i for i, s in enumerate(graph.segments) if graph.types[s.type_id].kind == "block"),
+            len(graph.segments),
+        )
+        self.before_blocks = {s.type_id for s in graph.segments[:first_block]}
+        self.sinks = {t: _sink(graph.types[t]) for t in order}
         self.nodes: list[ShardingNode] = []
         self.edges: list[ShardingEdge] = []
         self.strategies: dict[str, list[OpStrategy]] = {}
-        self.tensors: dict[str, _Tensor] = {}
+        self.tensors: dict[str, TensorInfo] = {}
         self.ops: dict[str, tuple[str, OpNode]] = {}
-        self.consumers: dict[str, list[tuple[str, int]]] = {}
-        self.producers: dict[str, list[str]] = {}
-        self.sinks = {t: _sink(graph.types[t]) for t in self.type_keys}
-        self.counts = Counter(segment.type_id for segment in graph.segments)
+        self.conversions: dict[str, Conversion] = {}
+        self.ports: dict[str, str] = {}
+        self.boundaries: dict[str, tuple[str, str, int]] = {}
         self.entries: dict[str, dict[tuple[int, ...], str]] = {}
+        self._type_modules: dict[str, _TypeModules] = {}
+        self.exits: dict[str, str] = {}  # type id -> ILP node of its output (after conversion)
 
     def build(self, memory_budget_bytes: float) -> LayoutProblem:
         first = self.graph.segments[0].type_id
         for type_id, key in self.type_keys.items():
-            segment = self.graph.types[type_id]
-            reads = self._wire_inputs(segment, key, self._entry_shapes(type_id), type_id == first)
-            self._add_segment_type(segment, key, reads)
+            self._add_segment_type(type_id, key, starts_model=type_id == first)
         self._add_boundaries()
-        problem = ShardingProblem(tuple(self.nodes), tuple(self.edges), memory_budget_bytes)
+        ties = self._ties()
+        problem = ShardingProblem(tuple(self.nodes), tuple(self.edges), memory_budget_bytes, ties)
         return LayoutProblem(
-            self.graph,
-            self.tp,
-            problem,
-            self.strategies,
-            self.type_keys,
-            self.ops,
-            self.consumers,
-            self.producers,
+            self.graph, self.tp, self.sp, problem, self.strategies, self.type_keys, self.ops,
+            self.conversions, self.ports, self.boundaries,
+        )  # fmt: skip
+
+    # ----- one segment type ------------------------------------------------------------
+
+    def _add_segment_type(self, type_id: str, key: str, *, starts_model: bool) -> None:
+        segment = self.graph.types[type_id]
+        modules = self._modules(type_id)
+        self.ports[type_id] = ",".join(sorted(modules.ports))
+        names = {node.name for node in segment.nodes}
+        by_name = {node.name: node for node in segment.nodes}
+        entry_shapes = self._entry_shapes(type_id)
+        reads: dict[str, list[str]] = {}
+        for node in segment.nodes:  # producers first, then the entry or model input port
+            sources = [f"{key}/{src}" for src in node.inputs if src in names]
+            produced = [by_name[src].output_shape for src in node.inputs if src in names]
+            entry = _entry_read(node, produced, entry_shapes)
+            if entry is not None:
+                sources.append(self._entry_port(type_id, key, entry, node))
+            elif starts_model and not sources and _reads_model_input(node):
+                sources.append(self._model_input_port(key, node.input_shapes[0], node))
+            reads[node.name] = sources
+        wiring = _Wiring(key, modules, reads, by_name, self.sinks[type_id])
+        count = self.counts[type_id]
+        for node in segment.nodes:
+            name = f"{key}/{node.name}"
+            sources = wiring.sources(node)
+            for src in sources:
+                self._ensure(src, wiring, type_id, count)
+            inputs = [self.tensors[src] for src in sources]
+            strategies = self._strategies(type_id, node, inputs, modules)
+            self._add_op(name, node, strategies, tensor_of(node, inputs), count)
+            self.ops[name] = (type_id, node)
+            for index, src in enumerate(sources):
+                self._add_edge(src, name, index)
+        if wiring.exit != wiring.sink:
+            self._ensure(wiring.exit, wiring, type_id, count)
+        self.exits[type_id] = wiring.exit
+
+    def _modules(self, type_id: str) -> _TypeModules:
+        if type_id not in self._type_modules:
+            self._type_modules[type_id] = _TypeModules(self.graph, type_id, self.info)
+        return self._type_modules[type_id]
+
+    def _ensure(self, name: str, wiring: _Wiring, type_id: str, count: int) -> None:
+        """Add conversion node ``name`` (and the conversions it reads) if not yet there."""
+        if name in self.strategies:
+            return
+        module, side, src = wiring.conversions[name]
+        self._ensure(src, wiring, type_id, count)
+        tensor = self.tensors[src]
+        conversion = Conversion(type_id, module, side, tensor)
+        self.conversions[name] = conversion
+        sources = {s.output for s in self.strategies[src]}
+        self._add_conversion_node(name, conversion, sources, tensor, count)
+        self._add_edge(src, name, 0)
+
+    def _strategies(
+        self, type_id: str, node: OpNode, inputs: list[TensorInfo], modules: _TypeModules
+    ) -> list[OpStrategy]:
+        fqns = modules.fqns(node.module)
+        replicated = any(
+            _matches(region, ancestor)
+            for fqn in fqns
+            for ancestor in _ancestors(fqn)
+            for region in self.constraints.replicated
         )
+        strategies = StrategyBuilder(
+            node, inputs, self.tp, weight_modules=modules.weights, replicated_only=replicated,
+            last_dim_only=type_id in self.before_blocks,
+        ).build()  # fmt: skip
+        pinned = _constraint_for(self.constraints.styles, fqns) if node.module else None
+        if pinned is None and self.constraints.exhaustive and node.module:
+            pinned = TPStyle.REPLICATE
+        if pinned is not None and any(s.style is not None for s in strategies):
+            strategies = [s for s in strategies if s.style is pinned]
+            if not strategies:
+                raise SpecError(
+                    f"module {fqns[0]!r}: style {TPStyle(pinned).value!r} is not possible for "
+                    f"its operator {node.name!r} ({node.target}) at tp {self.tp}"
+                )
+        if node.kind is OpKind.LOSS and self.constraints.loss_parallel is not None:
+            wanted = "vocab" if self.constraints.loss_parallel else "R"
+            strategies = [s for s in strategies if s.name == wanted] or strategies
+        return strategies
+
+    def _conversion_strategies(
+        self, conversion: Conversion, sources: set[str], tensor: TensorInfo
+    ) -> list[_Strategy]:
+        shape = tensor.shape
+        last_only = conversion.type_id in self.before_blocks
+        dims = [d for d in range(1, len(shape)) if not last_only or d == len(shape) - 1]
+        targets = [REPLICATE, *(shard(d) for d in dims if valid(shard(d), shape, self.tp))]
+        out: list[_Strategy] = []
+        for src in sorted(sources):
+            if not (valid(src, shape, self.tp) or src in (REPLICATE, PARTIAL)):
+                continue
+            back = REPLICATE if src == PARTIAL else src
+            if src != PARTIAL:
+                out.append(_Strategy(src, src, src, src, dtensor=False))
+            if src == VOCAB:
+                continue
+            for dst in targets:
+                if dst != src and reshard_collectives(src, dst) is not None:
+                    out.append(_Strategy(src, dst, dst, back, dtensor=False))
+            if tensor.needs_grad:
+                out.append(_Strategy(src, REPLICATE, PARTIAL, back, dtensor=True))
+                if src == REPLICATE:
+                    out.append(_Strategy(REPLICATE, REPLICATE, PARTIAL, PARTIAL, dtensor=True))
+            last = shard(len(shape) - 1)
+            if (
+                src == last
+                and conversion.side == "output"
+                and self.constraints.loss_parallel is not False
+                and valid(VOCAB, shape, self.tp)
+            ):
+                out.append(_Strategy(last, VOCAB, VOCAB, last, dtensor=True))
+        return _pinned(out, *self._conversion_pins(conversion))
+
+    def _conversion_pins(self, conversion: Conversion) -> tuple[object, object]:
+        if not conversion.module:  # a block boundary: the strategy's SP decides it
+            return None, None
+        fqns = self._modules(conversion.type_id).fqns(conversion.module)
+        pins = self.constraints.inputs if conversion.side == "input" else self.constraints.outputs
+        placements = _constraint_for(pins, fqns)
+        handoff = _constraint_for(self.constraints.handoff, fqns)
+        if placements is None and self.constraints.exhaustive:
+            return "plain", False
+        return placements, handoff
+
+    def _add_conversion_node(
+        self, name: str, conversion: Conversion, sources: set[str], tensor: TensorInfo, count: int
+    ) -> None:
+        strategies = self._conversion_strategies(conversion, sources, tensor)
+        if not strategies:
+            raise SpecError(
+                f"module {conversion.module!r} ({conversion.side}): no conversion fits its "
+                f"pinned placements at tp {self.tp}"
+            )
+        as_ops = [self._as_op(s, tensor) for s in strategies]
+        zeros = np.zeros(len(as_ops))
+        comm = count * np.array([self._comm_seconds(s.comms) for s in as_ops])
+        self.nodes.append(
+            ShardingNode(name, tuple(s.name for s in strategies), zeros, comm, zeros.copy())
+        )
+        self.strategies[name], self.tensors[name] = as_ops, tensor
+
+    def _as_op(self, strategy: _Strategy, tensor: TensorInfo) -> OpStrategy:
+        comms = [
+            Comm(kind, tensor.nbytes, backward=False)
+            for kind in reshard_collectives(strategy.src, strategy.dst) or ()
+        ]
+        if tensor.needs_grad:
+            comms += [
+                Comm(kind, tensor.nbytes, backward=True)
+                for kind in reshard_collectives(strategy.grad_in, strategy.grad_out) or ()
+            ]
+        return OpStrategy(
+            strategy.name, (strategy.src,), (strategy.grad_out,), strategy.dst, strategy.grad_in,
+            comms=tuple(comms),
+        )  # fmt: skip
+
+    def _comm_seconds(self, comms: Iterable[Comm]) -> float:
+        return sum(self.pricer.comm_seconds(c.kind, c.nbytes, self.tp) for c in comms)
+
+    # ----- operators, ports, edges ------------------------------------------------------
+
+    def _add_op(
+        self, name: str, op: OpNode, strategies: list[OpStrategy], tensor: TensorInfo, count: int
+    ) -> None:
+        """An operator of a type that ``count`` segments share: its costs count that often."""
+        size = op.param_bytes / op.param_count if op.param_count else 0.0
+        memory = [
+            s.param_elements * size * self.param_memory_factor + op.saved_bytes / s.saved_divisor
+            for s in strategies
+        ]
+        compute = [self.pricer.op_seconds(op, s.compute_divisor) for s in strategies]
+        comm = [self._comm_seconds(s.comms) for s in strategies]
+        self.nodes.append(
+            ShardingNode(
+                name, tuple(s.name for s in strategies), count * np.array(compute),
+                count * np.array(comm), count * np.array(memory),
+            )  # fmt: skip
+        )
+        self.strategies[name], self.tensors[name] = strategies, tensor
+
+    def _add_port(self, name: str, tensor: TensorInfo, placements: tuple[str, ...]) -> str:
+        if name not in self.strategies:
+            strategies = [OpStrategy(p, (p,), (p,), p, p) for p in placements]
+            zeros = np.zeros(len(strategies))
+            self.nodes.append(ShardingNode(name, placements, zeros, zeros, zeros))
+            self.strategies[name], self.tensors[name] = strategies, tensor
+        return name
 
     def _entry_shapes(self, type_id: str) -> set[tuple[int, ...]]:
         """Output shapes of the segments that come right before a segment of this type."""
@@ -573,145 +552,224 @@ class _ProblemBuilder:
             if after.type_id == type_id
         }
 
-    def _wire_inputs(
-        self,
-        segment: SegmentType,
-        key: str,
-        entry_shapes: set[tuple[int, ...]],
-        starts_model: bool,
-    ) -> dict[str, list[str]]:
-        """ILP names of what each node reads: producers in the segment, then entry ports.
-
-        Ops of the model's first segment that read no producer read the model's input,
-        which arrives replicated (a port with ``R`` only).
-        """
-        shapes = {node.name: node.output_shape for node in segment.nodes}
-        ports: dict[str, _Port] = {}
-        reads: dict[str, list[str]] = {}
-        for node in segment.nodes:
-            sources = [f"{key}/{src}" for src in node.inputs if src in shapes]
-            produced = [shapes[src] for src in node.inputs if src in shapes]
-            entry = _entry_read(node, produced, entry_shapes)
-            if entry is not None:
-                port = self._entry_port(key, entry, node, segment)
-            elif starts_model and not sources and _reads_model_input(node):
-                port = self._model_input_port(key, node.input_shapes[0], node)
-            else:
-                reads[node.name] = sources
-                continue
-            ports.setdefault(port.name, port)
-            reads[node.name] = [*sources, port.name]
-        for port in ports.values():
-            self._add_port(port)
-        self.entries[key] = {port.tensor.shape: port.name for port in ports.values()}
-        return reads
-
-    def _add_segment_type(
-        self, segment: SegmentType, key: str, reads: dict[str, list[str]]
-    ) -> None:
-        fan_out = Counter(src for sources in reads.values() for src in set(sources))
-        for node in segment.nodes:
-            name = f"{key}/{node.name}"
-            inputs = [self.tensors[src] for src in reads[node.name]]
-            strategies = _StrategyBuilder(
-                node, inputs, self.tp, self.roofline, self.weight_modules
-            ).build()
-            tensor = self._output_tensor(node, inputs)
-            if fan_out[name] > 1:
-                strategies = _with_gathered_outputs(strategies, tensor, self.tp, self.roofline)
-            count = self.counts[segment.type_id]
-            self._add_node(name, node, strategies, tensor, count)
-            self.ops[name] = (segment.type_id, node)
-            for index, src in enumerate(reads[node.name]):
-                self._add_edge(src, name, index, count)
-
-    def _entry_port(
-        self, key: str, shape: tuple[int, ...], node: OpNode, segment: SegmentType
-    ) -> _Port:
-        tensor = _Tensor(shape, math.prod(shape) * _element_bytes(node), needs_grad=True)
-        if segment.kind == "block":
-            candidates = [shard(1)] if self.sequence_parallel and len(shape) >= 3 else []
+    def _entry_port(self, type_id: str, key: str, shape: tuple[int, ...], node: OpNode) -> str:
+        """A segment's input: a block's residual stream is ``S1`` under SP, else ``R``."""
+        tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=True)
+        kind = self.graph.types[type_id].kind
+        sharded = valid(shard(1), shape, self.tp) and len(shape) >= 3
+        if kind == "block":
+            placements = (shard(1),) if self.sp and sharded else (REPLICATE,)
         else:
-            candidates = [shard(d) for d in range(len(shape))]
-        placements = [REPLICATE, *(p for p in candidates if _valid(p, shape, self.tp))]
-        return _Port(f"{key}/{ENTRY}:{_shape_text(shape)}", tensor, tuple(placements))
+            placements = (REPLICATE, shard(1)) if self.sp and sharded else (REPLICATE,)
+        name = f"{key}/in:{_shape_text(shape)}"
+        self.entries.setdefault(key, {})[shape] = name
+        return self._add_port(name, tensor, placements)
 
-    def _model_input_port(self, key: str, shape: tuple[int, ...], node: OpNode) -> _Port:
-        tensor = _Tensor(shape, math.prod(shape) * _element_bytes(node), needs_grad=False)
-        return _Port(f"{key}/model_input:{_shape_text(shape)}", tensor, (REPLICATE,))
+    def _model_input_port(self, key: str, shape: tuple[int, ...], node: OpNode) -> str:
+        tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=False)
+        return self._add_port(f"{key}/model_input:{_shape_text(shape)}", tensor, (REPLICATE,))
 
-    def _output_tensor(self, node: OpNode, inputs: Sequence[_Tensor]) -> _Tensor:
-        is_float = node.dtype.removeprefix("torch.") not in _INTEGER_DTYPES
-        needs_grad = is_float and (bool(node.param_count) or any(t.needs_grad for t in inputs))
-        nbytes = math.prod(node.output_shape) * _element_bytes(node)
-        return _Tensor(node.output_shape, nbytes, needs_grad)
-
-    def _add_node(
-        self, name: str, op: OpNode, strategies: list[OpStrategy], tensor: _Tensor, count: int
-    ) -> None:
-        """An operator of a type that ``count`` segments share: its costs count that often."""
-        full = self.roofline.compute_s(
-            op.flops_fwd + op.flops_bwd, 2 * (op.bytes_read + op.bytes_written)
-        )
-        params = op.param_bytes * self.param_memory_factor
-        memory = [params / s.param_divisor + op.saved_bytes / s.compute_divisor for s in strategies]
-        self.nodes.append(
-            ShardingNode(
-                name,
-                tuple(s.name for s in strategies),
-                compute_s=count * np.array([full / s.compute_divisor for s in strategies]),
-                comm_s=count * np.array([s.comm_s for s in strategies]),
-                memory_bytes=count * np.array(memory),
-            )
-        )
-        self.strategies[name], self.tensors[name] = strategies, tensor
-
-    def _add_port(self, port: _Port) -> None:
-        strategies = [_port_strategy(p) for p in port.placements]
-        zeros = np.zeros(len(strategies))
-        self.nodes.append(ShardingNode(port.name, port.placements, zeros, zeros, zeros))
-        self.strategies[port.name], self.tensors[port.name] = strategies, port.tensor
-
-    def _add_edge(self, src: str, dst: str, index: int, count: int) -> None:
-        """A tensor passed ``count`` times per step (once per segment of the type)."""
+    def _add_edge(self, src: str, dst: str, index: int) -> None:
+        """A tensor from ``src`` read as input ``index`` of ``dst``: placements must match."""
         tensor = self.tensors[src]
-        cost = count * np.array(
+        legal = np.array(
             [
-                [self._edge_cost(s, t, index, tensor) for t in self.strategies[dst]]
+                [self._compatible(s, t, index, tensor) for t in self.strategies[dst]]
                 for s in self.strategies[src]
             ]
         )
-        self.edges.append(ShardingEdge(src, dst, cost))
-        self.consumers.setdefault(src, []).append((dst, index))
-        self.producers.setdefault(dst, []).append(src)
+        self.edges.append(ShardingEdge(src, dst, np.where(legal, 0.0, math.inf)))
 
-    def _edge_cost(self, s: OpStrategy, t: OpStrategy, index: int, tensor: _Tensor) -> float:
-        need, grad = t.inputs[index], t.input_grads[index]
-        if not (_valid(need, tensor.shape, self.tp) and _valid(s.output, tensor.shape, self.tp)):
-            return math.inf
-        if s.output != need and need == PARTIAL:
-            return math.inf  # a forward value cannot be made partial usefully
-        cost = self.roofline.reshard_s(s.output, need, tensor.nbytes, self.tp)
-        if tensor.needs_grad:
-            cost += self.roofline.reshard_s(grad, s.output_grad, tensor.nbytes, self.tp)
-        return cost
+    def _compatible(self, s: OpStrategy, t: OpStrategy, index: int, tensor: TensorInfo) -> bool:
+        if not valid(s.output, tensor.shape, self.tp) and s.output not in (REPLICATE, PARTIAL):
+            return False
+        if s.output != t.inputs[index]:
+            return False
+        return not tensor.needs_grad or s.output_grad == t.input_grads[index]
+
+    # ----- between segments --------------------------------------------------------------
 
     def _add_boundaries(self) -> None:
-        """Join each segment's output to the entry of the next segment, and to the model output."""
+        """Join each segment type's output to the next one's entry through a conversion at
+        the block's input (or the last block's output), and the last to the model output."""
         segments = self.graph.segments
         joins = Counter((a.type_id, b.type_id) for a, b in itertools.pairwise(segments))
         for (before, after), count in joins.items():
-            sink = self.sinks[before]
-            entry = self.entries[self.type_keys[after]].get(sink.output_shape)
-            if entry is not None:
-                self._add_edge(f"{self.type_keys[before]}/{sink.name}", entry, 0, count)
-        last_sink = self.sinks[segments[-1].type_id]
-        last = f"{self.type_keys[segments[-1].type_id]}/{last_sink.name}"
-        tensor = self.tensors[last]
-        placements = [REPLICATE] + ([shard(len(tensor.shape) - 1)] if tensor.shape else [])
-        valid = tuple(p for p in placements if _valid(p, tensor.shape, self.tp))
-        self._add_port(_Port("model_output", tensor, valid))
-        self._add_edge(last, "model_output", 0, 1)
+            sink = self.exits[before]
+            entry = self.entries.get(self.type_keys[after], {}).get(self.sinks[before].output_shape)
+            if entry is None:
+                continue
+            kinds = (self.graph.types[before].kind, self.graph.types[after].kind)
+            if "block" not in kinds:
+                self._add_edge(sink, entry, 0)
+                continue
+            name = f"bd:{self.type_keys[before]}>{self.type_keys[after]}"
+            side = "input" if kinds[1] == "block" else "output"
+            owner = after if side == "input" else before
+            tensor = self.tensors[sink]
+            conversion = Conversion(owner, "", side, tensor)
+            self.conversions[name] = conversion
+            self.boundaries[name] = (before, after, count)
+            sources = {s.output for s in self.strategies[sink]}
+            self._add_conversion_node(name, conversion, sources, tensor, count)
+            self._add_edge(sink, name, 0)
+            self._add_edge(name, entry, 0)
+        last = self.exits[segments[-1].type_id]
+        output = self._add_port("model_output", self.tensors[last], (REPLICATE,))
+        self._add_edge(last, output, 0)
+
+    def _ties(self) -> tuple[ShardingTie, ...]:
+        """Modules sharing a parameter: their weight-holding operators place it alike."""
+        if self.info is None:
+            return ()
+        ties = []
+        for group in self.info.tied:
+            members = [name for fqn in group for name in self._weight_ops(fqn)]
+            if len(set(members)) > 1:
+                members = list(dict.fromkeys(members))
+                labels = tuple(tuple(s.weight for s in self.strategies[m]) for m in members)
+                ties.append(ShardingTie(tuple(members), labels))
+        return tuple(ties)
+
+    def _weight_ops(self, fqn: str) -> list[str]:
+        found = []
+        for name, (type_id, node) in self.ops.items():
+            if node.kind not in (OpKind.MATMUL, OpKind.EMBEDDING):
+                continue
+            if fqn in self._modules(type_id).fqns(node.module) and any(
+                s.style is not None for s in self.strategies[name]
+            ):
+                found.append(name)
+        return found
+
+
+class _Wiring:
+    """Where one segment type's reads cross module boundaries, and the conversion nodes there.
+
+    A read from producer ``u`` by consumer ``v`` leaves the innermost port module holding
+    ``u`` but not ``v`` and enters the innermost one holding ``v`` but not ``u``. A module
+    left by one producer gets an output conversion serving every consumer outside it;
+    a module entered by one source gets an input conversion serving every consumer
+    inside. Identity casts at a module's entry are looked through by readers outside.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        modules: _TypeModules,
+        reads: dict[str, list[str]],
+        by_name: dict[str, OpNode],
+        sink: OpNode,
+    ) -> None:
+        self.key, self.modules, self.reads, self.by_name = key, modules, reads, by_name
+        self.routed = {name: [self._resolve(src, by_name[name]) for src in srcs] for name, srcs in reads.items()}
+        exits: dict[str, set[str]] = {}
+        enters: dict[str, set[str]] = {}
+        reader: dict[tuple[str, str], OpNode] = {}  # (module entered, source) -> a consumer
+        for name, srcs in self.routed.items():
+            for src in srcs:
+                out, inn = self._crossing(src, by_name[name])
+                if out:
+                    exits.setdefault(out, set()).add(src)
+                if inn:
+                    enters.setdefault(inn, set()).add(src)
+                    reader.setdefault((inn, src), by_name[name])
+        # the segment's output leaves every module: a module that produces it converts it
+        # there, so no partial sum crosses the model's own code to the next segment
+        self.sink = f"{key}/{sink.name}"
+        sink_port = self._innermost(sink.module, None)
+        if sink_port:
+            exits.setdefault(sink_port, set()).add(self.sink)
+        self.conversions: dict[str, tuple[str, str, str]] = {}  # name -> (module, side, source)
+        self._out = {
+            (m, next(iter(srcs))): f"{key}/output:{m}" for m, srcs in exits.items() if len(srcs) == 1
+        }
+        self._in = {
+            (m, next(iter(srcs))): f"{key}/input:{m}" for m, srcs in enters.items() if len(srcs) == 1
+        }
+        for (module, src), name in self._out.items():
+            self.conversions[name] = (module, "output", src)
+        self.exit = self._out.get((sink_port, self.sink), self.sink) if sink_port else self.sink
+        for (module, src), name in self._in.items():
+            out = self._crossing(src, reader[module, src])[0]
+            upstream = self._out.get((out, src), src) if out else src
+            self.conversions[name] = (module, "input", upstream)
+
+    def module_of(self, src: str) -> str | None:
+        """The producing operator's module; ``None`` for a port (outside every module)."""
+        node = self.by_name.get(src.partition("/")[2]) if src.startswith(self.key + "/") else None
+        return node.module if node is not None else None
+
+    def _crossing(self, src: str, consumer: OpNode | None) -> tuple[str | None, str | None]:
+        producer = self.module_of(src)
+        inside = consumer.module if consumer is not None else None
+        out = self._innermost(producer, inside) if producer is not None else None
+        inn = self._innermost(inside, producer) if inside is not None else None
+        return out, inn
+
+    def _innermost(self, inside: str, outside: str | None) -> str | None:
+        """The innermost port module holding ``inside`` but not ``outside``."""
+        for port in self.modules.port_of(inside):
+            if outside is None or not _within(outside, port):
+                return port
+        return None
+
+    def _resolve(self, src: str, consumer: OpNode) -> str:
+        """A read of an identity cast at a port module's entry, from outside the module,
+        reads what the cast reads (a fp32 trace records ``x.float()`` in place of ``x``)."""
+        while True:
+            node = self.by_name.get(src.partition("/")[2]) if src.startswith(self.key + "/") else None
+            if node is None or not _is_alias(node) or len(self.reads[node.name]) != 1:
+                return src
+            ports = self.modules.port_of(node.module)
+            upstream = self.reads[node.name][0]
+            above = self.module_of(upstream)
+            if not ports or _within(consumer.module, ports[0]):
+                return src
+            if above is not None and _within(above, ports[0]):
+                return src
+            src = upstream
+
+    def sources(self, consumer: OpNode) -> list[str]:
+        """The ILP nodes ``consumer`` reads: producers, ports or conversions on the way."""
+        row = []
+        for src in self.routed[consumer.name]:
+            out, inn = self._crossing(src, consumer)
+            via = self._out.get((out, src), src) if out else src
+            if inn and (inn, src) in self._in:
+                via = self._in[inn, src]
+            row.append(via)
+        return row
+
+
+def _pinned(
+    strategies: list[_Strategy], placements: object, handoff: object
+) -> list[_Strategy]:
+    """The strategies a pinned ``(arrives, leaves)`` pair (``"plain"``: no conversion)
+    and hand-off allow."""
+    if placements == "plain":
+        return [s for s in strategies if s.src == s.dst and not s.dtensor]
+    if placements is not None:
+        strategies = [s for s in strategies if (s.src, s.dst) == tuple(placements)]  # type: ignore[arg-type]
+    if handoff is not None:
+        strategies = [s for s in strategies if s.dtensor is handoff]
+    return strategies
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _is_alias(node: OpNode) -> bool:
+    """An identity view (a cast to the same dtype, an alias) that a trace may record in
+    place of a module's input."""
+    if node.kind is not OpKind.VIEW or len(node.input_shapes) != 1:
+        return False
+    if node.input_shapes[0] != node.output_shape:
+        return False
+    parts = node.target.lower().split(".")
+    return any(t in parts for t in _ALIAS_TARGETS)
 
 
 def _sink(segment: SegmentType) -> OpNode:
@@ -745,27 +803,22 @@ def _entry_read(
     return next((shape for shape in left if shape in entry_shapes), None)
 
 
-def _types_in_order(graph: OpGraph) -> list[str]:
-    return list(dict.fromkeys(segment.type_id for segment in graph.segments))
-
-
 def build_layout_problem(
     graph: OpGraph,
     *,
     tp: int,
-    roofline: Roofline,
+    pricer: LayoutPricer,
     sequence_parallel: bool = False,
     memory_budget_bytes: float = math.inf,
     param_memory_factor: float = 1.0,
-    weight_modules: Collection[str] | None = None,
+    info: ModuleInfo | None = None,
+    constraints: LayoutConstraints | None = None,
 ) -> LayoutProblem:
     """The sharding ILP of ``graph`` at TP degree ``tp``, one variable set per segment type.
 
-    ``memory_budget_bytes`` bounds the per-device memory of one segment of each type
-    (parameters times ``param_memory_factor`` plus saved activations, bytes).
-    ``weight_modules``: module paths, relative to their segment (as ``OpNode.module``),
-    whose weights the runtime can shard (see :func:`weight_module_paths`); ``None``
-    judges by the op (an ``nn.Linear`` or embedding).
+    ``memory_budget_bytes`` bounds the per-device memory of the whole model (parameters
+    times ``param_memory_factor`` plus kept activations, bytes). ``info`` describes the
+    real module (without it, weights and ports are judged by the operators).
     """
     if tp < 1:
         raise SpecError(f"tp = {tp} must be >= 1")
@@ -773,167 +826,15 @@ def build_layout_problem(
         raise SpecError(f"graph of {graph.model_name!r} has no segments to shard")
     if param_memory_factor <= 0:
         raise SpecError(f"param_memory_factor = {param_memory_factor} must be > 0")
-    builder = _ProblemBuilder(
-        graph,
-        tp,
-        roofline,
-        sequence_parallel=sequence_parallel,
-        param_memory_factor=param_memory_factor,
-        weight_modules=weight_modules,
-    )
+    builder = _Builder(
+        graph, tp, pricer, sequence_parallel=sequence_parallel, info=info,
+        constraints=constraints or LayoutConstraints(), param_memory_factor=param_memory_factor,
+    )  # fmt: skip
     return builder.build(memory_budget_bytes)
 
 
-# --- from the solution to module layouts ---------------------------------------------
-
-
-_TORCH_PLACEMENT = {REPLICATE: "Replicate()", PARTIAL: "Partial()"}
-
-
-def torch_placement(placement: str) -> str:
-    """``R`` -> ``Replicate()``, ``S1`` -> ``Shard(1)``, ``P`` -> ``Partial()``."""
-    dim = shard_dim(placement)
-    return f"Shard({dim})" if dim is not None else _TORCH_PLACEMENT[placement]
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """Module layouts for the runtime, keyed by FQN or ``*`` pattern (``layers.*.attention.wq``).
-
-    ``styles`` is the plan's ``tp_layout``; ``input_layouts``/``output_layouts`` give,
-    per module, the placement its input arrives in and the one its output must take
-    (``Replicate()``, ``Shard(d)``), for ``ColwiseParallel(input_layouts=...)``,
-    ``RowwiseParallel(output_layouts=...)`` and ``PrepareModuleInput``.
-    ``sequence_parallel`` says whether the residual stream between blocks is sharded
-    on the sequence dim (norms may still be sequence-sharded inside a block without it).
-    """
-
-    styles: dict[str, TPStyle]
-    input_layouts: dict[str, str]
-    output_layouts: dict[str, str]
-    sequence_parallel: bool
-    solution: ShardingSolution
-
-
-def _segment_root(graph: OpGraph, segment: Segment) -> str:
-    """A block segment is rooted at its module (``layers.3``); the runs before and after
-    the blocks (``embedding``, ``head``) at the model, their names being labels (a label
-    may equal a module's name, as a head module called ``head``)."""
-    return segment.fqn if graph.types[segment.type_id].kind == "block" else ""
-
-
-def _root_patterns(graph: OpGraph, type_id: str) -> list[str]:
-    """The roots of a type's segments: one ``*`` pattern (``layers.*``) when it names them
-    and no segment of another type, else each root."""
-    roots = list(
-        dict.fromkeys(_segment_root(graph, s) for s in graph.segments if s.type_id == type_id)
-    )
-    parts = [root.split(".") for root in roots]
-    if len(parts) == 1 or len({len(p) for p in parts}) != 1:
-        return roots
-    pattern = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts, strict=True))
-    others = (_segment_root(graph, s) for s in graph.segments if s.type_id != type_id)
-    return roots if any(fnmatchcase(other, pattern) for other in others) else [pattern]
-
-
-def _module_fqns(graph: OpGraph, type_id: str, module: str) -> list[str]:
-    """Model-level FQNs (or patterns) of ``module`` in the segments of a type."""
-    return [
-        ".".join(part for part in (root, module) if part) for root in _root_patterns(graph, type_id)
-    ]
-
-
-def layout_from_solution(problem: LayoutProblem, solution: ShardingSolution) -> TPLayout:
-    """Module FQN (pattern) -> :class:`TPStyle`, plus input/output placements per module."""
-    chosen = {
-        name: problem.strategies[name][problem.problem.node(name).strategies.index(choice)]
-        for name, choice in solution.choice.items()
-    }
-    styles: dict[str, TPStyle] = {}
-    inputs: dict[str, str] = {}
-    outputs: dict[str, str] = {}
-    for pattern, (name, style) in sorted(_module_styles(problem, chosen).items()):
-        styles[pattern] = style
-        inputs[pattern], outputs[pattern] = _io_placements(problem, chosen, name)
-    return TPLayout(styles, inputs, outputs, _residual_sharded(problem, solution), solution)
-
-
-def _module_styles(
-    problem: LayoutProblem, chosen: dict[str, OpStrategy]
-) -> dict[str, tuple[str, TPStyle]]:
-    """Per module pattern, the deciding ILP node (most parameter bytes) and its style."""
-    candidates: dict[str, list[tuple[float, str, TPStyle]]] = {}
-    for name, strategy in chosen.items():
-        if strategy.style is None:
-            continue
-        type_id, op = problem.ops[name]
-        for pattern in _module_fqns(problem.graph, type_id, op.module):
-            candidates.setdefault(pattern, []).append((op.param_bytes, name, strategy.style))
-    decided = {}
-    for pattern, entries in candidates.items():
-        _, name, style = max(entries, key=lambda entry: entry[0])
-        if len({entry[2] for entry in entries}) > 1:
-            log.warning("module %s: its operators disagree; using %s from %s", pattern, style, name)
-        decided[pattern] = (name, style)
-    return decided
-
-
-def _residual_sharded(problem: LayoutProblem, solution: ShardingSolution) -> bool:
-    """Whether a block type's entry (the residual stream) is sharded."""
-    blocks = {k for t, k in problem.type_keys.items() if problem.graph.types[t].kind == "block"}
-    return any(
-        choice != REPLICATE
-        for name, choice in solution.choice.items()
-        if name.partition("/")[0] in blocks and name.partition("/")[2].startswith(f"{ENTRY}:")
-    )
-
-
-def _io_placements(
-    problem: LayoutProblem, chosen: dict[str, OpStrategy], name: str
-) -> tuple[str, str]:
-    producers = problem.producers.get(name, [])
-    arriving = chosen[producers[0]].output if producers else REPLICATE
-    consumers = problem.consumers.get(name, [])
-    if consumers:
-        consumer, index = consumers[0]
-        leaving = chosen[consumer].inputs[index]
-    else:
-        leaving = chosen[name].output
-    return torch_placement(arriving), torch_placement(leaving)
-
-
-def solve_tp_layout(
-    graph: OpGraph,
-    *,
-    tp: int,
-    roofline: Roofline,
-    sequence_parallel: bool = False,
-    memory_budget_bytes: float = math.inf,
-    param_memory_factor: float = 1.0,
-    time_limit_s: float = 10.0,
-    tmp_dir: str | None = None,
-    weight_modules: Collection[str] | None = None,
-) -> TPLayout:
-    """Build the sharding ILP of ``graph``, solve it with CBC and map it to module layouts."""
-    problem = build_layout_problem(
-        graph,
-        tp=tp,
-        roofline=roofline,
-        sequence_parallel=sequence_parallel,
-        memory_budget_bytes=memory_budget_bytes,
-        param_memory_factor=param_memory_factor,
-        weight_modules=weight_modules,
-    )
-    solution = solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
-    return layout_from_solution(problem, solution)
-
-
-def weight_module_paths(names: Iterable[str]) -> frozenset[str]:
-    """Every dotted suffix of ``names`` (FQNs of the ``nn.Linear`` and ``nn.Embedding``
-    modules of a model): ``weight_modules`` for :func:`build_layout_problem`, which
-    matches the module paths of ``OpNode`` relative to their segment."""
-    suffixes: set[str] = set()
-    for name in names:
-        parts = name.split(".")
-        suffixes.update(".".join(parts[i:]) for i in range(len(parts)))
-    return frozenset(suffixes)
+def solve_layout(
+    problem: LayoutProblem, *, time_limit_s: float = 10.0, tmp_dir: str | None = None
+) -> ShardingSolution:
+    """Solve a layout problem with CBC."""
+    return solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)

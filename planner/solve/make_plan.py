@@ -1,8 +1,9 @@
 """From a model and a cluster to a runnable :class:`~planner.spec.Plan`.
 
-``trace -> CostModel -> search -> stage DP -> sharding ILP -> assemble``: the search
-picks the strategy, the stage DP re-splits its pipeline stages under the memory cap,
-and the ILP chooses the tensor-parallel layout of each module.
+``trace -> layouts + CostModel -> search -> stage DP -> assemble``: the tensor-parallel
+layout at each degree (the sharding ILP's, rehearsed; Megatron's for the zoo) is what
+the cost model prices, the search picks the strategy, the stage DP re-splits its
+pipeline stages under the memory cap, and the plan carries the winner's layout.
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torch import nn
-
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions, graph_from_spec
-from planner.cost.communication import link_for_axis
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.graph import OpGraph
+from planner.layouts import ModelLayouts
 from planner.models import ModelHandle, Transformer
-from planner.solve.layout import Roofline, TPLayout, solve_tp_layout, weight_module_paths
 from planner.solve.lossy import LossyCompression, tradeoff
+from planner.solve.program import TPLayout
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
 from planner.spec import (
@@ -33,10 +32,9 @@ from planner.spec import (
     Prediction,
     SolverStats,
     Strategy,
-    TPStyle,
     Training,
 )
-from planner.trace import trace
+from planner.trace import trace_for_training
 from planner.validate import (
     check_model_against_plan,
     pipeline_splittable,
@@ -44,17 +42,18 @@ from planner.validate import (
     validate_plan_for_world,
 )
 
-__all__ = ["PlanSearch", "cost_graph", "make_plan", "search_plan", "trace_for_training"]
+__all__ = [
+    "PlanSearch",
+    "cost_graph",
+    "make_plan",
+    "model_limits",
+    "priced_model",
+    "search_plan",
+    "trace_for_training",
+]
 
 log = logging.getLogger(__name__)
 _POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
-
-
-def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
-    """The model's traced graph at batch 1 and the training sequence length and dtype."""
-    seq = training.seq_len or (handle.spec.seq_len if handle.spec else None)
-    dtype = {DType.FP32: "fp32", DType.FP16: "fp16"}.get(training.dtype, "bf16")  # fp8: bf16 acts
-    return trace(handle, batch_size=1, seq_len=seq, dtype=dtype)
 
 
 def cost_graph(handle: ModelHandle, training: Training) -> OpGraph:
@@ -111,32 +110,15 @@ def search_plan(
     include the whole Pareto front of step time against peak memory."""
     started = time.perf_counter()
     graph = cost_graph(handle, training)
-    model = CostModel(graph, cluster, training, options=options)
-    spec = handle.spec
-    limits = ModelLimits(
-        num_blocks=len(graph.blocks) or 1,
-        seq_len=graph.seq_len,
-        num_heads=spec.num_heads if spec else None,
-        num_kv_heads=spec.kv_heads if spec else None,
-        pipeline=pipeline_splittable(handle.module),
-        context_parallel=isinstance(handle.module, Transformer),
-        ddp_over_tp=not shares_parameters(handle.module),
-    )
+    model, layouts = priced_model(handle, graph, cluster, training, options, ilp_time_limit_s)
     result = search(
-        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy,
-        progress=progress,
+        model, model_limits(handle, graph, cluster, layouts), pins=pins,
+        top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy, progress=progress,
     )  # fmt: skip
-    layouts: dict[tuple[int, bool], TPLayout | None] = {}
-
-    def layout_of(strategy: Strategy) -> TPLayout | None:
-        key = (strategy.tp, strategy.sequence_parallel)
-        if key not in layouts:
-            layouts[key] = _tp_layout(handle, training, model, strategy, ilp_time_limit_s)
-        return layouts[key]
-
-    best = _first_with_layout(result.ranked, layout_of)
+    best = result.ranked[0]
     chunks, prediction = _refine_stages(model, best)
-    layout = layout_of(best.strategy)
+    strategy = best.strategy
+    layout = layouts.layout(strategy.tp, strategy.sequence_parallel) if strategy.tp > 1 else None
     stats = result.stats.model_copy(
         update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
     )
@@ -145,39 +127,76 @@ def search_plan(
         handle,
         cluster,
         training,
-        best.strategy,
-        tp_layout=layout.styles if layout is not None else None,
-        stages=stages if best.strategy.pp > 1 else None,
+        strategy,
+        tp_layout=layout.modules if layout is not None else None,
+        stages=stages if strategy.pp > 1 else None,
         prediction=prediction,
         runners_up=tuple(_runner_up(best, other) for other in _diverse(result.ranked, top_k)),
         solver=stats,
-        tradeoffs=tuple(t for t in [tradeoff(model, best.strategy)] if t),
+        tradeoffs=tuple(t for t in [tradeoff(model, strategy)] if t),
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)
     return PlanSearch(plan, result.costed)
 
 
-def _first_with_layout(
-    ranked: Sequence[Scored], layout_of: Callable[[Strategy], TPLayout | None]
-) -> Scored:
-    """The fastest candidate whose sequence parallelism the ILP's layout can carry.
+def priced_model(
+    handle: ModelHandle,
+    graph: OpGraph,
+    cluster: Cluster,
+    training: Training,
+    options: CostOptions | None = None,
+    ilp_time_limit_s: float = 10.0,
+) -> tuple[CostModel, ModelLayouts]:
+    """The cost model of ``graph`` and the tensor-parallel layouts it prices.
 
-    A model without norms to shard on the sequence (a CNN, an MLP stack) gets no
-    sequence-parallel module from the ILP, so its sequence-parallel candidates cannot run.
+    A zoo transformer is priced on its formula graph with Megatron-LM's layout (the
+    layouts object traces it only to write the winner's ``tp_layout``); any other model
+    on its trace, with the layouts the sharding ILP finds and the rehearsal accepts.
     """
-    for scored in ranked:
-        layout = layout_of(scored.strategy)
-        if not scored.strategy.sequence_parallel or layout is None:
-            return scored
-        if any(style is TPStyle.SEQUENCE_PARALLEL for style in layout.styles.values()):
-            return scored
-        log.info(
-            "skipping %s: the layout shards no module on the sequence", scored.strategy.describe()
-        )
-    raise InfeasibleError(
-        "every fitting candidate uses sequence parallelism, but the tensor-parallel layout "
-        "of this model shards no module on the sequence: pin --no-sequence-parallel"
+    traced = handle.spec is None
+    holder: list[ModelLayouts] = []
+    model = CostModel(
+        graph, cluster, training, options=options,
+        tp_layouts=(lambda tp, sp: holder[0].assignment(tp, sp)) if traced else None,
+    )  # fmt: skip
+    layouts = ModelLayouts(
+        handle, graph if traced else None, model.layout_pricer(),
+        trace=lambda: trace_for_training(handle, training), time_limit_s=ilp_time_limit_s,
+    )  # fmt: skip
+    holder.append(layouts)
+    return model, layouts
+
+
+def model_limits(
+    handle: ModelHandle, graph: OpGraph, cluster: Cluster, layouts: ModelLayouts
+) -> ModelLimits:
+    """What the runtime can do with ``handle``: heads, blocks, pipelines, CP, TP layouts."""
+    heads, kv_heads = _heads(handle)
+    traced = handle.spec is None
+    return ModelLimits(
+        num_blocks=len(graph.blocks) or 1,
+        seq_len=graph.seq_len,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        pipeline=pipeline_splittable(handle.module),
+        context_parallel=isinstance(handle.module, Transformer),
+        ddp_over_tp=not shares_parameters(handle.module),
+        max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
+        layout_problem=layouts.why_not,
+    )
+
+
+def _heads(handle: ModelHandle) -> tuple[int | None, int | None]:
+    """Query and key/value heads: the spec's, or a Hugging Face config's."""
+    if handle.spec is not None:
+        return handle.spec.num_heads, handle.spec.kv_heads
+    config = getattr(handle.module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return (
+        heads if isinstance(heads, int) else None,
+        kv_heads if isinstance(kv_heads, int) else None,
     )
 
 
@@ -217,38 +236,6 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
     if refined.fits and refined.step_time_s < best.prediction.step_time_s:
         return chunks, refined
     return even, best.prediction
-
-
-def _tp_layout(
-    handle: ModelHandle,
-    training: Training,
-    model: CostModel,
-    strategy: Strategy,
-    time_limit_s: float,
-) -> TPLayout | None:
-    """The sharding ILP on the traced graph (real operators and edges) at the plan's tp."""
-    if strategy.tp == 1:
-        return None
-    graph = model.graph if handle.spec is None else trace_for_training(handle, training)
-    profile = model.profile
-    link = link_for_axis(strategy.tp, 1, model.cluster, profile)
-    roofline = Roofline(
-        peak_flops=profile.peak_flops(model.training.dtype) * profile.matmul_efficiency,
-        memory_bandwidth_GBps=profile.memory_bandwidth_GBps * profile.memory_efficiency,
-        link_bandwidth_GBps=link.busbw_Bps / 1e9,
-        link_latency_us=link.latency_s * 1e6,
-    )
-    weights = (
-        name for name, m in handle.module.named_modules() if isinstance(m, nn.Linear | nn.Embedding)
-    )
-    return solve_tp_layout(
-        graph,
-        tp=strategy.tp,
-        roofline=roofline,
-        sequence_parallel=strategy.sequence_parallel,
-        time_limit_s=time_limit_s,
-        weight_modules=weight_module_paths(weights),
-    )
 
 
 def _ilp_stats(layout: TPLayout | None, base: SolverStats) -> dict[str, object]:

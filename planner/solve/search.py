@@ -107,7 +107,11 @@ class Pins:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the model allows: ``heads`` (None: any tp), blocks, sequence length."""
+    """What the model allows: ``heads`` (None: any tp), blocks, sequence length.
+
+    ``max_tp`` caps the tensor-parallel degree (None: any); ``layout_problem(tp, sp)``
+    says why no tensor-parallel layout of that degree runs the model (``None``: one does).
+    """
 
     num_blocks: int
     seq_len: int
@@ -116,10 +120,19 @@ class ModelLimits:
     pipeline: bool = True  # whether the runtime can split the blocks into stages
     context_parallel: bool = True  # whether the runtime can shard its sequences
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
+    max_tp: int | None = None
+    layout_problem: Callable[[int, bool], str | None] | None = None
 
     def allows_tp(self, tp: int) -> bool:
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
-        return all(h % tp == 0 for h in heads)
+        within = self.max_tp is None or tp <= self.max_tp
+        return within and all(h % tp == 0 for h in heads)
+
+    def layout_blocker(self, tp: int, sp: bool) -> str | None:
+        """Why tensor parallelism ``tp`` (with ``sp``) cannot run the model, if it cannot."""
+        if tp == 1 or self.layout_problem is None:
+            return None
+        return self.layout_problem(tp, sp)
 
 
 @dataclass(frozen=True)
@@ -304,6 +317,8 @@ class _Space:
                 microbatches = self.training.global_batch_size // (dp * mbs)
                 for sp in (False, True) if tp > 1 else (False,):
                     if not self.pins.allows("sequence_parallel", sp):
+                        continue
+                    if self.limits.layout_blocker(tp, sp) is not None:
                         continue
                     yield from self._groups(dp, tp, pp, cp, mbs, microbatches, sp)
 
@@ -510,10 +525,19 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
     if gpus % product or (len(pinned) == 4 and product != gpus):
         factors = " * ".join(f"{name}({value})" for name, value in pinned.items())
         reasons.append(f"{factors} = {product} does not divide num_gpus({gpus})")
-    if pins.tp is not None and not limits.allows_tp(pins.tp):
+    if pins.tp is not None and limits.max_tp is not None and pins.tp > limits.max_tp:
+        reasons.append(
+            f"tp({pins.tp}) > {limits.max_tp}: tensor parallelism of this model stays within "
+            "a node (its layout is solved per degree up to the GPUs per node)"
+        )
+    elif pins.tp is not None and not limits.allows_tp(pins.tp):
         reasons.append(
             f"tp({pins.tp}) does not divide the heads ({limits.num_heads}, kv {limits.num_kv_heads})"
         )
+    elif pins.tp is not None and pins.sequence_parallel:
+        blocker = limits.layout_blocker(pins.tp, True)
+        if blocker is not None:
+            reasons.append(f"sequence parallelism at tp({pins.tp}): {blocker}")
     if pins.pp is not None and (pins.pp > limits.num_blocks or not limits.pipeline):
         reasons.append(f"pp({pins.pp}) cannot split this model's {limits.num_blocks} blocks")
     if pins.cp is not None and pins.cp > 1 and not limits.context_parallel:

@@ -23,13 +23,19 @@ Constraint families (each constraint is named after its family)::
     one_strategy_n{n}:           sum_s x[n,s] = 1                         for every node
     edge_consistency_e{e}_s{s}:  sum_t y[e,s,t] = x[u,s]                  for every edge, s
     edge_consistency_e{e}_t{t}:  sum_s y[e,s,t] = x[v,t]                  for every edge, t
+    edge_consistency_e{e}_t{t}:  x[v,t] <= sum_{s legal with t} x[u,s]    free edges, t
+    tied_k{k}_m{i}_{label}:      sum_{s: L[a,s]=label} x[a,s] = sum_{t: L[b,t]=label} x[b,t]
     memory_budget:               sum_n sum_s m[n,s] x[n,s] <= budget
 
 The two marginal equalities are the tight (local-polytope) linearisation of
 ``y = x[u,s] * x[v,t]``: with binary ``x`` they force ``y`` to the product, so ``y``
 can stay continuous, and since illegal pairs have no ``y``, choosing both ends of an
-illegal pair is infeasible. Internally times are scaled to microseconds and memory to
-fractions of the budget, so CBC's tolerances do not swallow small costs.
+illegal pair is infeasible. An edge whose legal pairs all cost nothing (a placement
+that must simply match) needs no ``y``: one inequality per consumer strategy says its
+producer chose a compatible one. A tie (``ShardingTie``) makes nodes that share a
+weight choose strategies with the same label (the weight's placement). Internally
+times are scaled to microseconds and memory to fractions of the budget, so CBC's
+tolerances do not swallow small costs.
 
 CBC runs with a time limit in its own temporary directory. On timeout the best
 incumbent is returned with status ``time_limit_incumbent``; when the ILP is
@@ -55,6 +61,7 @@ from planner.spec import SolverStats
 __all__ = [
     "ShardingNode",
     "ShardingEdge",
+    "ShardingTie",
     "ShardingProblem",
     "ShardingSolution",
     "ShardingInfeasibleError",
@@ -64,10 +71,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Family = Literal["one_strategy", "edge_consistency", "memory_budget"]
+Family = Literal["one_strategy", "edge_consistency", "tied", "memory_budget"]
 Status = Literal["optimal", "time_limit_incumbent"]
 Outcome = Literal["optimal", "incumbent", "infeasible", "no_solution"]
-ALL_FAMILIES: tuple[Family, ...] = ("one_strategy", "edge_consistency", "memory_budget")
+ALL_FAMILIES: tuple[Family, ...] = ("one_strategy", "edge_consistency", "tied", "memory_budget")
 _US_PER_S = 1e6
 
 
@@ -144,6 +151,23 @@ class ShardingEdge:
                 "expected [producer strategies x consumer strategies]"
             )
 
+    @property
+    def free(self) -> bool:
+        """Every legal pair costs nothing: the edge only says which pairs may meet."""
+        finite = self.cost_s[np.isfinite(self.cost_s)]
+        return not np.any(finite)
+
+
+@dataclass(frozen=True)
+class ShardingTie:
+    """Nodes that must choose strategies with equal labels (modules sharing a weight).
+
+    ``labels[i][s]`` labels strategy ``s`` of node ``nodes[i]`` (the weight's placement).
+    """
+
+    nodes: tuple[str, ...]
+    labels: tuple[tuple[str, ...], ...]
+
 
 @dataclass(frozen=True)
 class ShardingProblem:
@@ -152,6 +176,7 @@ class ShardingProblem:
     nodes: tuple[ShardingNode, ...]
     edges: tuple[ShardingEdge, ...]
     memory_budget_bytes: float = math.inf
+    ties: tuple[ShardingTie, ...] = ()
     index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +196,10 @@ class ShardingProblem:
                     f"edge {edge.src}->{edge.dst} cost_s has shape {edge.cost_s.shape}, "
                     f"expected {expected} (producer x consumer strategies)"
                 )
+        for tie in self.ties:
+            for name, labels in zip(tie.nodes, tie.labels, strict=True):
+                if name not in index or len(labels) != len(self.nodes[index[name]].strategies):
+                    raise SpecError(f"tie names {name!r}: unknown node or one label per strategy")
         if not self.memory_budget_bytes > 0:
             raise SpecError(
                 f"memory_budget_bytes = {self.memory_budget_bytes} must be > 0 (inf for no limit)"
@@ -262,6 +291,8 @@ class _Model:
         edge: ShardingEdge,
         x: list[dict[int, pulp.LpVariable]],
     ) -> dict[tuple[int, int], pulp.LpVariable]:
+        if edge.free:
+            return {}
         src, dst = x[problem.index[edge.src]], x[problem.index[edge.dst]]
         return {
             (s, t): lp.add_variable(f"y_e{k}_s{s}_t{t}", 0, 1)
@@ -304,12 +335,28 @@ class _Model:
     def add_edge_consistency(self) -> None:
         for k, (edge, ys) in enumerate(zip(self.problem.edges, self.y, strict=True)):
             src, dst = self.x[self.problem.index[edge.src]], self.x[self.problem.index[edge.dst]]
+            if edge.free:
+                legal = np.isfinite(edge.cost_s)
+                for t, var in dst.items():
+                    row = [x for s, x in src.items() if legal[s, t]]
+                    self.lp += var <= pulp.lpSum(row), f"edge_consistency_e{k}_t{t}"
+                continue
             for s, var in src.items():
                 row = [y for (ys_, _), y in ys.items() if ys_ == s]
                 self.lp += pulp.lpSum(row) == var, f"edge_consistency_e{k}_s{s}"
             for t, var in dst.items():
                 column = [y for (_, yt), y in ys.items() if yt == t]
                 self.lp += pulp.lpSum(column) == var, f"edge_consistency_e{k}_t{t}"
+
+    def add_tied(self) -> None:
+        for k, tie in enumerate(self.problem.ties):
+            first = self.x[self.problem.index[tie.nodes[0]]]
+            for i, name in enumerate(tie.nodes[1:], start=1):
+                other = self.x[self.problem.index[name]]
+                for label in sorted(set(tie.labels[0]) | set(tie.labels[i])):
+                    left = [v for s, v in first.items() if tie.labels[0][s] == label]
+                    right = [v for s, v in other.items() if tie.labels[i][s] == label]
+                    self.lp += pulp.lpSum(left) == pulp.lpSum(right), f"tied_k{k}_m{i}_{label}"
 
     def add_memory_budget(self) -> None:
         if math.isfinite(self.problem.memory_budget_bytes):
@@ -341,6 +388,7 @@ def _build(problem: ShardingProblem, families: Sequence[Family], objective: str 
     builders = {
         "one_strategy": model.add_one_strategy,
         "edge_consistency": model.add_edge_consistency,
+        "tied": model.add_tied,
         "memory_budget": model.add_memory_budget,
     }
     for family in families:
@@ -425,7 +473,7 @@ def _diagnose_infeasible(
     problem: ShardingProblem, time_limit_s: float, tmp_dir: str | None
 ) -> PlannerError:
     """Re-solve without the memory budget, minimising memory, to tell which family is to blame."""
-    without_memory = _build(problem, ("one_strategy", "edge_consistency"), objective="memory")
+    without_memory = _build(problem, ("one_strategy", "edge_consistency", "tied"), "memory")
     outcome = without_memory.run(time_limit_s, tmp_dir)
     if outcome == "no_solution":
         return _timeout(time_limit_s, without_memory)
@@ -438,6 +486,15 @@ def _diagnose_infeasible(
             f"memory_budget_bytes allows {format_bytes(problem.memory_budget_bytes)}: "
             "raise the budget, use a larger tp degree or shard more (ZeRO-3, recompute)",
         )
+    if problem.ties:
+        untied = _build(problem, ("one_strategy", "edge_consistency"), "memory")
+        if untied.run(time_limit_s, tmp_dir) in ("optimal", "incumbent"):
+            names = "; ".join(" and ".join(tie.nodes) for tie in problem.ties)
+            return ShardingInfeasibleError(
+                "tied",
+                f"nodes sharing a weight ({names}) cannot place it alike: replicate them, "
+                "or give them strategies that shard the same dim",
+            )
     return ShardingInfeasibleError("edge_consistency", _blocking_edge(problem))
 
 

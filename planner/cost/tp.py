@@ -1,0 +1,270 @@
+"""What tensor parallelism does to each operator: the cost model's view of a layout.
+
+A :class:`TPAssignment` says, for one tensor-parallel degree and sequence-parallel
+setting, how far each operator of each segment type divides its work, the activations
+it keeps and its parameters, and which collectives run around it (per segment
+occurrence and micro-batch). The cost model prices exactly that; nothing else in it
+knows how a layout splits a model.
+
+Two sources produce assignments:
+
+- the sharding ILP's solution for a traced model (:mod:`planner.solve.program`), the
+  layout the runtime applies module by module;
+- :func:`megatron_assignment` for the formula graph of a zoo transformer
+  (:mod:`planner.cost.spec_graph`): Megatron-LM's layout written as a rule on the zoo's
+  module names, so ``plan estimate`` and the accuracy benchmark price a spec without
+  tracing it. A test holds it equal to the ILP's solution of the same layout on the
+  traced model (parameters per rank, tensor-core FLOPs per rank, collective bytes).
+
+Megatron's rule (module paths relative to the segment: ``attention.wq``; the
+embedding and head segments' read ``tok_embeddings``, ``output``):
+
+- *split*: inside a block's ``attention`` or ``feed_forward`` sublayer (between the
+  column-parallel and the row-parallel linear; norms excepted), the token embedding
+  (vocabulary-parallel), the output head (column-parallel) and the loss (vocabulary-
+  parallel): work, kept activations and parameters divide by ``tp`` (the row-parallel
+  linear's bias stays whole).
+- *sequence*: norms, residual adds, dropout and the position embedding: replicated, or
+  split along the sequence under sequence parallelism inside the blocks and the head
+  (parameters replicated; their gradients all-reduced once per micro-batch).
+- a sequence-parallel sublayer keeps its gathered (whole-sequence) input for backward,
+  as DTensor does, unless ``sp_regather_input`` (Megatron) gathers it again.
+- collectives per sublayer: forward all-reduce of its output (reduce-scatter under SP,
+  with an all-gather of its input first), backward all-reduce of its input's gradient
+  (reduce-scatter, plus the output's all-gather, under SP, and the input's re-gather
+  when ``sp_regather_input``); the embedding's output is all-reduced (sequence
+  parallelism starts at the first block's input, which slices it: that slice's
+  backward all-gathers, since models compute positions and masks from the embeddings'
+  shape); the vocabulary-parallel loss all-reduces three fp32 values per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from planner.cost.communication import Collective
+from planner.graph import OpGraph, OpKind, OpNode, SegmentType
+
+__all__ = [
+    "ShardKey",
+    "Comm",
+    "SegmentTP",
+    "TPAssignment",
+    "AssignmentSource",
+    "unsharded",
+    "megatron_assignment",
+    "SUBLAYERS",
+    "VOCAB_PARALLEL",
+]
+
+SUBLAYERS = frozenset({"attention", "feed_forward"})
+"""Zoo block children holding a column-parallel/row-parallel linear pair."""
+VOCAB_PARALLEL = frozenset({"tok_embeddings", "output", "loss"})
+"""Zoo leaves split on the vocabulary: the token embedding, the output head, the loss."""
+# Kinds doing tensor-core work: a run of split nodes without any is no TP sublayer.
+_SUBLAYER_WORK = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.LOSS})
+_LOSS_REDUCTIONS = 3  # vocabulary-parallel cross entropy: max, sum of exponentials, target
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """What changes a segment's per-GPU cost: the split degrees and the micro-batch."""
+
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    micro_batch_size: int
+
+    @property
+    def token_scale(self) -> float:
+        """Tokens per GPU per micro-batch relative to the traced batch-1 graph."""
+        return self.micro_batch_size / self.cp
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective over the tensor-parallel group, per segment and micro-batch.
+
+    ``nbytes`` is the whole array at the traced batch-1 shapes; ``per_token`` arrays
+    (activations) grow with the micro-batch's tokens, the others (a replicated
+    parameter's gradient) do not. ``where`` names the module it runs at.
+    """
+
+    kind: Collective
+    nbytes: float
+    backward: bool
+    per_token: bool = True
+    where: str = ""
+
+    def bytes_for(self, key: ShardKey) -> float:
+        """Bytes of the whole array for one micro-batch of ``key``."""
+        return self.nbytes * key.token_scale if self.per_token else self.nbytes
+
+
+@dataclass(frozen=True)
+class SegmentTP:
+    """Per-node divisors of one segment type (aligned with its nodes) and its collectives."""
+
+    work_divisor: tuple[int, ...]
+    saved_divisor: tuple[int, ...]
+    param_elements: tuple[float, ...]  # parameters each node holds per rank
+    comms: tuple[Comm, ...] = ()
+    gathered_bytes: float = 0.0  # kept inputs the graph does not show (batch 1, per rank)
+
+
+@dataclass(frozen=True)
+class TPAssignment:
+    """A layout as the cost model sees it: one :class:`SegmentTP` per segment type."""
+
+    tp: int
+    sequence_parallel: bool
+    segments: Mapping[str, SegmentTP]
+
+    def segment(self, type_id: str) -> SegmentTP:
+        return self.segments[type_id]
+
+
+AssignmentSource = Callable[[int, bool], TPAssignment]
+"""``(tp, sequence_parallel) -> TPAssignment``: where the cost model gets its layouts."""
+
+
+def _replicated(seg_type: SegmentType) -> SegmentTP:
+    ones = (1,) * len(seg_type.nodes)
+    return SegmentTP(ones, ones, tuple(float(n.param_count) for n in seg_type.nodes))
+
+
+def unsharded(graph: OpGraph, tp: int = 1) -> TPAssignment:
+    """Every operator whole on every rank (``tp = 1``, or a layout that shards nothing)."""
+    return TPAssignment(tp, False, {t: _replicated(s) for t, s in graph.types.items()})
+
+
+# --- Megatron-LM's layout of the zoo transformer, by module name ------------------------
+
+
+def _is_split(node: OpNode) -> bool:
+    parts = node.module.split(".") if node.module else []
+    if node.kind is OpKind.LOSS or (parts and parts[-1] in VOCAB_PARALLEL):
+        return True
+    return bool(parts) and parts[0] in SUBLAYERS and node.kind is not OpKind.NORM
+
+
+def _split_runs(nodes: Sequence[OpNode]) -> list[list[int]]:
+    """Index runs of consecutive split nodes: one per tensor-parallel sublayer (or the
+    embedding, or the head's output and loss), without views at either end."""
+    runs: list[list[int]] = [[]]
+    for index, node in enumerate(nodes):
+        if _is_split(node):
+            runs[-1].append(index)
+        elif runs[-1]:
+            runs.append([])
+    trimmed = []
+    for run in runs:
+        moving = [i for i in run if nodes[i].kind is not OpKind.VIEW]
+        kept = [i for i in run if moving and moving[0] <= i <= moving[-1]]
+        if any(nodes[i].kind in _SUBLAYER_WORK for i in kept):
+            trimmed.append(kept)
+    return trimmed
+
+
+def _rowwise(nodes: Sequence[OpNode], run: list[int]) -> int | None:
+    """The row-parallel linear closing a sublayer run (the last matmul with parameters)."""
+    if nodes[run[-1]].kind is OpKind.LOSS or nodes[run[0]].kind is OpKind.EMBEDDING:
+        return None
+    linears = [i for i in run if nodes[i].kind is OpKind.MATMUL and nodes[i].param_count]
+    return linears[-1] if len(linears) > 1 else None
+
+
+def _bias(node: OpNode) -> int:
+    if node.gemm is None:
+        return 0
+    _, _, out_features, in_features = node.gemm
+    return max(node.param_count - out_features * in_features, 0)
+
+
+def _input_bytes(node: OpNode) -> float:
+    return max(node.bytes_read - node.param_bytes, 0.0)
+
+
+def _run_comms(nodes: Sequence[OpNode], run: list[int], sp: bool, regather: bool) -> list[Comm]:
+    """A split run's collectives (a sublayer, the embedding, or the head and loss)."""
+    first, last = nodes[run[0]], nodes[run[-1]]
+    where = first.module.rpartition(".")[0] or first.module
+    comms: list[Comm] = []
+    if first.kind is not OpKind.EMBEDDING:  # the input is replicated: gather it, or not
+        entry = _input_bytes(first)
+        if sp:
+            comms += [Comm(Collective.ALL_GATHER, entry, False, where=where),
+                      Comm(Collective.REDUCE_SCATTER, entry, True, where=where)]  # fmt: skip
+            if regather:
+                comms.append(Comm(Collective.ALL_GATHER, entry, True, where=where))
+        else:
+            comms.append(Comm(Collective.ALL_REDUCE, entry, True, where=where))
+    if last.kind is OpKind.LOSS:
+        tokens = math.prod(last.input_shapes[0][:-1]) if last.input_shapes else 1
+        comms += [Comm(Collective.ALL_REDUCE, 4.0 * tokens, False, where="loss")] * _LOSS_REDUCTIONS
+    elif sp and first.kind is not OpKind.EMBEDDING:
+        out = last.bytes_written
+        comms += [Comm(Collective.REDUCE_SCATTER, out, False, where=where),
+                  Comm(Collective.ALL_GATHER, out, True, where=where)]  # fmt: skip
+    else:
+        comms.append(Comm(Collective.ALL_REDUCE, last.bytes_written, False, where=where))
+    return comms
+
+
+def _megatron_segment(
+    seg_type: SegmentType, tp: int, sp: bool, regather: bool, *, before_blocks: bool
+) -> SegmentTP:
+    nodes = seg_type.nodes
+    on_sequence = sp and not before_blocks  # sequence parallelism starts at the first block
+    work, params, comms = [], [], []
+    for node in nodes:
+        split = _is_split(node)
+        work.append(tp if split or on_sequence else 1)
+        params.append(node.param_count / tp if split else float(node.param_count))
+        if on_sequence and not split and node.param_count:
+            comms.append(Comm(Collective.ALL_REDUCE, node.param_bytes, True, False, node.module))
+    gathered = 0.0
+    for run in _split_runs(nodes):
+        comms += _run_comms(nodes, run, sp, regather)
+        rowwise = _rowwise(nodes, run)
+        if rowwise is not None:  # its bias stays whole on every rank
+            node = nodes[rowwise]
+            bias = _bias(node)
+            params[rowwise] = (node.param_count - bias) / tp + bias
+        if on_sequence and not regather and nodes[run[0]].kind is not OpKind.EMBEDDING:
+            gathered += _input_bytes(nodes[run[0]]) * (1 - 1 / tp)
+    divisors = tuple(work)
+    return SegmentTP(divisors, divisors, tuple(params), tuple(comms), gathered)
+
+
+def megatron_assignment(
+    graph: OpGraph, tp: int, sequence_parallel: bool, *, regather: bool = False
+) -> TPAssignment:
+    """Megatron-LM's layout of a zoo transformer's formula graph (see the module docstring).
+
+    ``regather`` adds Megatron's backward re-gather of a sequence-parallel linear's
+    input (DTensor keeps the gathered input instead; the cost model adds its memory).
+    """
+    if tp == 1:
+        return unsharded(graph)
+    sp = sequence_parallel
+    first_block = next(
+        (i for i, s in enumerate(graph.segments) if graph.segment_type(s).kind == "block"), 0
+    )
+    before = {s.type_id for s in graph.segments[:first_block]}
+    segments = {
+        type_id: _megatron_segment(seg, tp, sp, regather, before_blocks=type_id in before)
+        for type_id, seg in graph.types.items()
+    }
+    if sp and before:  # the first block slices the replicated stream: backward gathers it
+        embedding = graph.segments[first_block - 1].type_id
+        sink = graph.types[embedding].nodes[-1]
+        seg = segments[embedding]
+        gather = Comm(Collective.ALL_GATHER, sink.bytes_written, True, where="block input")
+        segments[embedding] = SegmentTP(
+            seg.work_divisor, seg.saved_divisor, seg.param_elements, (*seg.comms, gather),
+            seg.gathered_bytes,
+        )  # fmt: skip
+    return TPAssignment(tp, sp, segments)

@@ -1,0 +1,229 @@
+"""A tensor-parallel layout rehearsed on fake tensors: the model's own code on one rank.
+
+Before a layout is priced or emitted, one rank's view of it runs under
+``FakeTensorMode`` (shapes only: no memory, no values). Parameters take their local
+shapes, each module boundary the layout redistributes gives its tensor the local
+shape the redistribution would (an all-gather grows the sharded dim ``tp``-fold, a
+slice or reduce-scatter shrinks it), and the model's forward runs as written. Code
+that cannot run on shards (a view with a hard-coded head count, a fused projection
+split by the full width, positions computed from a sequence shard) fails here, not on
+the cluster; so does a module whose output does not have the local shape the layout
+promises. The failure names the innermost module that was running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from planner.graph import OpGraph
+from planner.models import ModelHandle
+from planner.spec import ModuleTP
+from planner.trace import DTYPES, prepare_traced_module
+
+__all__ = ["RehearsalFailure", "rehearse", "expand_patterns"]
+
+
+@dataclass(frozen=True)
+class RehearsalFailure:
+    """Where a layout failed on one rank's shards: the innermost running module's FQN
+    (``""``: the model's own forward), the modules around it, and what went wrong."""
+
+    module: str
+    stack: tuple[str, ...]
+    message: str
+
+    def describe(self) -> str:
+        where = f"module {self.module!r}" if self.module else "the model's forward"
+        return f"{where}: {self.message}"
+
+
+def expand_patterns(patterns: Mapping[str, ModuleTP], names: list[str]) -> dict[str, ModuleTP]:
+    """Concrete FQN -> layout for every name a pattern (``*`` per component) matches."""
+    concrete: dict[str, ModuleTP] = {}
+    for pattern, layout in patterns.items():
+        parts = pattern.split(".")
+        for name in names:
+            pieces = name.split(".")
+            if len(pieces) == len(parts) and all(
+                fnmatch.fnmatchcase(n, p) for n, p in zip(pieces, parts, strict=True)
+            ):
+                concrete[name] = layout
+    return concrete
+
+
+def rehearse(
+    handle: ModelHandle, graph: OpGraph, layout: Mapping[str, ModuleTP], *, tp: int
+) -> RehearsalFailure | None:
+    """Run ``handle``'s forward on one rank's shards of ``layout``; ``None`` when it runs.
+
+    ``graph`` is the model's trace (batch 1, the training sequence length): it gives the
+    inputs' length and each module's global output shape.
+    """
+    root, prefix, inputs = prepare_traced_module(handle, 1, graph.seq_len, DTYPES[graph.dtype])
+    expected = _output_shapes(graph)
+    stack: list[str] = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        root = root.to_empty(device="cpu")
+        names = [name.removeprefix(prefix) for name, _ in root.named_modules()]
+        concrete = expand_patterns(layout, [n for n in names if n])
+        try:
+            _shard_parameters(root, prefix, concrete, tp)
+            with _hooks(root, prefix, concrete, tp, expected, stack):
+                fake = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in inputs)
+                root(*fake)
+        except _Mismatch as exc:
+            return RehearsalFailure(exc.module, tuple(stack), str(exc))
+        except Exception as exc:  # the model's own code failed on its shards
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return RehearsalFailure(stack[-1] if stack else "", tuple(stack), message)
+    return None
+
+
+class _Mismatch(Exception):
+    def __init__(self, module: str, message: str) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+def _shard_parameters(root: nn.Module, prefix: str, layout: dict[str, ModuleTP], tp: int) -> None:
+    """Give each sharded parameter its local shape (shared parameters stay shared).
+
+    ``replaced`` keeps the original parameters alive, so no new tensor reuses their ids.
+    """
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for fqn, module_layout in layout.items():
+        module = root.get_submodule(prefix + fqn)
+        for name, placement in module_layout.params.items():
+            param = module._parameters.get(name)
+            if param is None:
+                raise _Mismatch(fqn, f"plan places parameter {name!r}, which {fqn!r} does not have")
+            dim = _shard_dim(placement)
+            if dim is None:
+                continue
+            if id(param) not in replaced:
+                shape = list(param.shape)
+                if shape[dim] % tp:
+                    raise _Mismatch(
+                        fqn, f"{name} dim {dim} has size {shape[dim]}, not divisible by tp {tp}"
+                    )
+                shape[dim] //= tp
+                local = torch.empty(shape, dtype=param.dtype)
+                new = nn.Parameter(local, requires_grad=param.requires_grad)
+                replaced[id(param)] = (param, new)
+            module._parameters[name] = replaced[id(param)][1]
+    for module in root.modules():  # a parameter shared with a module the layout skipped
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in replaced:
+                module._parameters[name] = replaced[id(param)][1]
+
+
+def _shard_dim(placement: str) -> int | None:
+    if placement.startswith("Shard("):
+        return int(placement[6:-1])
+    return None
+
+
+def _convert(x: torch.Tensor, src: str, dst: str, tp: int) -> torch.Tensor:
+    """The local tensor after redistributing ``x`` from ``src`` to ``dst`` (shapes only)."""
+    src_dim, dst_dim = _shard_dim(src), _shard_dim(dst)
+    if src_dim == dst_dim and src == dst:
+        return x
+    if src_dim is not None:  # gather the sharded dim
+        x = torch.cat([x] * tp, dim=src_dim)
+    if dst_dim is not None:
+        x = x.narrow(dst_dim, 0, x.shape[dst_dim] // tp)
+    return x
+
+
+def _local_shape(shape: tuple[int, ...], placement: str, tp: int) -> tuple[int, ...]:
+    dim = _shard_dim(placement)
+    if dim is None:
+        return shape
+    local = list(shape)
+    local[dim] //= tp
+    return tuple(local)
+
+
+def _output_shapes(graph: OpGraph) -> dict[str, tuple[int, ...]]:
+    """Each module's global output shape (its last operator's), by concrete FQN."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for segment in graph.segments:
+        seg_type = graph.segment_type(segment)
+        root = segment.fqn if seg_type.kind == "block" else ""
+        for node in seg_type.nodes:
+            if node.module:
+                shapes[".".join(p for p in (root, node.module) if p)] = node.output_shape
+    return shapes
+
+
+@contextlib.contextmanager
+def _hooks(
+    root: nn.Module,
+    prefix: str,
+    layout: dict[str, ModuleTP],
+    tp: int,
+    expected: dict[str, tuple[int, ...]],
+    stack: list[str],
+) -> Iterator[None]:
+    handles = []
+    for name, module in root.named_modules():
+        fqn = name.removeprefix(prefix) if name.startswith(prefix) else ""
+        handles.append(module.register_forward_pre_hook(_enter(fqn, stack, layout.get(fqn), tp)))
+        handles.append(
+            module.register_forward_hook(_leave(fqn, stack, layout.get(fqn), tp, expected))
+        )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _enter(fqn: str, stack: list[str], module_layout: ModuleTP | None, tp: int) -> Any:
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        stack.append(fqn)
+        if module_layout is None or module_layout.input is None:
+            return None
+        src, dst = module_layout.input
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise _Mismatch(fqn, "its first argument is not a tensor: the layout converts it")
+        return (_convert(args[0], src, dst, tp), *args[1:])
+
+    return hook
+
+
+def _leave(
+    fqn: str,
+    stack: list[str],
+    module_layout: ModuleTP | None,
+    tp: int,
+    expected: dict[str, tuple[int, ...]],
+) -> Any:
+    def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
+        if stack and stack[-1] == fqn:
+            stack.pop()
+        if module_layout is None or module_layout.output is None:
+            return None
+        if not isinstance(output, torch.Tensor):
+            raise _Mismatch(fqn, "its output is not a tensor: the layout converts it")
+        src, dst = module_layout.output
+        converted = _convert(output, src, dst, tp)
+        if fqn in expected:
+            want = _local_shape(expected[fqn], dst, tp)
+            got = tuple(converted.shape)
+            if got != want and math.prod(got) > 0:
+                raise _Mismatch(
+                    fqn, f"output has local shape {got}, the layout promises {want} ({dst})"
+                )
+        return converted
+
+    return hook
