@@ -17,12 +17,16 @@ whose strategies are the redistributions DTensor performs there:
 
 A module's input gets a conversion node when one tensor from outside enters it, its
 output when one of its tensors leaves it (identity casts at its entry, which a fp32
-trace records in place of the input, are looked through). Identical segments share
+trace records in place of the input, are looked through). A tensor that entered an
+enclosing module on its way (``attention`` before ``attention.wq``) keeps its shape
+there: that module's code may read it (``x.shape[:-1]``), so only the gradient may
+change placement (a column-parallel linear's all-reduce). Identical segments share
 one set of variables; consecutive segment types are joined by a conversion at the
 block's input (or the last block's output). The residual stream entering a block is
 ``S1`` under sequence parallelism and ``R`` without; before the first block (where
-models compute positions and masks from the embeddings' shape) activations shard
-only on their last dim. The model's output is replicated (a token model's loss may
+models compute positions, masks and output shapes from the embeddings' shape)
+activations stay whole: an embedding may shard its table, but its output is reduced
+or gathered at its own boundary. The model's output is replicated (a token model's loss may
 take vocabulary-sharded logits: loss parallel). Modules sharing a weight are tied to
 one placement of it.
 
@@ -184,6 +188,7 @@ class Conversion:
     module: str
     side: str
     tensor: TensorInfo
+    keep_shape: bool = False  # inside a module the tensor entered: its code sees its shape
 
 
 @dataclass(frozen=True)
@@ -327,7 +332,8 @@ class _Builder:
             len(graph.segments),
         )
         self.before_blocks = {s.type_id for s in graph.segments[:first_block]}
-        self.sinks = {t: _sink(graph.types[t]) for t in order}
+        self.outputs = {t: _outputs(graph.types[t]) for t in order}
+        self.after_blocks = {s.type_id for s in graph.segments[_last_block(graph) + 1 :]}
         self.nodes: list[ShardingNode] = []
         self.edges: list[ShardingEdge] = []
         self.strategies: dict[str, list[OpStrategy]] = {}
@@ -338,7 +344,7 @@ class _Builder:
         self.boundaries: dict[str, tuple[str, str, int]] = {}
         self.entries: dict[str, dict[tuple[int, ...], str]] = {}
         self._type_modules: dict[str, _TypeModules] = {}
-        self.exits: dict[str, str] = {}  # type id -> ILP node of its output (after conversion)
+        self.exits: dict[str, dict[str, str]] = {}  # type id -> output op -> its ILP node
 
     def build(self, memory_budget_bytes: float) -> LayoutProblem:
         first = self.graph.segments[0].type_id
@@ -371,7 +377,7 @@ class _Builder:
             elif starts_model and not sources and _reads_model_input(node):
                 sources.append(self._model_input_port(key, node.input_shapes[0], node))
             reads[node.name] = sources
-        wiring = _Wiring(key, modules, reads, by_name, self.sinks[type_id])
+        wiring = _Wiring(key, modules, reads, by_name, self.outputs[type_id])
         count = self.counts[type_id]
         for node in segment.nodes:
             name = f"{key}/{node.name}"
@@ -384,9 +390,10 @@ class _Builder:
             self.ops[name] = (type_id, node)
             for index, src in enumerate(sources):
                 self._add_edge(src, name, index)
-        if wiring.exit != wiring.sink:
-            self._ensure(wiring.exit, wiring, type_id, count)
-        self.exits[type_id] = wiring.exit
+        for node_name, exit_node in wiring.exits.items():
+            if exit_node != f"{key}/{node_name}":
+                self._ensure(exit_node, wiring, type_id, count)
+        self.exits[type_id] = wiring.exits
 
     def _modules(self, type_id: str) -> _TypeModules:
         if type_id not in self._type_modules:
@@ -400,7 +407,7 @@ class _Builder:
         module, side, src = wiring.conversions[name]
         self._ensure(src, wiring, type_id, count)
         tensor = self.tensors[src]
-        conversion = Conversion(type_id, module, side, tensor)
+        conversion = Conversion(type_id, module, side, tensor, name in wiring.keep_shape)
         self.conversions[name] = conversion
         sources = {s.output for s in self.strategies[src]}
         self._add_conversion_node(name, conversion, sources, tensor, count)
@@ -418,7 +425,7 @@ class _Builder:
         )
         strategies = StrategyBuilder(
             node, inputs, self.tp, weight_modules=modules.weights, replicated_only=replicated,
-            last_dim_only=type_id in self.before_blocks,
+            whole_activations=type_id in self.before_blocks,
         ).build()  # fmt: skip
         pinned = _constraint_for(self.constraints.styles, fqns) if node.module else None
         if pinned is None and self.constraints.exhaustive and node.module:
@@ -439,15 +446,15 @@ class _Builder:
         self, conversion: Conversion, sources: set[str], tensor: TensorInfo
     ) -> list[_Strategy]:
         shape = tensor.shape
-        last_only = conversion.type_id in self.before_blocks
-        dims = [d for d in range(1, len(shape)) if not last_only or d == len(shape) - 1]
+        whole = conversion.type_id in self.before_blocks  # activations stay whole there
+        dims = [] if whole else range(1, len(shape))
         targets = [REPLICATE, *(shard(d) for d in dims if valid(shard(d), shape, self.tp))]
         out: list[_Strategy] = []
         for src in sorted(sources):
             if not (valid(src, shape, self.tp) or src in (REPLICATE, PARTIAL)):
                 continue
             back = REPLICATE if src == PARTIAL else src
-            if src != PARTIAL:
+            if src != PARTIAL and (src in targets or src == VOCAB):
                 out.append(_Strategy(src, src, src, src, dtensor=False))
             if src == VOCAB:
                 continue
@@ -462,10 +469,14 @@ class _Builder:
             if (
                 src == last
                 and conversion.side == "output"
+                and conversion.module
+                and conversion.type_id in self.after_blocks
                 and self.constraints.loss_parallel is not False
                 and valid(VOCAB, shape, self.tp)
             ):
                 out.append(_Strategy(last, VOCAB, VOCAB, last, dtensor=True))
+        if conversion.keep_shape:
+            out = [s for s in out if s.src == s.dst]
         return _pinned(out, *self._conversion_pins(conversion))
 
     def _conversion_pins(self, conversion: Conversion) -> tuple[object, object]:
@@ -547,16 +558,19 @@ class _Builder:
         """Output shapes of the segments that come right before a segment of this type."""
         segments = self.graph.segments
         return {
-            self.sinks[before.type_id].output_shape
+            out.output_shape
             for before, after in itertools.pairwise(segments)
             if after.type_id == type_id
+            for out in self.outputs[before.type_id]
         }
 
     def _entry_port(self, type_id: str, key: str, shape: tuple[int, ...], node: OpNode) -> str:
-        """A segment's input: a block's residual stream is ``S1`` under SP, else ``R``."""
-        tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=True)
+        """A segment's input. The residual stream (the one that needs a gradient) entering a
+        block is ``S1`` under SP, else ``R``; what else arrives (positions, masks) is ``R``."""
+        residual = self._entry_needs_grad(type_id, shape)
+        tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=residual)
         kind = self.graph.types[type_id].kind
-        sharded = valid(shard(1), shape, self.tp) and len(shape) >= 3
+        sharded = valid(shard(1), shape, self.tp) and len(shape) >= 3 and residual
         if kind == "block":
             placements = (shard(1),) if self.sp and sharded else (REPLICATE,)
         else:
@@ -564,6 +578,20 @@ class _Builder:
         name = f"{key}/in:{_shape_text(shape)}"
         self.entries.setdefault(key, {})[shape] = name
         return self._add_port(name, tensor, placements)
+
+    def _entry_needs_grad(self, type_id: str, shape: tuple[int, ...]) -> bool:
+        """Whether an entry of ``shape`` carries a gradient: some preceding segment's output
+        of that shape does (a segment type feeding itself is assumed to)."""
+        for before, after in itertools.pairwise(self.graph.segments):
+            if after.type_id != type_id:
+                continue
+            for out in self.outputs[before.type_id]:
+                if out.output_shape != shape:
+                    continue
+                name = self.exits.get(before.type_id, {}).get(out.name)
+                if name is None or self.tensors[name].needs_grad:
+                    return True
+        return False
 
     def _model_input_port(self, key: str, shape: tuple[int, ...], node: OpNode) -> str:
         tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=False)
@@ -595,28 +623,38 @@ class _Builder:
         segments = self.graph.segments
         joins = Counter((a.type_id, b.type_id) for a, b in itertools.pairwise(segments))
         for (before, after), count in joins.items():
-            sink = self.exits[before]
-            entry = self.entries.get(self.type_keys[after], {}).get(self.sinks[before].output_shape)
-            if entry is None:
-                continue
-            kinds = (self.graph.types[before].kind, self.graph.types[after].kind)
-            if "block" not in kinds:
-                self._add_edge(sink, entry, 0)
-                continue
-            name = f"bd:{self.type_keys[before]}>{self.type_keys[after]}"
-            side = "input" if kinds[1] == "block" else "output"
-            owner = after if side == "input" else before
-            tensor = self.tensors[sink]
-            conversion = Conversion(owner, "", side, tensor)
-            self.conversions[name] = conversion
-            self.boundaries[name] = (before, after, count)
-            sources = {s.output for s in self.strategies[sink]}
-            self._add_conversion_node(name, conversion, sources, tensor, count)
-            self._add_edge(sink, name, 0)
-            self._add_edge(name, entry, 0)
-        last = self.exits[segments[-1].type_id]
+            for shape, entry in self.entries.get(self.type_keys[after], {}).items():
+                sink = self._output_of(before, shape)
+                if sink is not None:
+                    self._join(before, after, count, sink, entry)
+        last_type = segments[-1].type_id
+        last = self.exits[last_type][self.outputs[last_type][-1].name]
         output = self._add_port("model_output", self.tensors[last], (REPLICATE,))
         self._add_edge(last, output, 0)
+
+    def _output_of(self, type_id: str, shape: tuple[int, ...]) -> str | None:
+        """The ILP node of the last output of ``type_id`` with ``shape`` (``None``: none)."""
+        found = [o for o in self.outputs[type_id] if o.output_shape == shape]
+        return self.exits[type_id][found[-1].name] if found else None
+
+    def _join(self, before: str, after: str, count: int, sink: str, entry: str) -> None:
+        """One tensor between consecutive segments; the residual stream converts at the
+        block's input (or the last block's output), anything else must match."""
+        kinds = (self.graph.types[before].kind, self.graph.types[after].kind)
+        if "block" not in kinds or not self.tensors[entry].needs_grad:
+            self._add_edge(sink, entry, 0)
+            return
+        name = f"bd:{self.type_keys[before]}>{self.type_keys[after]}"
+        side = "input" if kinds[1] == "block" else "output"
+        owner = after if side == "input" else before
+        tensor = self.tensors[sink]
+        conversion = Conversion(owner, "", side, tensor)
+        self.conversions[name] = conversion
+        self.boundaries[name] = (before, after, count)
+        sources = {s.output for s in self.strategies[sink]}
+        self._add_conversion_node(name, conversion, sources, tensor, count)
+        self._add_edge(sink, name, 0)
+        self._add_edge(name, entry, 0)
 
     def _ties(self) -> tuple[ShardingTie, ...]:
         """Modules sharing a parameter: their weight-holding operators place it alike."""
@@ -659,7 +697,7 @@ class _Wiring:
         modules: _TypeModules,
         reads: dict[str, list[str]],
         by_name: dict[str, OpNode],
-        sink: OpNode,
+        outputs: list[OpNode],
     ) -> None:
         self.key, self.modules, self.reads, self.by_name = key, modules, reads, by_name
         self.routed = {name: [self._resolve(src, by_name[name]) for src in srcs] for name, srcs in reads.items()}
@@ -674,13 +712,14 @@ class _Wiring:
                 if inn:
                     enters.setdefault(inn, set()).add(src)
                     reader.setdefault((inn, src), by_name[name])
-        # the segment's output leaves every module: a module that produces it converts it
+        # the segment's outputs leave every module: a module that produces one converts it
         # there, so no partial sum crosses the model's own code to the next segment
-        self.sink = f"{key}/{sink.name}"
-        sink_port = self._innermost(sink.module, None)
-        if sink_port:
-            exits.setdefault(sink_port, set()).add(self.sink)
+        ports = {o.name: self._innermost(o.module, None) for o in outputs}
+        for out in outputs:
+            if ports[out.name]:
+                exits.setdefault(ports[out.name], set()).add(f"{key}/{out.name}")
         self.conversions: dict[str, tuple[str, str, str]] = {}  # name -> (module, side, source)
+        self.keep_shape: set[str] = set()  # input conversions inside a module the tensor entered
         self._out = {
             (m, next(iter(srcs))): f"{key}/output:{m}" for m, srcs in exits.items() if len(srcs) == 1
         }
@@ -689,11 +728,17 @@ class _Wiring:
         }
         for (module, src), name in self._out.items():
             self.conversions[name] = (module, "output", src)
-        self.exit = self._out.get((sink_port, self.sink), self.sink) if sink_port else self.sink
+        self.exits = {  # each output's ILP node: its module's conversion, if it has one
+            o.name: self._out.get((ports[o.name], f"{key}/{o.name}"), f"{key}/{o.name}")
+            for o in outputs
+        }
         for (module, src), name in self._in.items():
             out = self._crossing(src, reader[module, src])[0]
             upstream = self._out.get((out, src), src) if out else src
             self.conversions[name] = (module, "input", upstream)
+            producer = self.module_of(src)
+            if any(producer is None or not _within(producer, a) for a in _ancestors(module)[1:]):
+                self.keep_shape.add(name)
 
     def module_of(self, src: str) -> str | None:
         """The producing operator's module; ``None`` for a port (outside every module)."""
@@ -772,15 +817,21 @@ def _is_alias(node: OpNode) -> bool:
     return any(t in parts for t in _ALIAS_TARGETS)
 
 
-def _sink(segment: SegmentType) -> OpNode:
-    """The last node of a segment type that no other node reads: its output."""
+def _outputs(segment: SegmentType) -> list[OpNode]:
+    """The nodes of a segment type that no other node reads: what it hands on (the hidden
+    states, and before the blocks also positions and masks); the last is its main output."""
     consumed = {src for node in segment.nodes for src in node.inputs}
-    sinks = [node for node in segment.nodes if node.name not in consumed]
-    if not sinks:
+    outputs = [node for node in segment.nodes if node.name not in consumed]
+    if not outputs:
         raise SpecError(
             f"segment type {segment.type_id!r} has no output node: its inputs form a cycle"
         )
-    return sinks[-1]
+    return outputs
+
+
+def _last_block(graph: OpGraph) -> int:
+    blocks = [i for i, s in enumerate(graph.segments) if graph.types[s.type_id].kind == "block"]
+    return blocks[-1] if blocks else -1
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

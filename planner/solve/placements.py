@@ -288,8 +288,9 @@ class StrategyBuilder:
     ``weight_modules``: segment-relative module paths whose weight the runtime can shard
     (``nn.Linear``/``nn.Embedding``); ``None`` judges by the op. ``replicated_only``
     forces the replicate strategy (a region the runtime cannot shard).
-    ``last_dim_only`` restricts activation shards to the last dim (before the first
-    block, where a model computes positions and masks from its embeddings' shape).
+    ``whole_activations`` keeps every operator but those holding a weight replicated
+    (before the first block, where a model's own code computes positions, masks and
+    output shapes from its embeddings' shape).
     """
 
     def __init__(
@@ -300,18 +301,21 @@ class StrategyBuilder:
         *,
         weight_modules: Collection[str] | None,
         replicated_only: bool = False,
-        last_dim_only: bool = False,
+        whole_activations: bool = False,
     ) -> None:
         self.node, self.inputs, self.tp = node, inputs, tp
         self.weight_modules = weight_modules
         self.replicated_only = replicated_only
-        self.last_dim_only = last_dim_only
+        self.whole_activations = whole_activations
 
     def build(self) -> list[OpStrategy]:
         kind, node = self.node.kind, self.node
         if self.replicated_only or self.tp == 1:
             return [self._replicate()]
-        if kind in (OpKind.MATMUL, OpKind.EMBEDDING) and self._holds_weight():
+        weighted = kind in (OpKind.MATMUL, OpKind.EMBEDDING) and self._holds_weight()
+        if self.whole_activations and not weighted:
+            return [self._replicate()]
+        if weighted:
             if not self._shardable_weight():
                 log.info("%s (%s): weight not shardable, replicated only", node.name, node.target)
                 return [self._replicate()]
@@ -357,8 +361,6 @@ class StrategyBuilder:
         return (REPLICATE,) * (len(self.inputs) - count)
 
     def _valid(self, placement: str, shape: tuple[int, ...]) -> bool:
-        if self.last_dim_only and shard_dim(placement) not in (None, len(shape) - 1):
-            return False
         return valid(placement, shape, self.tp)
 
     def _linear(self) -> list[OpStrategy]:
