@@ -14,8 +14,8 @@ from torch import nn
 
 from planner import __version__
 from planner.errors import SpecError
-from planner.layouts import MEGATRON_PRICER, ModelLayouts
-from planner.models import ModelHandle, fingerprint
+from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
+from planner.models import ModelHandle, fingerprint, handle_for_module
 from planner.spec import (
     Candidate,
     Cluster,
@@ -83,8 +83,9 @@ def megatron_layout(
             f"strategy.tp > 1 for model {handle.name!r}, which is not a zoo transformer: "
             "give its tp_layout (planner.make_plan writes the one the sharding ILP finds)"
         )
+    tokens = handle_for_module(handle.module, name=handle.name)  # token ids as inputs
     layouts = ModelLayouts(
-        handle, None, MEGATRON_PRICER, trace=lambda: trace_for_training(handle, training)
+        tokens, None, FIXED_STYLE_PRICER, trace=lambda: trace_for_training(tokens, training)
     )
     layout = layouts.layout(strategy.tp, strategy.sequence_parallel)
     assert layout is not None  # Megatron's layout raises rather than give up

@@ -28,7 +28,7 @@ from torch import nn
 from planner.cost.tp import TPAssignment
 from planner.errors import InfeasibleError, SpecError
 from planner.graph import OpGraph
-from planner.models import ModelHandle
+from planner.models import ModelHandle, handle_for_module
 from planner.rehearse import RehearsalFailure, rehearse
 from planner.solve.layout import (
     LayoutConstraints,
@@ -40,24 +40,27 @@ from planner.solve.layout import (
 from planner.solve.program import TPLayout, constraints_from_modules, solve_tp_layout
 from planner.solve.sharding import ShardingInfeasibleError
 from planner.spec import Activation, Family, ModelSpec, ModuleTP, Plan, TPStyle
+from planner.trace import trace_for_training
 
 __all__ = [
     "MAX_ATTEMPTS",
-    "MEGATRON_PRICER",
+    "FIXED_STYLE_PRICER",
     "ModelLayouts",
     "module_info",
     "megatron_constraints",
     "plan_layout",
+    "check_plan_layout",
     "layout_differences",
 ]
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 8  # ILP solves per (tp, sequence_parallel), each after a failed rehearsal
-MEGATRON_PRICER = Roofline(
+FIXED_STYLE_PRICER = Roofline(
     peak_flops=1e15, memory_bandwidth_GBps=3000, link_bandwidth_GBps=400, link_latency_us=5
 )
-"""Megatron's styles are pinned, so the ILP only chooses where to redistribute; these
-H100-like numbers rank choices that move fewer bytes first, on any cluster."""
+"""When the styles are fixed (Megatron's, or a plan's own) the ILP only chooses where to
+redistribute; these H100-like numbers rank choices that move fewer bytes first, on any
+cluster, so the layout does not depend on the cluster it is priced for."""
 
 
 def module_info(module: nn.Module) -> ModuleInfo:
@@ -237,6 +240,19 @@ class ModelLayouts:
         return None
 
 
+def _execution_order(graph: OpGraph) -> dict[str, int]:
+    """Module FQN patterns (``layers.*.attention.wq``) and FQNs by first use in ``graph``."""
+    order: dict[str, int] = {}
+    for segment in graph.segments:
+        seg_type = graph.types[segment.type_id]
+        roots = [segment.fqn, *root_patterns(graph, segment.type_id)] if seg_type.kind == "block" else [""]
+        order.setdefault(segment.fqn, len(order))
+        for node in seg_type.nodes:
+            for root in roots:
+                order.setdefault(".".join(p for p in (root, node.module) if p), len(order))
+    return order
+
+
 def _top_modules(graph: OpGraph) -> frozenset[str]:
     """Every module the graph's operators name outside the blocks, kept whole."""
     found = set()
@@ -258,15 +274,12 @@ def plan_layout(handle: ModelHandle, graph: OpGraph, plan: Plan, pricer: LayoutP
     not declare, a tied weight placed two ways) or does not run on the model's code.
     """
     strategy = plan.strategy
-    constraints = replace(constraints_from_modules(graph, plan.tp_layout), exhaustive=True)
+    pinned = replace(constraints_from_modules(graph, plan.tp_layout), exhaustive=True)
     try:
-        layout = solve_tp_layout(
-            graph, tp=strategy.tp, pricer=pricer, sequence_parallel=strategy.sequence_parallel,
-            info=module_info(handle.module), constraints=constraints,
-        )  # fmt: skip
+        layout = _solve_plan(handle, graph, plan, pricer, pinned)
     except (ShardingInfeasibleError, SpecError) as exc:
-        raise SpecError(f"plan.tp_layout cannot run at tp {strategy.tp}: {exc}") from None
-    differences = layout_differences(plan.tp_layout, layout.modules)
+        raise _explain_mismatch(handle, graph, plan, pricer, exc) from None
+    differences = layout_differences(plan.tp_layout, layout.modules, graph)
     if differences:
         raise SpecError(f"plan.tp_layout is inconsistent: {differences[0]}")
     failure = rehearse(handle, graph, layout.modules, tp=strategy.tp)
@@ -278,10 +291,54 @@ def plan_layout(handle: ModelHandle, graph: OpGraph, plan: Plan, pricer: LayoutP
     return layout
 
 
-def layout_differences(given: Mapping[str, ModuleTP], derived: Mapping[str, ModuleTP]) -> list[str]:
-    """Where a plan's layout and the one its rules imply differ, one line each."""
+def _solve_plan(
+    handle: ModelHandle, graph: OpGraph, plan: Plan, pricer: LayoutPricer,
+    constraints: LayoutConstraints,
+) -> TPLayout:  # fmt: skip
+    return solve_tp_layout(
+        graph, tp=plan.strategy.tp, pricer=pricer,
+        sequence_parallel=plan.strategy.sequence_parallel, info=module_info(handle.module),
+        constraints=constraints,
+    )  # fmt: skip
+
+
+def _explain_mismatch(
+    handle: ModelHandle, graph: OpGraph, plan: Plan, pricer: LayoutPricer, exc: Exception
+) -> SpecError:
+    """The first module (in execution order) whose entry differs from what its styles need."""
+    tp = plan.strategy.tp
+    styles_only = LayoutConstraints(
+        styles={k: m.style for k, m in plan.tp_layout.items() if m.style is not TPStyle.BOUNDARY}
+    )
+    try:
+        needed = _solve_plan(handle, graph, plan, pricer, styles_only)
+    except (ShardingInfeasibleError, SpecError) as styles_exc:
+        return SpecError(f"plan.tp_layout's styles cannot run at tp {tp}: {styles_exc}")
+    differences = layout_differences(plan.tp_layout, needed.modules, graph)
+    if differences:
+        return SpecError(f"plan.tp_layout is inconsistent at tp {tp}: {differences[0]}")
+    return SpecError(f"plan.tp_layout cannot run at tp {tp}: {exc}")
+
+
+def check_plan_layout(plan: Plan, module: nn.Module) -> TPLayout | None:
+    """``plan.tp_layout`` checked against ``module`` by the planner's rules and a rehearsal
+    (``None`` without tensor parallelism); raises :class:`SpecError` naming the module."""
+    if plan.strategy.tp == 1:
+        return None
+    handle = handle_for_module(module, name=plan.model_name)
+    graph = trace_for_training(handle, plan.training)
+    return plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
+
+
+def layout_differences(
+    given: Mapping[str, ModuleTP], derived: Mapping[str, ModuleTP], graph: OpGraph | None = None
+) -> list[str]:
+    """Where a plan's layout and the one its rules imply differ, one line each, in the
+    order the model runs its modules (``graph`` given) or by name."""
+    order = _execution_order(graph) if graph is not None else {}
+    keys = sorted(set(given) | set(derived), key=lambda k: (order.get(k, len(order)), k))
     lines = []
-    for fqn in sorted(set(given) | set(derived)):
+    for fqn in keys:
         mine, implied = given.get(fqn), derived.get(fqn)
         if mine == implied:
             continue
@@ -290,10 +347,10 @@ def layout_differences(given: Mapping[str, ModuleTP], derived: Mapping[str, Modu
         elif mine is None:
             if implied.style is TPStyle.REPLICATE and implied.input is None and implied.output is None:
                 continue
-            lines.append(f"module {fqn!r} needs an entry: {implied.model_dump(exclude_defaults=True)}")
+            lines.append(f"module {fqn!r} needs an entry: {implied.model_dump(mode='json', exclude_defaults=True)}")
         else:
             lines.append(
-                f"plan.tp_layout[{fqn!r}] = {mine.model_dump(exclude_defaults=True)} but the "
-                f"layout it belongs to needs {implied.model_dump(exclude_defaults=True)}"
+                f"plan.tp_layout[{fqn!r}] = {mine.model_dump(mode='json', exclude_defaults=True)} but the "
+                f"layout it belongs to needs {implied.model_dump(mode='json', exclude_defaults=True)}"
             )
     return lines

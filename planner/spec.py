@@ -127,6 +127,15 @@ class TPStyle(StrEnum):
     BOUNDARY = "boundary"  # a block whose input or output changes placement (SP starts)
 
 
+_STYLE_WORDS = {
+    TPStyle.COLWISE: "column-parallel",
+    TPStyle.ROWWISE: "row-parallel",
+    TPStyle.VOCAB_PARALLEL: "vocabulary-parallel",
+    TPStyle.SEQUENCE_PARALLEL: "sequence-parallel",
+    TPStyle.REPLICATE: "replicated",
+    TPStyle.BOUNDARY: "block boundary",
+}
+
 Placement = Annotated[str, Field(pattern=r"^(Replicate\(\)|Partial\(\)|Shard\(-?\d+\))$")]
 """A DTensor placement over the tensor-parallel ranks, spelled as in torch."""
 
@@ -159,6 +168,19 @@ class ModuleTP(_Doc):
     input: tuple[Placement, Placement] | None = None
     output: tuple[Placement, Placement] | None = None
     output_dtensor: bool = False
+
+    def describe(self) -> str:
+        """In words: ``column-parallel; weight Shard(0); in Shard(1) -> Replicate()``."""
+        parts = [_STYLE_WORDS[self.style]]
+        if self.params:
+            parts.append(", ".join(f"{name} {p}" for name, p in self.params.items()))
+        if self.input is not None and self.input[0] != self.input[1]:
+            parts.append(f"in {self.input[0]} -> {self.input[1]}")
+        if self.output is not None and self.output[0] != self.output[1]:
+            parts.append(f"out {self.output[0]} -> {self.output[1]}")
+        if self.output_dtensor:
+            parts.append("out as DTensor")
+        return "; ".join(parts)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

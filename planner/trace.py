@@ -30,7 +30,7 @@ from torch import nn
 
 from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
-from planner.models import ModelHandle, resolve_model
+from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.spec import DType, Family, Training
 from planner.trace_fx import (
     BlockCall,
@@ -75,10 +75,6 @@ class _WithLoss(nn.Module):
         else:
             logits = self.model(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _is_hf(module: nn.Module) -> bool:
-    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
 def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -134,7 +130,7 @@ def _prepare(
     """The module to trace, its meta inputs, and the FQN prefix to strip from paths."""
     model = _meta_copy(handle.module, dtype)
     inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
-    hf = _is_hf(model)
+    hf = is_hf_model(model)
     if handle.spec is None and not hf:
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")

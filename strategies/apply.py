@@ -1,6 +1,8 @@
 """Apply a plan to a model, one parallel dimension at a time, in one documented order.
 
-1. validate the plan against the world size and the model (pure; before any collective)
+1. validate the plan against the world size and the model, and its tensor-parallel
+   layout by the planner's rules and a rehearsal on fake tensors (pure; before any
+   collective)
 2. build the device mesh
 3. pipeline split (this rank's chunks)
 4. context parallel (attention gathers keys and values over cp; global positions)
@@ -27,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
 from planner.errors import SpecError
+from planner.layouts import check_plan_layout
 from planner.spec import Axis, Plan
 from planner.validate import check_model_against_plan, validate_plan_for_world
 from strategies import (
@@ -70,6 +73,7 @@ def parallelize(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
+    check_plan_layout(plan, model)
     _check_materialised(model)
     mesh = build_mesh(plan)
     if mesh is not None and plan.strategy.pp > 1:

@@ -8,10 +8,10 @@ from torch import nn
 from planner.assemble import assemble_plan, even_stages, megatron_layout
 from planner.errors import SpecError
 from planner.models import ModelHandle, fingerprint, get_preset, resolve_model
-from planner.spec import Axis, Cluster, Plan, Strategy, TPStyle, Training
+from planner.spec import Axis, Cluster, ModuleTP, Plan, Strategy, TPStyle, Training
 
 CLUSTER = Cluster(gpu="h100", num_gpus=8)
-TRAINING = Training(global_batch_size=16)
+TRAINING = Training(global_batch_size=16, seq_len=32)
 
 
 def test_plan_carries_mesh_fingerprint_and_source() -> None:
@@ -51,30 +51,49 @@ def test_even_stages_refuse_too_many_chunks() -> None:
         even_stages(resolve_model("tiny-llama").module, 5)
 
 
+def _megatron(preset: str, **strategy: object) -> dict[str, ModuleTP]:
+    handle = resolve_model(preset)
+    training = Training(global_batch_size=4, seq_len=32, dtype="fp32")
+    return megatron_layout(handle, training, Strategy(tp=2, num_microbatches=4, **strategy))
+
+
 def test_megatron_layout_for_llama_with_sequence_parallel() -> None:
-    layout = megatron_layout(get_preset("tiny-llama"), sequence_parallel=True)
-    assert layout["layers.*.attention.wq"] is TPStyle.COLWISE
-    assert layout["layers.*.attention.wo"] is TPStyle.ROWWISE
-    assert layout["layers.*.feed_forward.w3"] is TPStyle.COLWISE
-    assert layout["layers.*.feed_forward.w2"] is TPStyle.ROWWISE
-    assert layout["tok_embeddings"] is TPStyle.VOCAB_PARALLEL
-    assert layout["output"] is TPStyle.COLWISE
-    assert layout["norm"] is layout["layers.*.ffn_norm"] is TPStyle.SEQUENCE_PARALLEL
+    layout = _megatron("tiny-llama", sequence_parallel=True)
+    styles = {fqn: m.style for fqn, m in layout.items()}
+    assert styles["layers.*.attention.wq"] is TPStyle.COLWISE
+    assert styles["layers.*.attention.wo"] is TPStyle.ROWWISE
+    assert styles["layers.*.feed_forward.w3"] is TPStyle.COLWISE
+    assert styles["layers.*.feed_forward.w2"] is TPStyle.ROWWISE
+    assert styles["tok_embeddings"] is TPStyle.VOCAB_PARALLEL
+    assert styles["output"] is TPStyle.COLWISE
+    assert styles["norm"] is styles["layers.*.ffn_norm"] is TPStyle.SEQUENCE_PARALLEL
+    # each module says where its tensors change placement, as the runtime applies it
+    assert layout["layers.*.attention.wq"].params == {"weight": "Shard(0)"}
+    assert layout["layers.*.attention.wo"].output == ("Partial()", "Shard(1)")  # reduce-scatter
+    norm = layout["layers.*.attention_norm"]
+    assert norm.output == ("Shard(1)", "Replicate()") and norm.output_dtensor  # one all-gather
+    assert layout["layers.0"].input == ("Replicate()", "Shard(1)")  # SP starts at the block
+    assert layout["tok_embeddings"].output == ("Partial()", "Replicate()")
+    assert layout["output"].output_dtensor  # vocabulary-parallel loss
 
 
-def test_megatron_layout_for_gpt_without_sp_has_no_w3_or_norms() -> None:
-    layout = megatron_layout(get_preset("tiny-gpt"), vocab_parallel=False)
+def test_megatron_layout_for_gpt_without_sp_has_no_w3_and_replicated_norms() -> None:
+    layout = _megatron("tiny-gpt")
     assert "layers.*.feed_forward.w3" not in layout
-    assert TPStyle.SEQUENCE_PARALLEL not in layout.values()
-    assert layout["tok_embeddings"] is TPStyle.REPLICATE
+    assert all(m.style is not TPStyle.SEQUENCE_PARALLEL for m in layout.values())
+    assert layout["pos_embeddings"].style is TPStyle.REPLICATE
+    assert layout["layers.*.feed_forward.w2"].params == {"weight": "Shard(1)", "bias": "Replicate()"}
 
 
 def test_tp_outside_the_zoo_needs_a_layout() -> None:
     module = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     handle = ModelHandle("mlp", "mine:mlp", module, lambda b, s: ())
-    with pytest.raises(SpecError, match="pass tp_layout"):
+    with pytest.raises(SpecError, match="give its tp_layout"):
         assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2))
-    layout = {"0": TPStyle.COLWISE, "1": TPStyle.ROWWISE}
+    layout = {
+        "0": ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"}),
+        "1": ModuleTP(style="rowwise", params={"weight": "Shard(1)", "bias": "Replicate()"}),
+    }
     plan = assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2), tp_layout=layout)
     assert plan.tp_layout == layout
     assert plan.model is None

@@ -14,6 +14,7 @@ from planner.cost.compression import (
     powersgd_work,
     should_compress,
 )
+from planner.cost.tp import megatron_assignment, unsharded
 from planner.errors import SpecError
 from planner.spec import Cluster, Family, ModelSpec, Strategy, Training
 
@@ -79,11 +80,11 @@ def test_should_compress_follows_torchs_rate_rule():
 def test_gradient_shapes_cover_every_parameter_and_split_by_tp():
     graph = graph_from_spec(GPT)
     total = sum(n.param_count for s in graph.segments for n in graph.segment_type(s).nodes)
-    shapes = gradient_shapes(graph, tp=1)
+    shapes = gradient_shapes(graph, unsharded(graph))
     assert shapes.elements == pytest.approx(total)
     assert (4 * 256, 256) in shapes.matrices and (256, 4 * 256) in shapes.matrices
     assert (1024, 256) in shapes.matrices  # the token-embedding table
-    split = gradient_shapes(graph, tp=2)
+    split = gradient_shapes(graph, megatron_assignment(graph, 2, False))
     assert (2 * 256, 256) in split.matrices
     assert split.elements < shapes.elements
 
@@ -98,7 +99,7 @@ def test_powersgd_memory_term_in_the_prediction():
     model = _model()
     plain, compressed = _estimate(model), _estimate(model, POWERSGD)
     assert "compression" not in plain.memory_gib
-    work = powersgd_work(gradient_shapes(model.graph, 1), 4)
+    work = powersgd_work(gradient_shapes(model.graph, unsharded(model.graph)), 4)
     params = _params(model)
     expected = (params + work.p_elements + work.q_elements) * 4
     assert compressed.memory_gib["compression"] == pytest.approx(expected / 2**30)
@@ -121,7 +122,7 @@ def test_powersgd_sends_three_all_reduces_per_bucket():
     params = _params(model)
     buckets = bucket_count(4 * params, 0.25 * 2**20)
     assert buckets > 1
-    work = powersgd_work(gradient_shapes(model.graph, 1), 4)
+    work = powersgd_work(gradient_shapes(model.graph, unsharded(model.graph)), 4)
     elements = work.uncompressed_elements + work.p_elements + work.q_elements
     # 2 ranks: two latency steps and bus factor 1 per all-reduce
     expected = 3 * buckets * 2 * link.latency_s + 4 * elements / link.busbw_Bps

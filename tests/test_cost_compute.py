@@ -1,17 +1,19 @@
-"""Operator compute time: roofline, efficiency curve, attention kernels, TP rule."""
+"""Operator compute time: roofline, efficiency curve, attention kernels, Megatron's TP rule."""
 
 import pytest
 
 from planner.cost.compute import ComputeModel
 from planner.cost.options import CostOptions
-from planner.cost.sharding import ShardKey, TPShard, tp_shard
+from planner.cost.spec_graph import graph_from_spec
+from planner.cost.tp import megatron_assignment
 from planner.graph import OpKind, OpNode
 from planner.hardware import load_profile
+from planner.models import get_preset
 from planner.spec import DType
 
 A100 = load_profile("a100-sxm-80gb")
 H100 = load_profile("h100-sxm-80gb")
-ONE = ShardKey(tp=1, cp=1, sequence_parallel=False, micro_batch_size=1)
+ONE = 1.0  # the traced batch-1 node's work, whole
 
 
 def _node(name="x", kind=OpKind.ELEMENTWISE, module="", flops=0.0, nbytes=0.0, gemm=None):
@@ -59,34 +61,34 @@ def test_flash_causal_halves_attention_and_unfused_is_slower():
 
 def test_fused_pointwise_reads_first_input_and_writes_last_output():
     chain = [_node(f"n{i}", nbytes=2e8) for i in range(4)]
-    eager = ComputeModel(A100, DType.BF16, CostOptions()).segment_times(chain, ONE)
+    eager = ComputeModel(A100, DType.BF16, CostOptions()).segment_times(chain, [ONE] * 4)
     fused = ComputeModel(A100, DType.BF16, CostOptions(fused_pointwise=True)).segment_times(
-        chain, ONE
+        chain, [ONE] * 4
     )
     assert sum(t.forward_s for t in fused) < sum(t.forward_s for t in eager) / 3
     assert [t.forward_s > 0 for t in fused] == [True, False, False, False]
 
 
-@pytest.mark.parametrize(
-    ("module", "kind", "shard"),
-    [
-        ("attention.wq", OpKind.MATMUL, TPShard.SPLIT),
-        ("attention", OpKind.ATTENTION, TPShard.SPLIT),
-        ("feed_forward.w2", OpKind.MATMUL, TPShard.SPLIT),
-        ("output", OpKind.MATMUL, TPShard.SPLIT),
-        ("", OpKind.LOSS, TPShard.SPLIT),
-        ("attention_norm", OpKind.NORM, TPShard.SEQUENCE),
-        ("", OpKind.ELEMENTWISE, TPShard.SEQUENCE),
-    ],
-)
-def test_tensor_parallel_rule(module, kind, shard):
-    assert tp_shard(_node(kind=kind, module=module)) is shard
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_megatron_rule_splits_sublayers_and_vocabulary(sequence_parallel):
+    """Inside attention/FFN, the embedding, head and loss divide by tp; norms and residual
+    adds only under sequence parallelism, and only from the first block on."""
+    graph = graph_from_spec(get_preset("tiny-gpt"))
+    layout = megatron_assignment(graph, 4, sequence_parallel)
+    block = graph.types["block"]
+    work = dict(zip((n.name for n in block.nodes), layout.segment("block").work_divisor, strict=True))
+    assert work["attention_wq"] == work["attention"] == work["feed_forward_w2"] == 4
+    sequence = 4 if sequence_parallel else 1
+    assert work["attention_residual"] == work["attention_norm_layer_norm"] == sequence
+    head = dict(zip((n.name for n in graph.types["head"].nodes), layout.segment("head").work_divisor, strict=True))
+    assert head["output"] == head["loss_cross_entropy"] == 4
+    embedding = graph.types["embedding"].nodes
+    pos = [n.name for n in embedding].index("pos_embeddings")
+    assert layout.segment("embedding").work_divisor[pos] == 1  # before the first block: whole
 
 
-def test_split_and_sequence_parallel_divide_the_work():
+def test_split_work_is_faster_by_its_divisor():
     model = ComputeModel(A100, DType.BF16, CostOptions())
     norm = _node(kind=OpKind.NORM, module="attention_norm", nbytes=8e9)
-    tp4 = ShardKey(tp=4, cp=1, sequence_parallel=False, micro_batch_size=1)
-    sp4 = ShardKey(tp=4, cp=1, sequence_parallel=True, micro_batch_size=1)
-    replicated, split = model.node_time(norm, tp4).forward_s, model.node_time(norm, sp4).forward_s
+    replicated, split = model.node_time(norm, 1.0).forward_s, model.node_time(norm, 0.25).forward_s
     assert replicated > 3.5 * split

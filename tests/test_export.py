@@ -37,6 +37,7 @@ from planner.spec import (
     RecomputeMode,
     Schedule,
     Strategy,
+    ModuleTP,
     TPStyle,
     Training,
 )
@@ -158,7 +159,7 @@ def plan_for(
     *,
     training: dict[str, Any] | None = None,
     stages: list[list[str]] | None = None,
-    tp_layout: dict[str, TPStyle] | None = None,
+    tp_layout: dict[str, ModuleTP] | None = None,
     **strategy_fields: Any,
 ) -> Plan:
     """A plan assembled for ``strategy_fields``, its global batch made to agree."""
@@ -421,7 +422,8 @@ def test_every_target_refuses_hook_only_compression(target: str) -> None:
 
 def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
     plan = plan_for(tp=2, sequence_parallel=True)
-    layout = plan.tp_layout | {"layers.*.attention.wo": TPStyle.COLWISE}
+    wo = plan.tp_layout["layers.*.attention.wo"].model_copy(update={"style": TPStyle.COLWISE})
+    layout = plan.tp_layout | {"layers.*.attention.wo": wo}
     with pytest.raises(ExportError, match=r"plan.tp_layout\['layers.\*.attention.wo'\]"):
         to_megatron(plan.model_copy(update={"tp_layout": layout}))
     with pytest.raises(ExportError, match=r"plan\.model\.family = 'encoder'"):
@@ -430,7 +432,8 @@ def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
 
 def test_colwise_embedding_is_exported_with_a_note() -> None:
     plan = plan_for(tp=2, sequence_parallel=True, zero=1, dp=2)
-    layout = plan.tp_layout | {"tok_embeddings": TPStyle.COLWISE}
+    embedding = ModuleTP(style="colwise", params={"weight": "Shard(1)"})
+    layout = plan.tp_layout | {"tok_embeddings": embedding}
     text = to_torchtitan(plan.model_copy(update={"tp_layout": layout}))
     assert "# note: tok_embeddings: the plan shards it on the embedding dim" in text
 

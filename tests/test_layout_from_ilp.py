@@ -13,14 +13,10 @@ from torch import nn
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.models import ModelHandle, resolve_model
 from planner.models.small import MLPStack
-from planner.solve.layout import (
-    Roofline,
-    TPLayout,
-    _permutation_map,
-    _reshape_map,
-    build_layout_problem,
-    solve_tp_layout,
-)
+from planner.cost.communication import Collective
+from planner.solve.layout import Roofline, build_layout_problem
+from planner.solve.placements import _permutation_map, _reshape_map, reshard_collectives
+from planner.solve.program import TPLayout, solve_tp_layout
 from planner.solve.sharding import ShardingInfeasibleError
 from planner.spec import TPStyle
 from planner.trace import trace
@@ -63,48 +59,49 @@ LLAMA_MEGATRON = {**GPT_MEGATRON, "feed_forward.w3": COL}
 
 
 def test_gpt_block_rediscovers_megatron(gpt):
-    layout = solve_tp_layout(gpt, tp=8, roofline=H100)
+    layout = solve_tp_layout(gpt, tp=8, pricer=H100)
     megatron(layout, GPT_MEGATRON)
     assert layout.solution.status == "optimal"
-    assert layout.output_layouts["layers.*.attention.wo"] == "Replicate()"  # all-reduce
-    assert layout.input_layouts["layers.*.attention.wq"] == "Replicate()"
-    assert not any(key.startswith("layers.0") for key in layout.styles)  # one pattern per type
+    assert layout.modules["layers.*.attention.wo"].output == ("Partial()", "Replicate()")
+    assert layout.modules["layers.*.attention.wq"].input == ("Replicate()", "Replicate()")
+    assert layout.modules["layers.*.attention_norm"].output_dtensor  # one all-reduce for q, k, v
+    assert not any(key.startswith("layers.0.") for key in layout.styles)  # one pattern per type
 
 
 def test_gpt_with_sequence_parallel_shards_norms_on_the_sequence(gpt):
-    layout = solve_tp_layout(gpt, tp=8, roofline=H100, sequence_parallel=True)
+    layout = solve_tp_layout(gpt, tp=8, pricer=H100, sequence_parallel=True)
     megatron(layout, GPT_MEGATRON)
     assert layout.styles["layers.*.attention_norm"] is SP
     assert layout.styles["layers.*.ffn_norm"] is SP
-    assert layout.sequence_parallel
-    assert layout.output_layouts["layers.*.attention.wo"] == "Shard(1)"  # reduce-scatter
-    assert layout.output_layouts["layers.*.feed_forward.w2"] == "Shard(1)"
+    assert layout.modules["layers.0"].input == ("Replicate()", "Shard(1)")  # SP starts here
+    assert layout.modules["layers.*.attention.wo"].output[1] == "Shard(1)"  # reduce-scatter
+    assert layout.modules["layers.*.feed_forward.w2"].output[1] == "Shard(1)"
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_llama_block_rediscovers_megatron_with_gqa_and_swiglu(llama, sequence_parallel):
-    layout = solve_tp_layout(llama, tp=8, roofline=H100, sequence_parallel=sequence_parallel)
+    layout = solve_tp_layout(llama, tp=8, pricer=H100, sequence_parallel=sequence_parallel)
     megatron(layout, LLAMA_MEGATRON)
-    assert layout.sequence_parallel is sequence_parallel  # the residual stream between blocks
+    assert ("layers.0" in layout.modules) is sequence_parallel  # the residual stream's entry
     if sequence_parallel:
         assert layout.styles["layers.*.attention_norm"] is SP
-        assert layout.input_layouts["layers.*.attention_norm"] == "Shard(1)"
+        assert layout.modules["layers.*.attention_norm"].input[1] == "Shard(1)"
 
 
 def test_tp_of_one_replicates_everything(gpt):
-    layout = solve_tp_layout(gpt, tp=1, roofline=H100, sequence_parallel=True)
+    layout = solve_tp_layout(gpt, tp=1, pricer=H100, sequence_parallel=True)
     assert set(layout.styles.values()) == {REP}
-    assert not layout.sequence_parallel
+    assert not layout.shards_anything
 
 
 def test_tp_that_divides_no_dim_replicates_the_projections(gpt):
-    layout = solve_tp_layout(gpt, tp=3, roofline=H100)  # 2048 hidden, 16 heads
+    layout = solve_tp_layout(gpt, tp=3, pricer=H100)  # 2048 hidden, 16 heads
     assert layout.styles["layers.*.attention.wq"] is REP
     assert layout.styles["layers.*.feed_forward.w1"] is REP
 
 
 def test_llama_ilp_shares_variables_across_its_32_blocks(llama):
-    problem = build_layout_problem(llama, tp=8, roofline=H100).problem
+    problem = build_layout_problem(llama, tp=8, pricer=H100).problem
     block_type = llama.blocks[0].type_id
     assert len(llama.blocks) == 32
     per_type = len(llama.types[block_type].nodes)
@@ -113,16 +110,16 @@ def test_llama_ilp_shares_variables_across_its_32_blocks(llama):
 
 def test_too_small_memory_budget_names_the_memory_family(gpt):
     with pytest.raises(ShardingInfeasibleError) as caught:
-        solve_tp_layout(gpt, tp=8, roofline=H100, memory_budget_bytes=2**20)
+        solve_tp_layout(gpt, tp=8, pricer=H100, memory_budget_bytes=2**20)
     assert caught.value.family == "memory_budget"
     assert "1.00 MiB" in str(caught.value)
 
 
 def test_memory_budget_forces_a_sharded_embedding(gpt):
-    unlimited = solve_tp_layout(gpt, tp=8, roofline=H100)
+    unlimited = solve_tp_layout(gpt, tp=8, pricer=H100)
     embedding_bytes = 51200 * 2048 * 2
     budget = unlimited.solution.memory_bytes - 0.6 * embedding_bytes
-    tight = solve_tp_layout(gpt, tp=8, roofline=H100, memory_budget_bytes=budget)
+    tight = solve_tp_layout(gpt, tp=8, pricer=H100, memory_budget_bytes=budget)
     assert unlimited.styles["tok_embeddings"] is REP
     assert tight.styles["tok_embeddings"] is not REP
     assert tight.solution.memory_bytes <= budget
@@ -131,28 +128,28 @@ def test_memory_budget_forces_a_sharded_embedding(gpt):
 
 def test_mlp_stack_under_a_memory_budget_alternates_column_and_row():
     graph = trace(resolve_model("mlp"), batch_size=1)
-    unlimited = solve_tp_layout(graph, tp=2, roofline=H100)
-    layout = solve_tp_layout(graph, tp=2, roofline=H100, memory_budget_bytes=2.0e6)
+    unlimited = solve_tp_layout(graph, tp=2, pricer=H100)
+    layout = solve_tp_layout(graph, tp=2, pricer=H100, memory_budget_bytes=2.0e6)
     assert set(unlimited.styles.values()) == {REP}  # a tiny batch: communication never pays
     styles = [layout.styles[f"layers.{i}"] for i in range(3)]
     assert any(a is COL and b is ROW for a, b in itertools.pairwise(styles))
     assert layout.solution.memory_bytes <= 2.0e6
     col = styles.index(COL)
-    assert layout.output_layouts[f"layers.{col}"] == "Shard(1)"  # handed on without a gather
+    assert layout.modules[f"layers.{col}"].output[1] == "Shard(-1)"  # handed on, no gather
 
 
 def test_cnn_keeps_convolutions_replicated():
     graph = trace(resolve_model("cnn"), batch_size=64)
-    layout = solve_tp_layout(graph, tp=2, roofline=H100, memory_budget_bytes=1e9)
+    layout = solve_tp_layout(graph, tp=2, pricer=H100, memory_budget_bytes=1e9)
     assert {layout.styles[f"convs.{i}"] for i in range(3)} == {REP}
     assert set(layout.styles) == {"convs.0", "convs.1", "convs.2", "head"}
 
 
 def test_mlp_mixer_under_a_memory_budget_shards_token_and_channel_mixing():
     graph = trace(resolve_model("mlp-mixer"), batch_size=512)
-    unlimited = solve_tp_layout(graph, tp=2, roofline=H100)
+    unlimited = solve_tp_layout(graph, tp=2, pricer=H100)
     budget = 0.7 * unlimited.solution.memory_bytes
-    layout = solve_tp_layout(graph, tp=2, roofline=H100, memory_budget_bytes=budget)
+    layout = solve_tp_layout(graph, tp=2, pricer=H100, memory_budget_bytes=budget)
     mixers = [
         f"layers.*.{m}" for m in ("token_mix.0", "token_mix.2", "channel_mix.0", "channel_mix.2")
     ]
@@ -191,13 +188,13 @@ def test_hand_built_mlp_block_gets_megatron_mlp():
         node("add", OpKind.ELEMENTWISE, ("w2",), (x, x), x),
     )  # fmt: skip
     graph = block_graph(nodes)
-    layout = solve_tp_layout(graph, tp=8, roofline=H100)
+    layout = solve_tp_layout(graph, tp=8, pricer=H100)
     assert layout.styles["layers.*.w1"] is COL
     assert layout.styles["layers.*.w2"] is ROW
     # per block: both matmuls split 8 ways, one all-reduce forward (w2's output) and one
     # backward (w1's input); the objective counts every block of the type
     compute = 2 * 3 * (2.0 * t * h * f) / 8 / H100.peak_flops
-    all_reduce = H100.reshard_s("P", "R", 2.0 * t * h, 8)
+    all_reduce = H100.comm_seconds(Collective.ALL_REDUCE, 2.0 * t * h, 8)
     per_block = compute + 2 * all_reduce
     assert layout.solution.objective_s == pytest.approx(len(graph.segments) * per_block)
 
@@ -210,19 +207,19 @@ def test_views_carry_sharding_through_splits_merges_and_unique_transposes():
     assert _permutation_map((2, 64, 64), (2, 64, 64)) == {0: 0}
 
 
-def test_reshard_costs_follow_the_collectives():
-    nbytes, tp = 1e9, 8
-    all_gather = H100.reshard_s("S1", "R", nbytes, tp)
-    assert H100.reshard_s("R", "S1", nbytes, tp) == 0.0  # slicing is local
-    assert H100.reshard_s("S1", "P", nbytes, tp) == 0.0
-    assert H100.reshard_s("P", "R", nbytes, tp) == pytest.approx(2 * all_gather, rel=1e-3)
-    assert H100.reshard_s("P", "S1", nbytes, tp) == pytest.approx(all_gather)
-    assert H100.reshard_s("S1", "S2", nbytes, tp) < all_gather  # all-to-all moves 1/tp
+def test_redistributions_are_the_collectives_dtensor_runs():
+    assert reshard_collectives("R", "S1") == ()  # slicing is local
+    assert reshard_collectives("S1", "P") is None  # a value never becomes partial sums
+    assert reshard_collectives("P", "R") == (Collective.ALL_REDUCE,)
+    assert reshard_collectives("P", "S1") == (Collective.REDUCE_SCATTER,)
+    assert reshard_collectives("S1", "R") == (Collective.ALL_GATHER,)
+    assert reshard_collectives("S1", "S2") == (Collective.ALL_TO_ALL,)
+    assert reshard_collectives("V", "R") is None  # loss-parallel logits go to the loss only
 
 
 def test_bad_arguments_name_the_field(gpt):
     with pytest.raises(Exception, match="tp = 0"):
-        build_layout_problem(gpt, tp=0, roofline=H100)
+        build_layout_problem(gpt, tp=0, pricer=H100)
     with pytest.raises(Exception, match="link_bandwidth_GBps"):
         Roofline(peak_flops=1e12, memory_bandwidth_GBps=1, link_bandwidth_GBps=0, link_latency_us=1)
 
@@ -239,12 +236,12 @@ def test_any_mlp_stack_gets_a_layout_covering_every_linear(widths, tp, batch, sq
         model = MLPStack(tuple(widths))
     handle = ModelHandle("mlp", "test", model, lambda b, s: model.example_inputs(b))
     graph = trace(handle, batch_size=batch)
-    unlimited = solve_tp_layout(graph, tp=tp, roofline=H100)
+    unlimited = solve_tp_layout(graph, tp=tp, pricer=H100)
     layout = unlimited
     if squeeze is not None:
         budget = squeeze * unlimited.solution.memory_bytes
         try:
-            layout = solve_tp_layout(graph, tp=tp, roofline=H100, memory_budget_bytes=budget)
+            layout = solve_tp_layout(graph, tp=tp, pricer=H100, memory_budget_bytes=budget)
         except ShardingInfeasibleError as error:
             assert error.family == "memory_budget"
             return
@@ -282,7 +279,7 @@ def test_a_module_named_like_its_segment_keeps_its_own_fqn():
     )
     graph = trace(handle, batch_size=8)
     roofline = Roofline(1e12, 1000, 100, 5)
-    layout = solve_tp_layout(graph, tp=2, roofline=roofline, memory_budget_bytes=6e6)
+    layout = solve_tp_layout(graph, tp=2, pricer=roofline, memory_budget_bytes=6e6)
     names = {name for name, _ in module.named_modules()}
     assert "head" in layout.styles
     assert set(layout.styles) <= names

@@ -153,8 +153,8 @@ def test_make_plan_assembles_a_runnable_plan():
     modules = [fqn for stage in plan.stages for fqn in stage]
     assert modules[0] == "tok_embeddings" and modules[-1] == "output"
     assert len(plan.stages) == plan.strategy.num_stages
-    assert plan.tp_layout["layers.*.attention.wq"].value == "colwise"
-    assert plan.tp_layout["layers.*.feed_forward.w2"].value == "rowwise"
+    assert plan.tp_layout["layers.*.attention.wq"].style == "colwise"
+    assert plan.tp_layout["layers.*.feed_forward.w2"].style == "rowwise"
     assert plan.solver.ilp_status == "optimal"
     assert Plan.from_json(plan.to_json()) == plan
     for runner_up in plan.runners_up:
@@ -230,4 +230,4 @@ def test_models_without_transformer_blocks_get_runnable_plans(model, pins):
     )  # fmt: skip
     assert plan.strategy.world_size == 4 and plan.strategy.pp == 1 and plan.strategy.cp == 1
     if plan.strategy.sequence_parallel:
-        assert "sequence_parallel" in {style.value for style in plan.tp_layout.values()}
+        assert "sequence_parallel" in {m.style.value for m in plan.tp_layout.values()}

@@ -141,7 +141,7 @@ def test_plan_round_trips_through_json(tmp_path: Path):
         strategy=strategy,
         mesh=strategy.mesh_axes(),
         stages=(("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")),
-        tp_layout={"layers.*.attention.wq": "colwise"},
+        tp_layout={"layers.*.attention.wq": {"style": "colwise", "params": {"weight": "Shard(0)"}}},
     )
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())

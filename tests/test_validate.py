@@ -10,7 +10,8 @@ from torch import nn
 from planner.assemble import assemble_plan
 from planner.errors import PlanMismatchError, SpecError
 from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
-from planner.spec import Cluster, Plan, Strategy, TPStyle, Training
+from planner.layouts import check_plan_layout
+from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
 from planner.validate import (
     check_model_against_plan,
     expand_layout,
@@ -99,16 +100,20 @@ def test_fingerprint_mismatch_names_both() -> None:
         check_model_against_plan(plan, other)
 
 
+COLWISE = ModuleTP(style="colwise", params={"weight": "Shard(0)"})
+
+
 def test_layout_naming_a_missing_module() -> None:
-    plan = _plan(batch=1, tp=2).model_copy(update={"tp_layout": {"layers.*.attn.wq": "colwise"}})
+    plan = _plan(batch=1, tp=2).model_copy(update={"tp_layout": {"layers.*.attn.wq": COLWISE}})
     with pytest.raises(SpecError, match=r"tp_layout\['layers.\*.attn.wq'\].*names no module"):
         check_model_against_plan(plan, resolve_model("tiny-llama").module)
 
 
-def test_layout_style_must_fit_module_kind() -> None:
+def test_layout_must_place_parameters_the_module_has() -> None:
     model = resolve_model("tiny-llama").module
-    with pytest.raises(SpecError, match="needs Embedding"):
-        expand_layout(model, {"output": TPStyle.VOCAB_PARALLEL})
+    biased = ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"})
+    with pytest.raises(SpecError, match=r"places 'bias', but 'output' \(Linear\) holds \['weight'\]"):
+        expand_layout(model, {"output": biased})
 
 
 def test_heads_must_divide_by_tp() -> None:
@@ -121,12 +126,15 @@ def test_sharded_dimension_must_divide_by_tp() -> None:
     model = nn.Sequential(nn.Linear(6, 9), nn.Linear(9, 6))
     plan = _plan(batch=1, tp=2).model_copy(
         update={
-            "tp_layout": {"0": "colwise", "1": "rowwise"},
+            "tp_layout": {
+                "0": ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"}),
+                "1": ModuleTP(style="rowwise", params={"weight": "Shard(1)"}),
+            },
             "model": None,
             "model_fingerprint": fingerprint(model),
         }
     )
-    with pytest.raises(SpecError, match=r"size 9, not divisible by tp\(2\)"):
+    with pytest.raises(SpecError, match=r"shards weight on dim 0 of size 9, not divisible by tp\(2\)"):
         check_model_against_plan(plan, model)
 
 
@@ -172,30 +180,34 @@ def test_find_blocks_on_zoo_and_hugging_face_naming() -> None:
     ]
 
 
-def _tied_plan(vocab_parallel: bool = True, **strategy: Any) -> tuple[Plan, nn.Module]:
+def _tied_plan(**strategy: Any) -> tuple[Plan, nn.Module]:
     spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
     handle = ModelHandle("tied", "tied", build(spec), lambda b, s: (), spec)
     parsed = Strategy.model_validate(strategy)
     cluster = Cluster(gpu="h100", num_gpus=parsed.world_size)
     training = Training(global_batch_size=parsed.dp * parsed.num_microbatches)
-    plan = assemble_plan(handle, cluster, training, parsed, vocab_parallel=vocab_parallel)
+    plan = assemble_plan(handle, cluster, training, parsed)
     return plan, handle.module
 
 
 def test_tied_embeddings_sharded_alike_under_tensor_parallel() -> None:
     plan, module = _tied_plan(tp=2)
     expanded = check_model_against_plan(plan, module)
-    assert expanded["tok_embeddings"] is TPStyle.VOCAB_PARALLEL
-    assert expanded["output"] is TPStyle.COLWISE
+    assert expanded["tok_embeddings"].params == {"weight": "Shard(0)"}  # on the vocabulary
+    assert expanded["output"].params == {"weight": "Shard(0)"}
 
 
 def test_tied_embeddings_sharded_differently_are_refused() -> None:
-    plan, module = _tied_plan(vocab_parallel=False, tp=2)
+    plan, module = _tied_plan(tp=2)
+    layout = dict(plan.tp_layout)
+    layout["tok_embeddings"] = layout["tok_embeddings"].model_copy(
+        update={"params": {"weight": "Shard(1)"}}
+    )
     with pytest.raises(
         SpecError,
-        match=r"tied weights.*'tok_embeddings' unsharded, 'output' sharded on dim 0",
+        match=r"tied weights.*'tok_embeddings' Shard\(1\), 'output' Shard\(0\)",
     ):
-        check_model_against_plan(plan, module)
+        check_model_against_plan(plan.model_copy(update={"tp_layout": layout}), module)
 
 
 def test_tied_embeddings_cannot_span_pipeline_chunks() -> None:
@@ -204,10 +216,10 @@ def test_tied_embeddings_cannot_span_pipeline_chunks() -> None:
         check_model_against_plan(plan, module)
 
 
-def test_sequence_parallel_flag_needs_marked_modules() -> None:
+def test_sequence_parallel_without_sharded_norms_is_refused_by_the_layout_rules() -> None:
     plan = _plan(batch=1, tp=2, sequence_parallel=True)
-    no_norms = {k: v for k, v in plan.tp_layout.items() if v is not TPStyle.SEQUENCE_PARALLEL}
-    with pytest.raises(SpecError, match="marks no module 'sequence_parallel'"):
-        check_model_against_plan(
-            plan.model_copy(update={"tp_layout": no_norms}), resolve_model("tiny-llama").module
-        )
+    norms = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+    layout = {k: v for k, v in plan.tp_layout.items() if k not in norms}
+    edited = plan.model_copy(update={"tp_layout": layout})
+    with pytest.raises(SpecError, match="plan.tp_layout"):
+        check_plan_layout(edited, resolve_model("tiny-llama", device="cpu").module)

@@ -44,6 +44,26 @@ def _prediction_rows(p: Prediction) -> list[tuple[str, str]]:
     ]
 
 
+def _layout(plan: Plan) -> Table:
+    """Each module the tensor-parallel layout touches: how it runs, what it holds, where
+    its input and output change placement."""
+    sharded = sum(
+        1 for m in plan.tp_layout.values() if any(p.startswith("Shard") for p in m.params.values())
+    )
+    title = (
+        f"Tensor-parallel layout (tp={plan.strategy.tp}, {sharded} of {len(plan.tp_layout)} "
+        "modules shard parameters)"
+    )
+    if plan.loss_parallel:
+        title += "; loss parallel: compute the loss inside loss_context(plan)"
+    table = Table(title=title, title_justify="left")
+    table.add_column("module")
+    table.add_column("how it runs")
+    for fqn, module in plan.tp_layout.items():
+        table.add_row(fqn, module.describe())
+    return table
+
+
 def _two_columns(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -105,8 +125,7 @@ def render_plan(plan: Plan, console: Console) -> None:
         spans = "; ".join(f"{chunk[0]}..{chunk[-1]} ({len(chunk)})" for chunk in plan.stages)
         console.print(f"[bold]pipeline stages[/bold] (first..last module, count): {spans}")
     if plan.tp_layout:
-        layout = ", ".join(f"{fqn}={style.value}" for fqn, style in plan.tp_layout.items())
-        console.print(f"[bold]tensor-parallel layout[/bold]: {layout}")
+        console.print(_layout(plan))
     for tradeoff in plan.tradeoffs:
         console.print(f"[bold]trade-off[/bold]: {tradeoff}")
     if plan.runners_up:

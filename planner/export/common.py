@@ -198,7 +198,10 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
     sharded on the vocabulary, or on the embedding dim (same memory, noted).
     """
     notes: list[str] = []
-    for key, style in sorted(plan.tp_layout.items()):
+    for key, module in sorted(plan.tp_layout.items()):
+        style = module.style
+        if style is TPStyle.BOUNDARY:  # where sequence parallelism starts: not a module style
+            continue
         pattern = re.sub(r"^layers\.\d+\.", "layers.*.", key)
         if pattern == "tok_embeddings" and style in _EMBEDDING_STYLES:
             if style is TPStyle.COLWISE:

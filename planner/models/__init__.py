@@ -47,11 +47,13 @@ def _spec(
     )  # fmt: skip
 
 
-_GPT2 = {"vocab_size": 50257, "seq_len": 1024, "tied_embeddings": True}
+# Vocabularies padded to a multiple of 128, as Megatron-LM does, so tensor parallelism
+# splits the embedding and the output head evenly (GPT-2's 50257, BERT's 30522).
+_GPT2 = {"vocab_size": 50304, "seq_len": 1024, "tied_embeddings": True}
 _GPT3 = {"vocab_size": 51200, "seq_len": 2048}  # Megatron pads 50257 to 51200
 _LLAMA2 = {"vocab_size": 32000, "seq_len": 4096}
 _LLAMA3 = {"vocab_size": 128256, "seq_len": 8192, "rope_theta": 500000.0}
-_BERT = {"vocab_size": 30522, "seq_len": 512, "tied_embeddings": True, "norm_eps": 1e-12}
+_BERT = {"vocab_size": 30592, "seq_len": 512, "tied_embeddings": True, "norm_eps": 1e-12}
 
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -166,12 +168,21 @@ def _from_module(name: str, source: str, module: nn.Module, inputs: object) -> M
     return ModelHandle(name, source, module, lambda batch_size, seq_len: fixed)
 
 
+def is_hf_model(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (it takes ``input_ids``)."""
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
 def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHandle:
-    """A handle for a module built by the caller: zoo transformers take token ids, other
-    modules need an ``example_inputs(batch_size)`` method."""
+    """A handle for a module built by the caller: zoo transformers and Hugging Face causal
+    LMs take token ids, other modules need an ``example_inputs(batch_size)`` method."""
+    device = next(module.parameters()).device
     if isinstance(module, Transformer):
-        inputs = _token_inputs(module.spec.vocab_size, next(module.parameters()).device)
+        inputs = _token_inputs(module.spec.vocab_size, device)
         return ModelHandle(name or module.spec.name, "module", module, inputs, module.spec)
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if is_hf_model(module) and isinstance(vocab, int):
+        return ModelHandle(name or type(module).__name__, "module", module, _token_inputs(vocab, device))
     return _from_module(name or type(module).__name__, "module", module, None)
 
 

@@ -70,6 +70,7 @@ from planner.solve.placements import (
 )
 from planner.solve.sharding import (
     ShardingEdge,
+    ShardingInfeasibleError,
     ShardingNode,
     ShardingProblem,
     ShardingSolution,
@@ -329,7 +330,7 @@ class _Builder:
         self.counts = Counter(segment.type_id for segment in graph.segments)
         first_block = next(
             (i for i, s in enumerate(graph.segments) if graph.types[s.type_id].kind == "block"),
-            len(graph.segments),
+            0,  # a model without repeated blocks has no embedding run before them
         )
         self.before_blocks = {s.type_id for s in graph.segments[:first_block]}
         self.outputs = {t: _outputs(graph.types[t]) for t in order}
@@ -486,7 +487,8 @@ class _Builder:
         pins = self.constraints.inputs if conversion.side == "input" else self.constraints.outputs
         placements = _constraint_for(pins, fqns)
         handoff = _constraint_for(self.constraints.handoff, fqns)
-        if placements is None and self.constraints.exhaustive:
+        unlisted = _constraint_for(self.constraints.styles, fqns) is None
+        if placements is None and self.constraints.exhaustive and unlisted:
             return "plain", False
         return placements, handoff
 
@@ -495,9 +497,12 @@ class _Builder:
     ) -> None:
         strategies = self._conversion_strategies(conversion, sources, tensor)
         if not strategies:
+            pinned, _ = self._conversion_pins(conversion)
+            fqn = self._modules(conversion.type_id).fqns(conversion.module)[0]
             raise SpecError(
-                f"module {conversion.module!r} ({conversion.side}): no conversion fits its "
-                f"pinned placements at tp {self.tp}"
+                f"module {fqn!r}: its {conversion.side} is to go {_pair_text(pinned)}, but the "
+                f"tensor reaching it can only be placed {', '.join(map(_placement_text, sorted(sources)))} "
+                f"at tp {self.tp}: lay out the modules before it to match"
             )
         as_ops = [self._as_op(s, tensor) for s in strategies]
         zeros = np.zeros(len(as_ops))
@@ -801,6 +806,19 @@ def _pinned(
     return strategies
 
 
+def _placement_text(placement: str) -> str:
+    return {REPLICATE: "Replicate()", PARTIAL: "Partial()", VOCAB: "Shard(-1) (loss parallel)"}.get(
+        placement, f"Shard({placement[1:]})"
+    )
+
+
+def _pair_text(pair: object) -> str:
+    if pair == "plain" or pair is None:
+        return "unconverted"
+    src, dst = pair  # type: ignore[misc]
+    return f"{_placement_text(src)} -> {_placement_text(dst)}"
+
+
 def _ancestors(fqn: str) -> list[str]:
     parts = fqn.split(".")
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
@@ -887,5 +905,29 @@ def build_layout_problem(
 def solve_layout(
     problem: LayoutProblem, *, time_limit_s: float = 10.0, tmp_dir: str | None = None
 ) -> ShardingSolution:
-    """Solve a layout problem with CBC."""
-    return solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
+    """Solve a layout problem with CBC; an infeasibility names modules, not ILP nodes."""
+    try:
+        return solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
+    except ShardingInfeasibleError as exc:
+        raise ShardingInfeasibleError(exc.family, _readable(problem, str(exc))) from None
+
+
+def _readable(problem: LayoutProblem, message: str) -> str:
+    """``t1/mul_1`` -> ``op mul_1 of layers.*.ffn_norm`` in an ILP message."""
+    names = {
+        name: f"op {node.name} of {_where(problem, type_id, node.module)}"
+        for name, (type_id, node) in problem.ops.items()
+    }
+    for name, conversion in problem.conversions.items():
+        names[name] = f"the {conversion.side} of {_where(problem, conversion.type_id, conversion.module)}"
+    text = message.split(": ", 1)[-1]  # ShardingInfeasibleError adds its prefix again
+    for name in sorted(names, key=len, reverse=True):
+        text = text.replace(name, names[name])
+    return text
+
+
+def _where(problem: LayoutProblem, type_id: str, module: str) -> str:
+    roots = root_patterns(problem.graph, type_id)
+    if problem.graph.types[type_id].kind != "block":
+        return module or "the model"
+    return ".".join(p for p in (roots[0], module) if p)

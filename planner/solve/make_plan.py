@@ -179,6 +179,7 @@ def model_limits(
         seq_len=graph.seq_len,
         num_heads=heads,
         num_kv_heads=kv_heads,
+        vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
         pipeline=pipeline_splittable(handle.module),
         context_parallel=isinstance(handle.module, Transformer),
         ddp_over_tp=not shares_parameters(handle.module),

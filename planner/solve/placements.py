@@ -60,6 +60,8 @@ __all__ = [
     "TensorInfo",
     "StrategyBuilder",
     "dim_map",
+    "is_cast",
+    "tensor_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ _POSITION_MIXING = frozenset(
     {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "sort", "argsort", "topk",
      "flip", "roll", "diff", "kthvalue", "median", "searchsorted"}
 )  # fmt: skip
+_CAST_TARGETS = frozenset({"to", "float", "half", "bfloat16", "type_as", "type", "_to_copy"})
 # How a traced nn.Linear appears: the module class (fx) or its aten op (export).
 _LINEAR_TARGETS = frozenset({"Linear", "aten.linear.default"})
 _TOKEN_LOSSES = ("cross_entropy",)
@@ -274,6 +277,11 @@ def dim_map(node: OpNode, src: tuple[int, ...], first: bool) -> dict[int, int | 
     return _same_size_map(out, src, repeats="repeat_interleave" in node.target)
 
 
+def is_cast(node: OpNode) -> bool:
+    """A dtype cast (``x.float()``, ``aten._to_copy``): element-wise, any placement passes."""
+    return not _CAST_TARGETS.isdisjoint(node.target.lower().split("."))
+
+
 def _mixes_positions(node: OpNode) -> bool:
     """``aten.cumsum.default``, ``cumsum``, ``Tensor.flip``: any dotted part names such an op."""
     return not _POSITION_MIXING.isdisjoint(node.target.lower().split("."))
@@ -411,12 +419,12 @@ class StrategyBuilder:
         return strategies
 
     def _vocab_size(self) -> int:
-        """Rows of the embedding table: its parameter shape among the inputs, else params / dim."""
+        """Rows of the embedding table (a tied table counted elsewhere: its 2-D input)."""
         hidden = self.node.output_shape[-1]
-        for shape in self.node.input_shapes:
-            if len(shape) == 2 and shape[1] == hidden:
-                return shape[0]
-        return self.node.param_count // hidden if hidden else 0
+        if self.node.param_count and hidden:
+            return self.node.param_count // hidden
+        tables = [s for s in self.node.input_shapes if len(s) == 2 and s[1] == hidden]
+        return max((s[0] for s in tables), default=0)
 
     def _attention(self) -> list[OpStrategy]:
         main = self.inputs[:3]
@@ -464,11 +472,14 @@ class StrategyBuilder:
             strategy = self._follow_dim(d, maps)
             if strategy is not None:
                 strategies.append(strategy)
-        if self.node.kind is OpKind.VIEW and len(self.inputs) == 1:
+        if len(self.inputs) != 1:
+            return strategies
+        if self.node.kind is OpKind.VIEW:
             strategies.append(OpStrategy("P", (PARTIAL,), (REPLICATE,), PARTIAL, REPLICATE))
-            out, src = self.node.output_shape, self.inputs[0].shape
-            if out and src and out[-1] == src[-1] and valid(VOCAB, out, self.tp):
-                strategies.append(OpStrategy("V", (VOCAB,), (VOCAB,), VOCAB, VOCAB))
+        out, src = self.node.output_shape, self.inputs[0].shape
+        keeps_vocab = out and src and out[-1] == src[-1] and valid(VOCAB, out, self.tp)
+        if keeps_vocab and (self.node.kind is OpKind.VIEW or is_cast(self.node)):
+            strategies.append(OpStrategy("V", (VOCAB,), (VOCAB,), VOCAB, VOCAB))
         return strategies
 
     def _follow_dim(self, d: int, maps: list[dict[int, int | None]]) -> OpStrategy | None:

@@ -47,7 +47,6 @@ __all__ = [
     "layout_from_solution",
     "constraints_from_modules",
     "placement_from_torch",
-    "describe_groups",
     "solve_tp_layout",
 ]
 
@@ -325,36 +324,6 @@ def _tensor_ndims(graph: OpGraph) -> dict[tuple[str, str], int]:
             ndims.setdefault((node.module, "input"), len(node.input_shapes[0]) if node.input_shapes else 0)
             ndims[(node.module, "output")] = len(node.output_shape)
     return ndims
-
-
-def describe_groups(modules: Mapping[str, ModuleTP]) -> list[tuple[str, str]]:
-    """``(module pattern, how it runs)`` rows for ``plan explain``, in a reader's words."""
-    rows = []
-    for fqn, module in modules.items():
-        rows.append((fqn, _how(module)))
-    return rows
-
-
-def _how(module: ModuleTP) -> str:
-    words = {
-        TPStyle.COLWISE: "column-parallel",
-        TPStyle.ROWWISE: "row-parallel",
-        TPStyle.VOCAB_PARALLEL: "vocabulary-parallel",
-        TPStyle.SEQUENCE_PARALLEL: "sequence-parallel",
-        TPStyle.REPLICATE: "replicated",
-        TPStyle.BOUNDARY: "block boundary",
-    }
-    parts = [words[module.style]]
-    if module.params:
-        parts.append(", ".join(f"{k} {v}" for k, v in module.params.items()))
-    if module.input is not None and module.input[0] != module.input[1]:
-        parts.append(f"in {module.input[0]} -> {module.input[1]}")
-    if module.output is not None and module.output[0] != module.output[1]:
-        parts.append(f"out {module.output[0]} -> {module.output[1]}")
-    if module.output_dtensor:
-        parts.append("handed on as DTensor")
-    return "; ".join(parts)
-
 
 
 def solve_tp_layout(

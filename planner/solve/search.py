@@ -117,6 +117,7 @@ class ModelLimits:
     seq_len: int
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    vocab_size: int | None = None  # split by Megatron's layout: tp must divide it
     pipeline: bool = True  # whether the runtime can split the blocks into stages
     context_parallel: bool = True  # whether the runtime can shard its sequences
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
@@ -124,9 +125,9 @@ class ModelLimits:
     layout_problem: Callable[[int, bool], str | None] | None = None
 
     def allows_tp(self, tp: int) -> bool:
-        heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
+        sizes = [h for h in (self.num_heads, self.num_kv_heads, self.vocab_size) if h is not None]
         within = self.max_tp is None or tp <= self.max_tp
-        return within and all(h % tp == 0 for h in heads)
+        return within and all(h % tp == 0 for h in sizes)
 
     def layout_blocker(self, tp: int, sp: bool) -> str | None:
         """Why tensor parallelism ``tp`` (with ``sp``) cannot run the model, if it cannot."""
@@ -531,9 +532,17 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
             "a node (its layout is solved per degree up to the GPUs per node)"
         )
     elif pins.tp is not None and not limits.allows_tp(pins.tp):
-        reasons.append(
-            f"tp({pins.tp}) does not divide the heads ({limits.num_heads}, kv {limits.num_kv_heads})"
-        )
+        heads = [h for h in (limits.num_heads, limits.num_kv_heads) if h is not None]
+        if any(h % pins.tp for h in heads):
+            reasons.append(
+                f"tp({pins.tp}) does not divide the heads ({limits.num_heads}, kv "
+                f"{limits.num_kv_heads})"
+            )
+        if limits.vocab_size is not None and limits.vocab_size % pins.tp:
+            reasons.append(
+                f"tp({pins.tp}) does not divide the vocabulary ({limits.vocab_size}): pad it to "
+                "a multiple of 128, as Megatron-LM does"
+            )
     elif pins.tp is not None and pins.sequence_parallel:
         blocker = limits.layout_blocker(pins.tp, True)
         if blocker is not None:
