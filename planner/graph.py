@@ -55,6 +55,7 @@ class OpNode:
     param_bytes: float = 0.0
     saved_bytes: float = 0.0
     gemm: tuple[int, int, int, int] | None = None
+    batched: bool = True  # grows with the batch (False: derived from constants, as positions)
 
 
 @dataclass(frozen=True)

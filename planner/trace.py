@@ -30,6 +30,7 @@ from torch import nn
 
 from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.spec import DType, Family, Training
 from planner.trace_fx import (
@@ -131,6 +132,8 @@ def _prepare(
     model = _meta_copy(handle.module, dtype)
     inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
     hf = is_hf_model(model)
+    if hf:  # experts at their expected load, whichever device the model was built on
+        expected_load_experts(model, model_type=model.config.model_type)
     if handle.spec is None and not hf:
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
@@ -264,7 +267,7 @@ class _GraphBuilder:
                     dtype=op.out.dtype, flops_fwd=cost.flops_fwd, flops_bwd=cost.flops_bwd,
                     bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
                     param_count=param_count, param_bytes=param_bytes, saved_bytes=saved_bytes,
-                    gemm=cost.gemm,
+                    gemm=cost.gemm, batched=op.out.batched,
                 )
             )  # fmt: skip
         return tuple(nodes)

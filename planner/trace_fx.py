@@ -167,11 +167,12 @@ def _ref(
     requires_grad: bool,
     producer: str | None = None,
     param: nn.Parameter | None = None,
+    batched: bool = False,
 ) -> TensorRef:
     return TensorRef(
         shape=shape, dtype=_dtype_name(dtype), itemsize=dtype.itemsize,
         requires_grad=requires_grad, producer=producer,
-        param=id(param) if param is not None else None,
+        param=id(param) if param is not None else None, batched=batched,
     )  # fmt: skip
 
 
@@ -257,8 +258,9 @@ class _GraphReader:
             return
         grad = self.input_grads.pop(0) if node.op == "placeholder" and self.input_grads else False
         self.values[node.name] = _ref(
-            *meta, requires_grad=grad and meta[1].is_floating_point, producer=node.name
-        )
+            *meta, requires_grad=grad and meta[1].is_floating_point, producer=node.name,
+            batched=node.op == "placeholder",
+        )  # fmt: skip
 
     def _args(self, node: torch.fx.Node) -> list[TensorRef]:
         refs: list[TensorRef] = []
@@ -277,7 +279,8 @@ class _GraphReader:
             return None  # shape arithmetic, asserts: no tensor result
         args = tuple(self._args(node))
         grad = meta[1].is_floating_point and any(a.requires_grad for a in args)
-        out = _ref(*meta, requires_grad=grad, producer=node.name)
+        batched = any(a.batched for a in args)
+        out = _ref(*meta, requires_grad=grad, producer=node.name, batched=batched)
         self.values[node.name] = out
         name = _op_name(node, self.root)
         module, module_class = _module_of(node)

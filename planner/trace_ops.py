@@ -101,6 +101,7 @@ class TensorRef:
     requires_grad: bool
     producer: str | None = None
     param: int | None = None
+    batched: bool = False  # derived from a model input (grows with the batch), not a constant
 
     @property
     def numel(self) -> int:

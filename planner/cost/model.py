@@ -221,6 +221,21 @@ class CostModel:
             self._assignments[key] = unsharded(self.graph) if tp == 1 else self._tp_source(*key)
         return self._assignments[key]
 
+    def tp_comm_bytes(self, strategy: Strategy) -> dict[tuple[str, str], float]:
+        """Bytes per step that one rank's tensor-parallel collectives move (whole arrays,
+        as :mod:`~planner.cost.communication` prices them), by ``(kind, pass)``, over every
+        segment (the whole model: one pipeline rank holds its share of them)."""
+        key = self._shard_key(strategy)
+        layout = self.tp_layout(strategy.tp, strategy.sequence_parallel)
+        counted: dict[tuple[str, str], float] = {}
+        for segment in self.graph.segments:
+            for comm in layout.segment(segment.type_id).comms:
+                phase = "backward" if comm.backward else "forward"
+                slot = (comm.kind.value, phase)
+                moved = comm.bytes_for(key) * strategy.num_microbatches
+                counted[slot] = counted.get(slot, 0.0) + moved
+        return counted
+
     def layout_pricer(self) -> LayoutCosts:
         """Operator and collective seconds as this model prices them, for the layout ILP."""
         return LayoutCosts(self.compute, self._axis_link)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from planner.cost.communication import Collective
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
@@ -50,6 +51,7 @@ from planner.graph import OpGraph, OpKind, OpNode, SegmentType
 __all__ = [
     "ShardKey",
     "Comm",
+    "Scaling",
     "SegmentTP",
     "TPAssignment",
     "AssignmentSource",
@@ -83,24 +85,33 @@ class ShardKey:
         return self.micro_batch_size / self.cp
 
 
+Scaling = Literal["tokens", "sequence", "fixed"]
+
+
 @dataclass(frozen=True)
 class Comm:
     """One collective over the tensor-parallel group, per segment and micro-batch.
 
-    ``nbytes`` is the whole array at the traced batch-1 shapes; ``per_token`` arrays
-    (activations) grow with the micro-batch's tokens, the others (a replicated
-    parameter's gradient) do not. ``where`` names the module it runs at.
+    ``nbytes`` is the whole array at the traced batch-1 shapes. ``scaling`` says how it
+    grows with the micro-batch: ``tokens`` (activations: with its sequences and its
+    context-parallel shard of each), ``sequence`` (position embeddings: with the shard
+    only) or ``fixed`` (a replicated parameter's gradient). ``where`` names the module
+    it runs at.
     """
 
     kind: Collective
     nbytes: float
     backward: bool
-    per_token: bool = True
+    scaling: Scaling = "tokens"
     where: str = ""
 
     def bytes_for(self, key: ShardKey) -> float:
         """Bytes of the whole array for one micro-batch of ``key``."""
-        return self.nbytes * key.token_scale if self.per_token else self.nbytes
+        if self.scaling == "tokens":
+            return self.nbytes * key.token_scale
+        if self.scaling == "sequence":
+            return self.nbytes / key.cp
+        return self.nbytes
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,7 @@ def _megatron_segment(
         work.append(tp if split or on_sequence else 1)
         params.append(node.param_count / tp if split else float(node.param_count))
         if on_sequence and not split and node.param_count:
-            comms.append(Comm(Collective.ALL_REDUCE, node.param_bytes, True, False, node.module))
+            comms.append(Comm(Collective.ALL_REDUCE, node.param_bytes, True, "fixed", node.module))
     gathered = 0.0
     for run in _split_runs(nodes):
         comms += _run_comms(nodes, run, sp, regather)

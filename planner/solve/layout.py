@@ -51,7 +51,7 @@ from typing import Protocol
 import numpy as np
 
 from planner.cost.communication import Collective, LinkModel, collective_time
-from planner.cost.tp import Comm
+from planner.cost.tp import Comm, Scaling
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
 from planner.solve.placements import (
@@ -486,7 +486,9 @@ class _Builder:
         fqns = self._modules(conversion.type_id).fqns(conversion.module)
         pins = self.constraints.inputs if conversion.side == "input" else self.constraints.outputs
         placements = _constraint_for(pins, fqns)
-        handoff = _constraint_for(self.constraints.handoff, fqns)
+        handoff = (
+            _constraint_for(self.constraints.handoff, fqns) if conversion.side == "output" else None
+        )
         unlisted = _constraint_for(self.constraints.styles, fqns) is None
         if placements is None and self.constraints.exhaustive and unlisted:
             return "plain", False
@@ -513,19 +515,27 @@ class _Builder:
         self.strategies[name], self.tensors[name] = as_ops, tensor
 
     def _as_op(self, strategy: _Strategy, tensor: TensorInfo) -> OpStrategy:
+        scaling = self._scaling(tensor)
         comms = [
-            Comm(kind, tensor.nbytes, backward=False)
+            Comm(kind, tensor.nbytes, backward=False, scaling=scaling)
             for kind in reshard_collectives(strategy.src, strategy.dst) or ()
         ]
         if tensor.needs_grad:
             comms += [
-                Comm(kind, tensor.nbytes, backward=True)
+                Comm(kind, tensor.nbytes, backward=True, scaling=scaling)
                 for kind in reshard_collectives(strategy.grad_in, strategy.grad_out) or ()
             ]
         return OpStrategy(
             strategy.name, (strategy.src,), (strategy.grad_out,), strategy.dst, strategy.grad_in,
             comms=tuple(comms),
         )  # fmt: skip
+
+    def _scaling(self, tensor: TensorInfo) -> Scaling:
+        """How an array grows with the micro-batch: one derived from the model's input with
+        every token, one derived from constants (positions) with the sequence only."""
+        if tensor.batched:
+            return "tokens"
+        return "sequence" if self.graph.seq_len in tensor.shape else "fixed"
 
     def _comm_seconds(self, comms: Iterable[Comm]) -> float:
         return sum(self.pricer.comm_seconds(c.kind, c.nbytes, self.tp) for c in comms)
@@ -573,7 +583,8 @@ class _Builder:
         """A segment's input. The residual stream (the one that needs a gradient) entering a
         block is ``S1`` under SP, else ``R``; what else arrives (positions, masks) is ``R``."""
         residual = self._entry_needs_grad(type_id, shape)
-        tensor = TensorInfo(shape, math.prod(shape) * element_bytes(node), needs_grad=residual)
+        nbytes = math.prod(shape) * element_bytes(node)
+        tensor = TensorInfo(shape, nbytes, needs_grad=residual, batched=residual)
         kind = self.graph.types[type_id].kind
         sharded = valid(shard(1), shape, self.tp) and len(shape) >= 3 and residual
         if kind == "block":

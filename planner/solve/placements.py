@@ -41,6 +41,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from planner.cost.communication import Collective
+from planner.cost.tp import Comm
 from planner.errors import SpecError
 from planner.graph import OpKind, OpNode
 from planner.spec import TPStyle
@@ -55,7 +56,6 @@ __all__ = [
     "reshard_collectives",
     "torch_placement",
     "element_bytes",
-    "Comm",
     "OpStrategy",
     "TensorInfo",
     "StrategyBuilder",
@@ -147,20 +147,6 @@ def element_bytes(node: OpNode) -> int:
 
 
 @dataclass(frozen=True)
-class Comm:
-    """A collective a strategy runs: ``nbytes`` of the whole array per micro-batch.
-
-    ``per_token`` arrays (activations) grow with the micro-batch's tokens; the others
-    (parameter gradients) do not. ``backward`` says which pass runs it.
-    """
-
-    kind: Collective
-    nbytes: float
-    backward: bool
-    per_token: bool = True
-
-
-@dataclass(frozen=True)
 class OpStrategy:
     """One way to run an operator (or a conversion) on the TP group.
 
@@ -190,6 +176,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     nbytes: float
     needs_grad: bool
+    batched: bool = True  # grows with the micro-batch (a position embedding does not)
 
 
 # --- which output dims an operator preserves from each input ---------------------
@@ -503,7 +490,7 @@ class StrategyBuilder:
         # A parameter used on a shard (a norm's weight under sequence parallelism) is a
         # replicated DTensor whose gradient is partial: all-reduced once per micro-batch.
         comms = (
-            (Comm(Collective.ALL_REDUCE, self.node.param_bytes, backward=True, per_token=False),)
+            (Comm(Collective.ALL_REDUCE, self.node.param_bytes, backward=True, scaling="fixed"),)
             if params
             else ()
         )
@@ -519,4 +506,4 @@ def tensor_of(node: OpNode, inputs: Sequence[TensorInfo]) -> TensorInfo:
     is_float = node.dtype.removeprefix("torch.") not in _INTEGER_DTYPES
     needs_grad = is_float and (bool(node.param_count) or any(t.needs_grad for t in inputs))
     nbytes = math.prod(node.output_shape) * element_bytes(node)
-    return TensorInfo(node.output_shape, nbytes, needs_grad)
+    return TensorInfo(node.output_shape, nbytes, needs_grad, node.batched)

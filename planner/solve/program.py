@@ -242,7 +242,7 @@ def _assignment(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> TPAssi
 
 
 def _at(comm: Comm, where: str) -> Comm:
-    return Comm(comm.kind, comm.nbytes, comm.backward, comm.per_token, where)
+    return Comm(comm.kind, comm.nbytes, comm.backward, comm.scaling, where)
 
 
 def _boundary_owner(problem: LayoutProblem, before: str, after: str) -> str:

@@ -1,0 +1,278 @@
+"""What runs is what was priced: every tensor-parallel plan the search emits, on models
+the project did not write, against one process.
+
+Models: the zoo's GPT and Llama, a nanoGPT-style user module (fused ``c_attn``, blocks
+in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama, Qwen2,
+Mistral, GPT-2, GPT-NeoX and Mixtral configs. Plans: what ``make_plan`` emits with the
+tensor-parallel degree and sequence parallelism pinned, at tp 2 and 4 and dp 2 x tp 2,
+on a test device where tensor parallelism pays even for tiny layers (slow compute, a
+fast link). Every plan must
+
+- train 3 SGD steps under gloo with the same losses and (gathered) parameters as one
+  process, to 1e-5;
+- hold exactly the parameter elements per rank its prediction counts;
+- move exactly the tensor-parallel bytes per step its prediction counts, as counted
+  at DTensor's collectives (:class:`strategies.comm_bytes.CollectiveBytes`).
+
+Sequence parallelism is offered for every model but two, whose own code cannot run on a
+sequence shard: GPT-2 reshapes its output to the full sequence, and Mixtral's
+mixture-of-experts block has no module boundary to re-shard its output at.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from planner.cost import CostModel
+from planner.errors import PlannerError
+from planner.layouts import FIXED_STYLE_PRICER, plan_layout
+from planner.models import ModelHandle, resolve_model
+from planner.solve.make_plan import make_plan
+from planner.solve.search import Pins
+from planner.spec import Cluster, ModelSpec, Plan, Training
+from planner.trace import trace_for_training
+from tests.test_runtime_numerics import _free_port
+
+pytest.importorskip("transformers")
+from planner.hf import resolve_hf_config  # noqa: E402
+
+SEQ, BATCH, VOCAB, STEPS, LR, EXACT = 16, 8, 256, 3, 0.05, 1e-5
+TRAINING = Training(global_batch_size=BATCH, seq_len=SEQ, dtype="fp32", optimizer="sgd")
+_DECODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+HF = {
+    "llama": _DECODER,
+    "qwen2": _DECODER,
+    "mistral": _DECODER,
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "gpt_neox": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64},
+    "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+}  # fmt: skip
+ZOO_LLAMA = ModelSpec(
+    name="zoo-llama", family="llama", num_layers=2, hidden_size=64, num_heads=4,
+    num_kv_heads=4, vocab_size=VOCAB, seq_len=SEQ,
+)  # fmt: skip
+MODELS = ["zoo-gpt", "zoo-llama", "nanogpt", "nanogpt-tied", *(f"hf-{f}" for f in HF)]
+MESHES = [(1, 2), (1, 4), (2, 2)]  # (dp, tp)
+NO_SEQUENCE_PARALLEL = {"hf-gpt2", "hf-mixtral"}
+# A tensor-parallel test device: slow compute, a fast link with no latency.
+DEVICE = {
+    "schema_version": 1, "name": "tp-pays", "description": "test device: TP always pays",
+    "device_kind": "gpu", "peak_tflops": {"bf16": 1e-3, "fp16": 1e-3, "fp8": 2e-3, "fp32": 1e-3},
+    "matmul_efficiency": 0.5, "matmul_overhead_us": 0.0, "attention_efficiency": 0.5,
+    "memory_capacity_gib": 80.0, "memory_bandwidth_GBps": 0.01, "memory_efficiency": 1.0,
+    "kernel_overhead_us": 0.0, "gpus_per_node": 8,
+    "links": {
+        "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0.0, "busbw_efficiency": 1.0},
+        "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0.0, "busbw_efficiency": 1.0},
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp-matrix")
+    device = dict(DEVICE, sources={k: "test device" for k in _numbers(DEVICE)})
+    (root / "tp-pays.json").write_text(json.dumps(device))
+    (root / "zoo-llama.json").write_text(ZOO_LLAMA.to_json())
+    for family, fields in HF.items():
+        (root / family).mkdir()
+        (root / family / "config.json").write_text(json.dumps({"model_type": family, **fields}))
+    return {"root": root}
+
+
+def _numbers(document: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in document.items():
+        if isinstance(value, dict):
+            keys += _numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, float | int) and not isinstance(value, bool) and key != "schema_version":
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def build(model: str, root: Path, device: str = "meta") -> ModelHandle:
+    """The model, seeded: every rank and the reference start from the same weights."""
+    torch.manual_seed(0)
+    if model == "zoo-gpt":
+        return resolve_model("tiny-gpt", device=device, seed=0)
+    if model == "zoo-llama":
+        return resolve_model(str(root / "zoo-llama.json"), device=device, seed=0)
+    if model.startswith("nanogpt"):
+        source = "tests.user_models:gpt_tied" if model.endswith("tied") else "tests.user_models:gpt"
+        return resolve_model(source, device=device, seed=0)
+    return resolve_hf_config(root / model.removeprefix("hf-"), device=device)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    plan: str  # JSON
+    params: float  # predicted parameter elements per rank
+    comm: dict[str, float]  # predicted TP bytes per step by "kind pass"
+
+
+def _plan(model: str, root: Path, dp: int, tp: int, sp: bool) -> Plan:
+    cluster = Cluster(gpu=str(root / "tp-pays.json"), num_gpus=dp * tp, gpus_per_node=8)
+    pins = Pins(
+        dp=dp, tp=tp, pp=1, cp=1, zero=0, sequence_parallel=sp, recompute="none",
+        micro_batch_size=BATCH // dp,
+    )  # fmt: skip
+    return make_plan(build(model, root), cluster, TRAINING, pins=pins)
+
+
+def _case(model: str, root: Path, dp: int, tp: int, sp: bool) -> Case:
+    plan = _plan(model, root, dp, tp, sp)
+    handle = build(model, root)
+    graph = trace_for_training(handle, TRAINING)
+    layout = plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
+    priced = CostModel(graph, plan.cluster, TRAINING, tp_layouts=lambda t, s: layout.assignment)
+    counted = priced.tp_comm_bytes(plan.strategy)
+    return Case(
+        f"{model} dp{dp} tp{tp}{' sp' if sp else ''}", model, plan.to_json(),
+        priced.whole_model(plan.strategy).param_count,
+        {f"{kind} {phase}": nbytes for (kind, phase), nbytes in counted.items() if nbytes},
+    )  # fmt: skip
+
+
+def _train(case: Case, root: Path, rank: int, out: Path) -> dict[str, Any]:
+    from strategies.apply import parallelize
+    from strategies.comm_bytes import CollectiveBytes
+    from strategies.runner import Trainer, local_slice, synthetic_batch
+
+    plan = Plan.model_validate_json(case.plan)
+    parallel = parallelize(build(case.model, root, "cpu").module, plan)
+    unique = {id(p): p for p in parallel.parameters()}.values()
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in unique)
+    trainer = Trainer(parallel, plan, lr=LR)
+    losses, counted = [], None
+    for step in range(STEPS):
+        batch = local_slice(plan, rank, *synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step))
+        if step == 0:
+            with CollectiveBytes() as counted:
+                losses.append(trainer.step(*batch))
+        else:
+            losses.append(trainer.step(*batch))
+    state = {k.removeprefix("module."): v for k, v in parallel.state_dict().items()}
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}
+    if rank == 0:
+        torch.save(full, out / f"{case.name}.pt")
+    assert counted is not None
+    bytes_ = {f"{kind} {phase}": float(n) for (kind, phase), n in counted.bytes.items()}
+    return {"losses": losses, "local_params": local, "comm": bytes_}
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], root: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case.name] = _train(case, Path(root), rank, Path(out))
+        except Exception:
+            results[case.name] = traceback.format_exc()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reference(model: str, root: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: 3 SGD steps of the whole model on the whole batch."""
+    from strategies.apply import parallelize
+    from strategies.runner import Trainer, synthetic_batch
+
+    cluster = Cluster(gpu=str(root / "tp-pays.json"), num_gpus=1)
+    plan = make_plan(build(model, root), cluster, TRAINING, pins=Pins(micro_batch_size=BATCH))
+    parallel = parallelize(build(model, root, "cpu").module, plan)
+    trainer = Trainer(parallel, plan, lr=LR)
+    losses = [
+        trainer.step(*synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step))
+        for step in range(STEPS)
+    ]
+    return losses, {k: v.detach() for k, v in parallel.state_dict().items()}
+
+
+def _cases(root: Path, world: int) -> tuple[list[Case], list[str]]:
+    """The plans of every model at each mesh of ``world`` ranks, and those not offered."""
+    cases, refused = [], []
+    for model in MODELS:
+        for dp, tp in MESHES:
+            if dp * tp != world:
+                continue
+            for sp in (False, True):
+                try:
+                    cases.append(_case(model, root, dp, tp, sp))
+                except PlannerError as exc:
+                    refused.append(f"{model} dp{dp} tp{tp}{' sp' if sp else ''}: {exc}")
+    return cases, refused
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_emitted_plan_runs_matches_and_is_priced_exactly(setup, tmp_path, world):
+    root = setup["root"]
+    cases, refused = _cases(root, world)
+    expected_refusals = {
+        f"{model} dp{dp} tp{tp} sp"
+        for model in NO_SEQUENCE_PARALLEL
+        for dp, tp in MESHES
+        if dp * tp == world
+    }
+    assert {line.split(":")[0] for line in refused} == expected_refusals, refused
+    assert all("sequence" in line for line in refused), refused
+    mp.start_processes(
+        _worker, args=(world, _free_port(), cases, str(root), str(tmp_path)), nprocs=world,
+        start_method="spawn",
+    )  # fmt: skip
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    references = {model: _reference(model, root) for model in MODELS}
+    failures = []
+    for case in cases:
+        result = per_rank[0][case.name]
+        if isinstance(result, str):
+            failures.append(f"{case.name}: {result}")
+            continue
+        losses, params = references[case.model]
+        loss_gap = max(abs(a - b) for a, b in zip(result["losses"], losses, strict=True))
+        trained = torch.load(tmp_path / f"{case.name}.pt")
+        param_gap = max(float((trained[k] - params[k]).abs().max()) for k in params)
+        print(
+            f"{case.name:<28} loss {loss_gap:.1e} params {param_gap:.1e} "
+            f"elements/rank {result['local_params']:.0f} (predicted {case.params:.0f}) "
+            f"TP bytes/step {sum(result['comm'].values()):.0f} "
+            f"(predicted {sum(case.comm.values()):.0f})"
+        )
+        if loss_gap > EXACT or param_gap > EXACT:
+            failures.append(f"{case.name}: loss {loss_gap:.2e}, params {param_gap:.2e}")
+        if result["local_params"] != case.params:
+            failures.append(f"{case.name}: {result['local_params']} elements, {case.params} priced")
+        if result["comm"] != pytest.approx(case.comm):
+            failures.append(f"{case.name}: counted {result['comm']}, priced {case.comm}")
+    assert not failures, "\n".join(failures)

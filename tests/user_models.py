@@ -1,0 +1,97 @@
+"""Models the project did not write, as users bring them.
+
+``gpt`` is nanoGPT's shape: one fused ``c_attn`` projection split by the full width
+(``split(n_embd)``), views with the full head count, blocks in an ``nn.ModuleList``
+inside an ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head.
+Load them as ``--model tests.user_models:gpt``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SEQ = 16
+VOCAB = 256
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806 (nanoGPT's names)
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab: int = VOCAB, n_embd: int = 64, n_head: int = 4, n_layer: int = 2,
+        block_size: int = 64, tied: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, n_embd),
+                "wpe": nn.Embedding(block_size, n_embd),
+                "h": nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
+                "ln_f": nn.LayerNorm(n_embd),
+            }
+        )
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        if tied:
+            self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        _, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        device = next(self.parameters()).device
+        return (torch.zeros(batch_size, SEQ, dtype=torch.long, device=device),)
+
+
+def gpt() -> GPT:
+    return GPT()
+
+
+def gpt_tied() -> GPT:
+    return GPT(tied=True)
