@@ -20,6 +20,7 @@ from planner.cost.compression import should_compress
 from planner.errors import PlanMismatchError, SpecError
 from planner.models import fingerprint
 from planner.models.transformer import Transformer
+from planner.parallel_dims import ddp_blocker
 from planner.spec import (
     Activation,
     CompressionKind,
@@ -326,7 +327,21 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleT
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
     _check_hooks_over_tp(plan, module)
+    _check_replication(plan, module)
     return expanded
+
+
+def _check_replication(plan: Plan, module: nn.Module) -> None:
+    """Plain data parallelism (ZeRO-0) only where DDP runs; elsewhere ZeRO >= 1 does."""
+    s = plan.strategy
+    if s.zero >= 1:
+        return
+    blocker = ddp_blocker(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, tied=shares_parameters(module))
+    if blocker is not None:
+        raise SpecError(
+            f"strategy.zero = 0 with dp({s.dp}) x cp({s.cp}) replicas: {blocker}; use zero >= 1 "
+            "(FSDP2 averages the same gradients)"
+        )
 
 
 def _check_hooks_over_tp(plan: Plan, module: nn.Module) -> None:

@@ -7,9 +7,8 @@ With ``tp > 1`` DDP runs over the tensor-parallel shards: torch's
 ``_pre_dp_module_transform`` hands DDP the DTensor parameters' local shards (the way
 torch composes TP with DDP), so DDP communication hooks (compression) apply too. It
 loses tied weights, and DDP's reducer fails when a pipeline schedule runs several
-backwards per step (torch 2.13, gloo), so with ``pp > 1``, or tied weights under
-``tp > 1``, replication over ``dp_replicate`` runs through FSDP2 instead (same averaged
-gradients, with sharded storage), and a warning says so.
+backwards per step (torch 2.13, gloo): plans there use ZeRO >= 1 (the search offers no
+ZeRO-0 and validation refuses it, :func:`planner.parallel_dims.ddp_blocker`).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.spec import Plan
-from planner.validate import shares_parameters
 from strategies import fsdp
 from strategies.mesh import replicate_mesh
 
@@ -38,19 +36,6 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     if fsdp.uses_fsdp(plan) or plan.strategy.dp * plan.strategy.cp == 1 or mesh is None:
         return model
     dp_mesh = replicate_mesh(mesh)
-    tp, pp = plan.strategy.tp, plan.strategy.pp
-    if pp > 1 or (tp > 1 and shares_parameters(model)):
-        log.warning(
-            "data parallel with pp=%d, tp=%d%s: DDP cannot run under a pipeline schedule nor "
-            "over tensor-parallel shards of tied weights, so replication over %s runs as "
-            "FSDP2 fully_shard (same gradients, sharded storage)",
-            pp,
-            tp,
-            " and tied weights" if tp > 1 and shares_parameters(model) else "",
-            dp_mesh.mesh_dim_names,
-        )
-        fsdp.shard(model, dp_mesh, plan, reason="zero=0 with pp or tied weights under tp")
-        return model
     if plan.strategy.tp > 1:
         _over_tensor_parallel_shards(model)
     wrapped = DistributedDataParallel(model, device_mesh=dp_mesh)

