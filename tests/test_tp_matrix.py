@@ -4,8 +4,8 @@ the project did not write, against one process.
 Models: the zoo's GPT and Llama, a nanoGPT-style user module (fused ``c_attn``, blocks
 in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama, Qwen2,
 Mistral, GPT-2, GPT-NeoX and Mixtral configs. Plans: what ``make_plan`` emits with the
-tensor-parallel degree and sequence parallelism pinned, at tp 2 and 4 and dp 2 x tp 2,
-on a test device where tensor parallelism pays even for tiny layers (slow compute, a
+tensor-parallel degree and sequence parallelism pinned, at tp 2 and 4 and dp 2 x tp 2
+(DDP, or FSDP2 where DDP cannot keep tied weights over TP shards), on a test device where tensor parallelism pays even for tiny layers (slow compute, a
 fast link). Every plan must
 
 - train 3 SGD steps under gloo with the same losses and (gathered) parameters as one
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import traceback
 from dataclasses import dataclass
@@ -39,10 +40,12 @@ from planner.cost import CostModel
 from planner.errors import PlannerError
 from planner.layouts import FIXED_STYLE_PRICER, plan_layout
 from planner.models import ModelHandle, resolve_model
+from planner.parallel_dims import ddp_blocker
 from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.trace import trace_for_training
+from planner.validate import shares_parameters
 from tests.test_runtime_numerics import _free_port
 
 pytest.importorskip("transformers")
@@ -136,12 +139,15 @@ class Case:
 
 
 def _plan(model: str, root: Path, dp: int, tp: int, sp: bool) -> Plan:
+    """ZeRO-0 where DDP runs; with tied weights over TP shards, ZeRO-2 replicates."""
     cluster = Cluster(gpu=str(root / "tp-pays.json"), num_gpus=dp * tp, gpus_per_node=8)
+    handle = build(model, root)
+    tied = ddp_blocker(dp=dp, cp=1, tp=tp, pp=1, tied=shares_parameters(handle.module))
     pins = Pins(
-        dp=dp, tp=tp, pp=1, cp=1, zero=0, sequence_parallel=sp, recompute="none",
-        micro_batch_size=BATCH // dp,
+        dp=dp, tp=tp, pp=1, cp=1, zero=0 if tied is None else 2, sequence_parallel=sp,
+        recompute="none", micro_batch_size=BATCH // dp,
     )  # fmt: skip
-    return make_plan(build(model, root), cluster, TRAINING, pins=pins)
+    return make_plan(handle, cluster, TRAINING, pins=pins)
 
 
 def _case(model: str, root: Path, dp: int, tp: int, sp: bool) -> Case:
@@ -166,7 +172,7 @@ def _train(case: Case, root: Path, rank: int, out: Path) -> dict[str, Any]:
     plan = Plan.model_validate_json(case.plan)
     parallel = parallelize(build(case.model, root, "cpu").module, plan)
     unique = {id(p): p for p in parallel.parameters()}.values()
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in unique)
+    local = sum(_tp_local_elements(p) for p in unique)
     trainer = Trainer(parallel, plan, lr=LR)
     losses, counted = [], None
     for step in range(STEPS):
@@ -183,6 +189,19 @@ def _train(case: Case, root: Path, rank: int, out: Path) -> dict[str, Any]:
     assert counted is not None
     bytes_ = {f"{kind} {phase}": float(n) for (kind, phase), n in counted.bytes.items()}
     return {"losses": losses, "local_params": local, "comm": bytes_}
+
+
+def _tp_local_elements(param: torch.Tensor) -> int:
+    """Elements a tensor-parallel rank holds of ``param`` (its share of the ``tp`` axis
+    only: a data-parallel FSDP2 shard of it counts whole, as the prediction does)."""
+    if not isinstance(param, DTensor):
+        return param.numel()  # plain, or DDP's local shard of a tensor-parallel one
+    shape = list(param.shape)
+    names = param.device_mesh.mesh_dim_names or ()
+    for axis, placement in enumerate(param.placements):
+        if placement.is_shard() and names[axis] == "tp":
+            shape[placement.dim] //= param.device_mesh.size(axis)
+    return math.prod(shape)
 
 
 def _worker(rank: int, world: int, port: int, cases: list[Case], root: str, out: str) -> None:
