@@ -127,7 +127,7 @@ def test_tied_output_weight_belongs_to_the_embedding():
     output = next(n for n in head.nodes if n.module == "output")
     assert output.param_count == 0
     embedding = graph.segment_type(graph.segments[0])
-    assert embedding.param_count == (50257 + SEQ) * 768
+    assert embedding.param_count == (50304 + SEQ) * 768  # the vocabulary padded to 128s
 
 
 def test_block_nodes_are_relative_and_carry_gemm_shapes():
