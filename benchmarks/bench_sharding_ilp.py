@@ -1,12 +1,14 @@
-"""Solve time of the per-operator sharding ILP (issue 4 target: one Llama-3-8B block at tp=8 < 1 s).
+"""Solve time of the tensor-parallel layout ILP (target: one Llama-3-8B block at tp=8 < 1 s).
 
 Traces each model on meta tensors, keeps only its block segments (one shared segment
 type) for the "block" rows and the whole model for the "model" rows, builds the ILP
-and solves it with CBC. Prints the ILP size (operators and ports, edges, variables,
-constraints), CBC's status, the objective (predicted seconds of one micro-batch's
-forward and backward over every segment in scope, from the roofline numbers below)
-and the time to build and to solve (median of three solves). The ILP is the same size
-whatever the number of blocks: identical blocks share one set of variables.
+(operators, and conversion nodes at the module boundaries where the runtime can
+redistribute) and solves it with CBC. Prints the ILP size (operators, ports and
+conversions; edges; variables; constraints), CBC's status, the objective (predicted
+seconds of one micro-batch's forward and backward over every segment in scope, from the
+roofline numbers below), the time to build and to solve (median of three solves), and
+whether the answer is Megatron-LM's layout (found, not pinned). The ILP is the same
+size whatever the number of blocks: identical blocks share one set of variables.
 
     python benchmarks/bench_sharding_ilp.py
 """
@@ -18,8 +20,10 @@ import time
 from dataclasses import replace
 
 from planner.graph import OpGraph
+from planner.layouts import module_info
 from planner.models import resolve_model
-from planner.solve.layout import Roofline, build_layout_problem, layout_from_solution
+from planner.solve.layout import ModuleInfo, Roofline, build_layout_problem
+from planner.solve.program import layout_from_solution
 from planner.solve.sharding import solve_sharding
 from planner.trace import trace
 
@@ -37,15 +41,17 @@ def blocks_only(graph: OpGraph) -> OpGraph:
     return replace(graph, segments=blocks, types=types)
 
 
-def measure(graph: OpGraph, tp: int, sequence_parallel: bool) -> dict[str, object]:
+def measure(
+    graph: OpGraph, tp: int, sequence_parallel: bool, info: ModuleInfo
+) -> dict[str, object]:
     start = time.perf_counter()
     layout_problem = build_layout_problem(
-        graph, tp=tp, roofline=H100, sequence_parallel=sequence_parallel
+        graph, tp=tp, pricer=H100, sequence_parallel=sequence_parallel, info=info
     )
     build_s = time.perf_counter() - start
     solutions = [solve_sharding(layout_problem.problem) for _ in range(REPEATS)]
     solution = solutions[0]
-    layout = layout_from_solution(layout_problem, solution)
+    layout = layout_from_solution(layout_problem, solution, info)
     return {
         "ops": len(layout_problem.problem.nodes),
         "edges": len(layout_problem.problem.edges),
@@ -77,11 +83,13 @@ def main() -> None:
     print("-" * len(header))
     for name, seq, tp in CASES:
         start = time.perf_counter()
-        graph = trace(resolve_model(name, seq_len=seq), batch_size=1, seq_len=seq)
+        handle = resolve_model(name, seq_len=seq)
+        graph = trace(handle, batch_size=1, seq_len=seq)
         trace_s = time.perf_counter() - start
+        info = module_info(handle.module)
         for scope, scoped in (("block", blocks_only(graph)), ("model", graph)):
             for sp in (False, True):
-                row = measure(scoped, tp, sp)
+                row = measure(scoped, tp, sp, info)
                 print(
                     f"{name:<11} {scope:<6} {tp:>3} {'yes' if sp else 'no':>3} {row['ops']:>5} "
                     f"{row['edges']:>5} {row['vars']:>6} {row['cons']:>6} {row['status']:<8} "

@@ -155,10 +155,16 @@ class ModelLayouts:
         return self._layouts[key]
 
     def why_not(self, tp: int, sequence_parallel: bool) -> str | None:
-        """Why the layout at ``(tp, sequence_parallel)`` cannot run (``None``: it can)."""
+        """Why no layout at ``(tp, sequence_parallel)`` is worth running (``None``: one is):
+        none runs, or the best shards no parameter (every rank would do the same work)."""
         if self.megatron or tp == 1:
             return None
-        self.layout(tp, sequence_parallel)
+        layout = self.layout(tp, sequence_parallel)
+        if layout is not None and not layout.shards_parameters:
+            return (
+                f"the best layout at tp {tp} shards no parameter (on this cluster sharding "
+                "does not pay for this model): every rank would repeat the same work"
+            )
         return self._why_not.get((tp, sequence_parallel))
 
     def assignment(self, tp: int, sequence_parallel: bool) -> TPAssignment:
@@ -197,6 +203,9 @@ class ModelLayouts:
                     f"{failure.describe()}"
                 )
             region = self._region(failure)
+            if region is None and not constraints.whole_after_blocks:
+                constraints = replace(constraints, whole_after_blocks=True)  # the model's code
+                continue
             if region is None or region in constraints.replicated:
                 return self._give_up(tp, sp, constraints, failure)
             constraints = replace(constraints, replicated=constraints.replicated | {region})
@@ -217,7 +226,7 @@ class ModelLayouts:
             self._why_not[(tp, sp)] = f"the model's code does not run on sequence shards ({reason})"
             return None
         log.warning("tp %d: %s; every module stays whole (TP shards nothing)", tp, reason)
-        whole = replace(constraints, replicated=frozenset({"*"}) | _top_modules(self.graph))
+        whole = replace(constraints, replicated=frozenset({"*"}))  # "*": every top-level module
         return self._solve(tp, sp, whole)
 
     def _region(self, failure: RehearsalFailure) -> str | None:
@@ -245,25 +254,16 @@ def _execution_order(graph: OpGraph) -> dict[str, int]:
     order: dict[str, int] = {}
     for segment in graph.segments:
         seg_type = graph.types[segment.type_id]
-        roots = [segment.fqn, *root_patterns(graph, segment.type_id)] if seg_type.kind == "block" else [""]
+        roots = (
+            [segment.fqn, *root_patterns(graph, segment.type_id)]
+            if seg_type.kind == "block"
+            else [""]
+        )
         order.setdefault(segment.fqn, len(order))
         for node in seg_type.nodes:
             for root in roots:
                 order.setdefault(".".join(p for p in (root, node.module) if p), len(order))
     return order
-
-
-def _top_modules(graph: OpGraph) -> frozenset[str]:
-    """Every module the graph's operators name outside the blocks, kept whole."""
-    found = set()
-    for segment in graph.segments:
-        seg_type = graph.types[segment.type_id]
-        if seg_type.kind == "block":
-            found.update(f"{p}.*" for p in root_patterns(graph, segment.type_id))
-            found.update(root_patterns(graph, segment.type_id))
-            continue
-        found.update(node.module for node in seg_type.nodes if node.module)
-    return frozenset(found)
 
 
 def plan_layout(handle: ModelHandle, graph: OpGraph, plan: Plan, pricer: LayoutPricer) -> TPLayout:
@@ -345,9 +345,15 @@ def layout_differences(
         if implied is None:
             lines.append(f"plan.tp_layout[{fqn!r}] names no module with parameters of the model")
         elif mine is None:
-            if implied.style is TPStyle.REPLICATE and implied.input is None and implied.output is None:
+            if (
+                implied.style is TPStyle.REPLICATE
+                and implied.input is None
+                and implied.output is None
+            ):
                 continue
-            lines.append(f"module {fqn!r} needs an entry: {implied.model_dump(mode='json', exclude_defaults=True)}")
+            lines.append(
+                f"module {fqn!r} needs an entry: {implied.model_dump(mode='json', exclude_defaults=True)}"
+            )
         else:
             lines.append(
                 f"plan.tp_layout[{fqn!r}] = {mine.model_dump(mode='json', exclude_defaults=True)} but the "

@@ -185,7 +185,9 @@ class ModuleTP(_Doc):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.input is not None and self.input[1] == "Partial()":
-            raise ValueError("input runs on Partial(): a module computes on a value, not partial sums")
+            raise ValueError(
+                "input runs on Partial(): a module computes on a value, not partial sums"
+            )
         if self.output_dtensor and self.output is None:
             raise ValueError("output_dtensor needs output placements")
         return self

@@ -133,7 +133,7 @@ def _prepare(
     inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
     hf = is_hf_model(model)
     if hf:  # experts at their expected load, whichever device the model was built on
-        expected_load_experts(model, model_type=model.config.model_type)
+        expected_load_experts(model, model_type=str(getattr(model.config, "model_type", "")))
     if handle.spec is None and not hf:
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")

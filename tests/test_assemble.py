@@ -7,7 +7,7 @@ from torch import nn
 
 from planner.assemble import assemble_plan, even_stages, megatron_layout
 from planner.errors import SpecError
-from planner.models import ModelHandle, fingerprint, get_preset, resolve_model
+from planner.models import ModelHandle, fingerprint, resolve_model
 from planner.spec import Axis, Cluster, ModuleTP, Plan, Strategy, TPStyle, Training
 
 CLUSTER = Cluster(gpu="h100", num_gpus=8)
@@ -82,7 +82,10 @@ def test_megatron_layout_for_gpt_without_sp_has_no_w3_and_replicated_norms() -> 
     assert "layers.*.feed_forward.w3" not in layout
     assert all(m.style is not TPStyle.SEQUENCE_PARALLEL for m in layout.values())
     assert layout["pos_embeddings"].style is TPStyle.REPLICATE
-    assert layout["layers.*.feed_forward.w2"].params == {"weight": "Shard(1)", "bias": "Replicate()"}
+    assert layout["layers.*.feed_forward.w2"].params == {
+        "weight": "Shard(1)",
+        "bias": "Replicate()",
+    }
 
 
 def test_tp_outside_the_zoo_needs_a_layout() -> None:

@@ -76,11 +76,19 @@ def test_megatron_rule_splits_sublayers_and_vocabulary(sequence_parallel):
     graph = graph_from_spec(get_preset("tiny-gpt"))
     layout = megatron_assignment(graph, 4, sequence_parallel)
     block = graph.types["block"]
-    work = dict(zip((n.name for n in block.nodes), layout.segment("block").work_divisor, strict=True))
+    work = dict(
+        zip((n.name for n in block.nodes), layout.segment("block").work_divisor, strict=True)
+    )
     assert work["attention_wq"] == work["attention"] == work["feed_forward_w2"] == 4
     sequence = 4 if sequence_parallel else 1
     assert work["attention_residual"] == work["attention_norm_layer_norm"] == sequence
-    head = dict(zip((n.name for n in graph.types["head"].nodes), layout.segment("head").work_divisor, strict=True))
+    head = dict(
+        zip(
+            (n.name for n in graph.types["head"].nodes),
+            layout.segment("head").work_divisor,
+            strict=True,
+        )
+    )
     assert head["output"] == head["loss_cross_entropy"] == 4
     embedding = graph.types["embedding"].nodes
     pos = [n.name for n in embedding].index("pos_embeddings")

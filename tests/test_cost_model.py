@@ -122,9 +122,8 @@ def test_not_fitting_names_the_dominant_term():
 
 def test_traced_graph_prices_like_the_formula_graph():
     trace = pytest.importorskip("planner.trace")
-    from planner.models import resolve_model
-
     from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
+    from planner.models import resolve_model
 
     handle = resolve_model("tiny-llama")
     traced = trace.trace(handle, batch_size=1, seq_len=32, dtype="bf16")
@@ -133,8 +132,9 @@ def test_traced_graph_prices_like_the_formula_graph():
     strategy = Strategy(tp=2, micro_batch_size=2, num_microbatches=2)
     megatron = ModelLayouts(handle, traced, FIXED_STYLE_PRICER)  # the same layout, solved
     results = [
-        CostModel(traced, cluster, Training(global_batch_size=4), tp_layouts=megatron.assignment)
-        .estimate(strategy),
+        CostModel(
+            traced, cluster, Training(global_batch_size=4), tp_layouts=megatron.assignment
+        ).estimate(strategy),
         CostModel(formula, cluster, Training(global_batch_size=4)).estimate(strategy),
     ]
     flops = [r.model_tflops_per_gpu * r.step_time_s for r in results]

@@ -32,12 +32,12 @@ from planner.spec import (
     Compression,
     CompressionKind,
     DType,
+    ModuleTP,
     Optimizer,
     Plan,
     RecomputeMode,
     Schedule,
     Strategy,
-    ModuleTP,
     TPStyle,
     Training,
 )

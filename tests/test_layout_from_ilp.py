@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from planner.cost.communication import Collective
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.models import ModelHandle, resolve_model
 from planner.models.small import MLPStack
-from planner.cost.communication import Collective
 from planner.solve.layout import Roofline, build_layout_problem
 from planner.solve.placements import _permutation_map, _reshape_map, reshard_collectives
 from planner.solve.program import TPLayout, solve_tp_layout

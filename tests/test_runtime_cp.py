@@ -53,7 +53,9 @@ WORLD4 = [
         bound=1e-3,
     ),
     # cp ranks replicate the weights; under a pipeline (or over tied TP shards) FSDP2 does
-    Case("tiny-llama cp2 x pp2", "tiny-llama", _per_rank(1, cp=2, pp=2, zero=2, num_microbatches=2)),
+    Case(
+        "tiny-llama cp2 x pp2", "tiny-llama", _per_rank(1, cp=2, pp=2, zero=2, num_microbatches=2)
+    ),
     Case(
         "tiny-llama cp2 x pp2 zero-bubble",
         "tiny-llama",
@@ -63,9 +65,14 @@ WORLD4 = [
         "tiny-gpt cp2 x pp2 interleaved",
         "tiny-gpt",
         _per_rank(
-            1, cp=2, pp=2, zero=2, num_microbatches=4, schedule="interleaved-1f1b",
+            1,
+            cp=2,
+            pp=2,
+            zero=2,
+            num_microbatches=4,
+            schedule="interleaved-1f1b",
             virtual_stages=2,
-        ),  # fmt: skip
+        ),
     ),
     Case("tiny-gpt-tied tp2 x dp2 (fsdp)", TIED, _per_rank(2, tp=2, zero=3)),
     Case("tiny-gpt-tied cp2 x tp2", TIED, _per_rank(1, cp=2, tp=2, zero=2)),

@@ -139,7 +139,9 @@ class Case:
         layout = self.layout
         if isinstance(layout, str):  # solved when the case runs, not when tests are collected
             layout = ilp_layout(self.model, sequence_parallel="sp" in layout, solved=True)
-        return assemble_plan(build_handle(self.model), cluster, training, strategy, tp_layout=layout)
+        return assemble_plan(
+            build_handle(self.model), cluster, training, strategy, tp_layout=layout
+        )
 
 
 def train(case: Case, world_size: int, rank: int) -> dict[str, list[Any]]:
@@ -289,7 +291,9 @@ WORLD4 = [
     Case(
         "tiny-llama tp+sp x fsdp", "tiny-llama", _per_rank(2, tp=2, zero=3, sequence_parallel=True)
     ),
-    Case("tiny-llama pp x dp (zero 2)", "tiny-llama", _per_rank(2, pp=2, zero=2, num_microbatches=2)),
+    Case(
+        "tiny-llama pp x dp (zero 2)", "tiny-llama", _per_rank(2, pp=2, zero=2, num_microbatches=2)
+    ),
     Case(
         "tiny-llama pp x tp+sp (loss parallel)",
         "tiny-llama",

@@ -2,8 +2,8 @@
 the project did not write, against one process.
 
 Models: the zoo's GPT and Llama, a nanoGPT-style user module (fused ``c_attn``, blocks
-in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama, Qwen2,
-Mistral, GPT-2, GPT-NeoX and Mixtral configs. Plans: what ``make_plan`` emits with the
+in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama (also with
+tied embeddings), Qwen2, Mistral, GPT-2, GPT-NeoX and Mixtral configs. Plans: what ``make_plan`` emits with the
 tensor-parallel degree and sequence parallelism pinned, at tp 2 and 4 and dp 2 x tp 2
 (DDP, or FSDP2 where DDP cannot keep tied weights over TP shards), on a test device where tensor parallelism pays even for tiny layers (slow compute, a
 fast link). Every plan must
@@ -14,9 +14,9 @@ fast link). Every plan must
 - move exactly the tensor-parallel bytes per step its prediction counts, as counted
   at DTensor's collectives (:class:`strategies.comm_bytes.CollectiveBytes`).
 
-Sequence parallelism is offered for every model but two, whose own code cannot run on a
-sequence shard: GPT-2 reshapes its output to the full sequence, and Mixtral's
-mixture-of-experts block has no module boundary to re-shard its output at.
+Sequence parallelism is offered for every model but Mixtral, whose mixture-of-experts
+block has no module boundary to re-shard its output at. (GPT-2 reshapes its output to
+the whole sequence in its own code: its sequence-parallel region ends at the last block.)
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.trace import trace_for_training
 from planner.validate import shares_parameters
+from tests.devices import write_tp_pays
 from tests.test_runtime_numerics import _free_port
 
 pytest.importorskip("transformers")
-from planner.hf import resolve_hf_config  # noqa: E402
+from planner.hf import resolve_hf_config
 
 SEQ, BATCH, VOCAB, STEPS, LR, EXACT = 16, 8, 256, 3, 0.05, 1e-5
 TRAINING = Training(global_batch_size=BATCH, seq_len=SEQ, dtype="fp32", optimizer="sgd")
@@ -60,6 +61,7 @@ _DECODER = {
 }  # fmt: skip
 HF = {
     "llama": _DECODER,
+    "llama-tied": {**_DECODER, "tie_word_embeddings": True},
     "qwen2": _DECODER,
     "mistral": _DECODER,
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": VOCAB, "n_positions": 64,
@@ -74,19 +76,7 @@ ZOO_LLAMA = ModelSpec(
 )  # fmt: skip
 MODELS = ["zoo-gpt", "zoo-llama", "nanogpt", "nanogpt-tied", *(f"hf-{f}" for f in HF)]
 MESHES = [(1, 2), (1, 4), (2, 2)]  # (dp, tp)
-NO_SEQUENCE_PARALLEL = {"hf-gpt2", "hf-mixtral"}
-# A tensor-parallel test device: slow compute, a fast link with no latency.
-DEVICE = {
-    "schema_version": 1, "name": "tp-pays", "description": "test device: TP always pays",
-    "device_kind": "gpu", "peak_tflops": {"bf16": 1e-3, "fp16": 1e-3, "fp8": 2e-3, "fp32": 1e-3},
-    "matmul_efficiency": 0.5, "matmul_overhead_us": 0.0, "attention_efficiency": 0.5,
-    "memory_capacity_gib": 80.0, "memory_bandwidth_GBps": 0.01, "memory_efficiency": 1.0,
-    "kernel_overhead_us": 0.0, "gpus_per_node": 8,
-    "links": {
-        "intra_node": {"bandwidth_GBps": 1e6, "latency_us": 0.0, "busbw_efficiency": 1.0},
-        "inter_node": {"bandwidth_GBps": 1e6, "latency_us": 0.0, "busbw_efficiency": 1.0},
-    },
-}  # fmt: skip
+NO_SEQUENCE_PARALLEL = {"hf-mixtral"}
 
 
 @pytest.fixture(autouse=True)
@@ -97,23 +87,13 @@ def _offline(monkeypatch):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-matrix")
-    device = dict(DEVICE, sources={k: "test device" for k in _numbers(DEVICE)})
-    (root / "tp-pays.json").write_text(json.dumps(device))
+    write_tp_pays(root)
     (root / "zoo-llama.json").write_text(ZOO_LLAMA.to_json())
     for family, fields in HF.items():
+        model_type = family.removesuffix("-tied")
         (root / family).mkdir()
-        (root / family / "config.json").write_text(json.dumps({"model_type": family, **fields}))
+        (root / family / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
     return {"root": root}
-
-
-def _numbers(document: dict[str, Any], prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in document.items():
-        if isinstance(value, dict):
-            keys += _numbers(value, f"{prefix}{key}.")
-        elif isinstance(value, float | int) and not isinstance(value, bool) and key != "schema_version":
-            keys.append(f"{prefix}{key}")
-    return keys
 
 
 def build(model: str, root: Path, device: str = "meta") -> ModelHandle:
@@ -183,7 +163,9 @@ def _train(case: Case, root: Path, rank: int, out: Path) -> dict[str, Any]:
         else:
             losses.append(trainer.step(*batch))
     state = {k.removeprefix("module."): v for k, v in parallel.state_dict().items()}
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}
+    full = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()
+    }
     if rank == 0:
         torch.save(full, out / f"{case.name}.pt")
     assert counted is not None

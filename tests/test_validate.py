@@ -9,8 +9,8 @@ from torch import nn
 
 from planner.assemble import assemble_plan
 from planner.errors import PlanMismatchError, SpecError
-from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
 from planner.layouts import check_plan_layout
+from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
 from planner.validate import (
     check_model_against_plan,
@@ -112,7 +112,9 @@ def test_layout_naming_a_missing_module() -> None:
 def test_layout_must_place_parameters_the_module_has() -> None:
     model = resolve_model("tiny-llama").module
     biased = ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"})
-    with pytest.raises(SpecError, match=r"places 'bias', but 'output' \(Linear\) holds \['weight'\]"):
+    with pytest.raises(
+        SpecError, match=r"places 'bias', but 'output' \(Linear\) holds \['weight'\]"
+    ):
         expand_layout(model, {"output": biased})
 
 
@@ -134,7 +136,9 @@ def test_sharded_dimension_must_divide_by_tp() -> None:
             "model_fingerprint": fingerprint(model),
         }
     )
-    with pytest.raises(SpecError, match=r"shards weight on dim 0 of size 9, not divisible by tp\(2\)"):
+    with pytest.raises(
+        SpecError, match=r"shards weight on dim 0 of size 9, not divisible by tp\(2\)"
+    ):
         check_model_against_plan(plan, model)
 
 
@@ -221,5 +225,5 @@ def test_sequence_parallel_without_sharded_norms_is_refused_by_the_layout_rules(
     norms = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
     layout = {k: v for k, v in plan.tp_layout.items() if k not in norms}
     edited = plan.model_copy(update={"tp_layout": layout})
-    with pytest.raises(SpecError, match="plan.tp_layout"):
+    with pytest.raises(SpecError, match=r"plan\.tp_layout"):
         check_plan_layout(edited, resolve_model("tiny-llama", device="cpu").module)

@@ -24,7 +24,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd = n_head, n_embd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()  # noqa: N806 (nanoGPT's names)
+        B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)

@@ -182,7 +182,9 @@ def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHan
         return ModelHandle(name or module.spec.name, "module", module, inputs, module.spec)
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if is_hf_model(module) and isinstance(vocab, int):
-        return ModelHandle(name or type(module).__name__, "module", module, _token_inputs(vocab, device))
+        return ModelHandle(
+            name or type(module).__name__, "module", module, _token_inputs(vocab, device)
+        )
     return _from_module(name or type(module).__name__, "module", module, None)
 
 

@@ -43,7 +43,7 @@ import itertools
 import logging
 import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Protocol
@@ -64,7 +64,6 @@ from planner.solve.placements import (
     element_bytes,
     reshard_collectives,
     shard,
-    shard_dim,
     tensor_of,
     valid,
 )
@@ -167,7 +166,9 @@ class LayoutConstraints:
     operator under a module whole (a region whose code cannot run on shards);
     ``loss_parallel`` forces (``True``) or forbids (``False``) the vocabulary-parallel loss;
     ``exhaustive``: a module with parameters that ``styles`` does not name is replicated
-    and its boundaries convert nothing (a plan's layout lists every module it touches).
+    and its boundaries convert nothing (a plan's layout lists every module it touches);
+    ``whole_after_blocks`` keeps activations after the last block whole too (for models
+    whose own code reshapes the output to the whole sequence).
     """
 
     styles: Mapping[str, TPStyle] = field(default_factory=dict)
@@ -177,6 +178,7 @@ class LayoutConstraints:
     replicated: frozenset[str] = frozenset()
     loss_parallel: bool | None = None
     exhaustive: bool = False
+    whole_after_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,7 @@ class LayoutProblem:
     ops: dict[str, tuple[str, OpNode]]  # ILP node name -> (segment type id, operator)
     conversions: dict[str, Conversion] = field(default_factory=dict)
     ports: dict[str, str] = field(default_factory=dict)  # type id -> port modules, comma-joined
-    boundaries: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    boundaries: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)
 
     def node_strategy(self, name: str, choice: str) -> OpStrategy:
         return self.strategies[name][self.problem.node(name).strategies.index(choice)]
@@ -244,7 +246,9 @@ def root_patterns(graph: OpGraph, type_id: str) -> list[str]:
     """The roots of a type's segments: one ``*`` pattern (``layers.*``) when it names them
     and no segment of another type, else each root."""
     roots = list(
-        dict.fromkeys(segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id)
+        dict.fromkeys(
+            segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id
+        )
     )
     parts = [root.split(".") for root in roots]
     if len(parts) == 1 or len({len(p) for p in parts}) != 1:
@@ -277,7 +281,9 @@ class _TypeModules:
     """Per segment type: its roots and the module paths (relative) of its ports and weights."""
 
     def __init__(self, graph: OpGraph, type_id: str, info: ModuleInfo | None) -> None:
-        self.roots = [segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id]
+        self.roots = [
+            segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id
+        ]
         nodes = graph.types[type_id].nodes
         if info is None:
             self.weights: set[str] | None = None
@@ -333,8 +339,11 @@ class _Builder:
             0,  # a model without repeated blocks has no embedding run before them
         )
         self.before_blocks = {s.type_id for s in graph.segments[:first_block]}
+        self.whole = set(self.before_blocks)  # segment types whose activations stay whole
         self.outputs = {t: _outputs(graph.types[t]) for t in order}
         self.after_blocks = {s.type_id for s in graph.segments[_last_block(graph) + 1 :]}
+        if constraints.whole_after_blocks:
+            self.whole |= self.after_blocks
         self.nodes: list[ShardingNode] = []
         self.edges: list[ShardingEdge] = []
         self.strategies: dict[str, list[OpStrategy]] = {}
@@ -342,7 +351,7 @@ class _Builder:
         self.ops: dict[str, tuple[str, OpNode]] = {}
         self.conversions: dict[str, Conversion] = {}
         self.ports: dict[str, str] = {}
-        self.boundaries: dict[str, tuple[str, str, int]] = {}
+        self.boundaries: dict[str, tuple[str, str | None, int]] = {}
         self.entries: dict[str, dict[tuple[int, ...], str]] = {}
         self._type_modules: dict[str, _TypeModules] = {}
         self.exits: dict[str, dict[str, str]] = {}  # type id -> output op -> its ILP node
@@ -426,16 +435,17 @@ class _Builder:
         )
         strategies = StrategyBuilder(
             node, inputs, self.tp, weight_modules=modules.weights, replicated_only=replicated,
-            whole_activations=type_id in self.before_blocks,
+            whole_activations=type_id in self.whole,
         ).build()  # fmt: skip
-        pinned = _constraint_for(self.constraints.styles, fqns) if node.module else None
+        named = _constraint_for(self.constraints.styles, fqns) if node.module else None
+        pinned = TPStyle(str(named)) if named is not None else None
         if pinned is None and self.constraints.exhaustive and node.module:
             pinned = TPStyle.REPLICATE
         if pinned is not None and any(s.style is not None for s in strategies):
             strategies = [s for s in strategies if s.style is pinned]
             if not strategies:
                 raise SpecError(
-                    f"module {fqns[0]!r}: style {TPStyle(pinned).value!r} is not possible for "
+                    f"module {fqns[0]!r}: style {pinned.value!r} is not possible for "
                     f"its operator {node.name!r} ({node.target}) at tp {self.tp}"
                 )
         if node.kind is OpKind.LOSS and self.constraints.loss_parallel is not None:
@@ -447,7 +457,7 @@ class _Builder:
         self, conversion: Conversion, sources: set[str], tensor: TensorInfo
     ) -> list[_Strategy]:
         shape = tensor.shape
-        whole = conversion.type_id in self.before_blocks  # activations stay whole there
+        whole = conversion.type_id in self.whole  # activations stay whole there
         dims = [] if whole else range(1, len(shape))
         targets = [REPLICATE, *(shard(d) for d in dims if valid(shard(d), shape, self.tp))]
         out: list[_Strategy] = []
@@ -555,9 +565,12 @@ class _Builder:
         comm = [self._comm_seconds(s.comms) for s in strategies]
         self.nodes.append(
             ShardingNode(
-                name, tuple(s.name for s in strategies), count * np.array(compute),
-                count * np.array(comm), count * np.array(memory),
-            )  # fmt: skip
+                name,
+                tuple(s.name for s in strategies),
+                count * np.array(compute),
+                count * np.array(comm),
+                count * np.array(memory),
+            )
         )
         self.strategies[name], self.tensors[name] = strategies, tensor
 
@@ -587,10 +600,10 @@ class _Builder:
         tensor = TensorInfo(shape, nbytes, needs_grad=residual, batched=residual)
         kind = self.graph.types[type_id].kind
         sharded = valid(shard(1), shape, self.tp) and len(shape) >= 3 and residual
-        if kind == "block":
-            placements = (shard(1),) if self.sp and sharded else (REPLICATE,)
-        else:
-            placements = (REPLICATE, shard(1)) if self.sp and sharded else (REPLICATE,)
+        sharded = sharded and type_id not in self.whole
+        placements: tuple[str, ...] = (REPLICATE,)
+        if self.sp and sharded:
+            placements = (shard(1),) if kind == "block" else (REPLICATE, shard(1))
         name = f"{key}/in:{_shape_text(shape)}"
         self.entries.setdefault(key, {})[shape] = name
         return self._add_port(name, tensor, placements)
@@ -646,7 +659,10 @@ class _Builder:
         last_type = segments[-1].type_id
         last = self.exits[last_type][self.outputs[last_type][-1].name]
         output = self._add_port("model_output", self.tensors[last], (REPLICATE,))
-        self._add_edge(last, output, 0)
+        if self.graph.types[last_type].kind == "block":  # the model ends with a block
+            self._convert(last_type, None, 1, last, output)
+        else:
+            self._add_edge(last, output, 0)
 
     def _output_of(self, type_id: str, shape: tuple[int, ...]) -> str | None:
         """The ILP node of the last output of ``type_id`` with ``shape`` (``None``: none)."""
@@ -660,9 +676,15 @@ class _Builder:
         if "block" not in kinds or not self.tensors[entry].needs_grad:
             self._add_edge(sink, entry, 0)
             return
-        name = f"bd:{self.type_keys[before]}>{self.type_keys[after]}"
-        side = "input" if kinds[1] == "block" else "output"
-        owner = after if side == "input" else before
+        self._convert(before, after, count, sink, entry)
+
+    def _convert(self, before: str, after: str | None, count: int, sink: str, entry: str) -> None:
+        """A conversion at the block's input (``after`` a block) or the last block's output
+        (``after`` the head, or ``None``: the model's output)."""
+        into_block = after is not None and self.graph.types[after].kind == "block"
+        name = f"bd:{self.type_keys[before]}>{self.type_keys[after] if after else 'out'}"
+        side = "input" if into_block else "output"
+        owner = after if into_block and after is not None else before
         tensor = self.tensors[sink]
         conversion = Conversion(owner, "", side, tensor)
         self.conversions[name] = conversion
@@ -716,7 +738,10 @@ class _Wiring:
         outputs: list[OpNode],
     ) -> None:
         self.key, self.modules, self.reads, self.by_name = key, modules, reads, by_name
-        self.routed = {name: [self._resolve(src, by_name[name]) for src in srcs] for name, srcs in reads.items()}
+        self.routed = {
+            name: [self._resolve(src, by_name[name]) for src in srcs]
+            for name, srcs in reads.items()
+        }
         exits: dict[str, set[str]] = {}
         enters: dict[str, set[str]] = {}
         reader: dict[tuple[str, str], OpNode] = {}  # (module entered, source) -> a consumer
@@ -731,21 +756,26 @@ class _Wiring:
         # the segment's outputs leave every module: a module that produces one converts it
         # there, so no partial sum crosses the model's own code to the next segment
         ports = {o.name: self._innermost(o.module, None) for o in outputs}
-        for out in outputs:
-            if ports[out.name]:
-                exits.setdefault(ports[out.name], set()).add(f"{key}/{out.name}")
+        for output in outputs:
+            port = ports[output.name]
+            if port:
+                exits.setdefault(port, set()).add(f"{key}/{output.name}")
         self.conversions: dict[str, tuple[str, str, str]] = {}  # name -> (module, side, source)
         self.keep_shape: set[str] = set()  # input conversions inside a module the tensor entered
         self._out = {
-            (m, next(iter(srcs))): f"{key}/output:{m}" for m, srcs in exits.items() if len(srcs) == 1
+            (m, next(iter(srcs))): f"{key}/output:{m}"
+            for m, srcs in exits.items()
+            if len(srcs) == 1
         }
         self._in = {
-            (m, next(iter(srcs))): f"{key}/input:{m}" for m, srcs in enters.items() if len(srcs) == 1
+            (m, next(iter(srcs))): f"{key}/input:{m}"
+            for m, srcs in enters.items()
+            if len(srcs) == 1
         }
         for (module, src), name in self._out.items():
             self.conversions[name] = (module, "output", src)
         self.exits = {  # each output's ILP node: its module's conversion, if it has one
-            o.name: self._out.get((ports[o.name], f"{key}/{o.name}"), f"{key}/{o.name}")
+            o.name: self._out.get((ports[o.name] or "", f"{key}/{o.name}"), f"{key}/{o.name}")
             for o in outputs
         }
         for (module, src), name in self._in.items():
@@ -779,7 +809,9 @@ class _Wiring:
         """A read of an identity cast at a port module's entry, from outside the module,
         reads what the cast reads (a fp32 trace records ``x.float()`` in place of ``x``)."""
         while True:
-            node = self.by_name.get(src.partition("/")[2]) if src.startswith(self.key + "/") else None
+            node = (
+                self.by_name.get(src.partition("/")[2]) if src.startswith(self.key + "/") else None
+            )
             if node is None or not _is_alias(node) or len(self.reads[node.name]) != 1:
                 return src
             ports = self.modules.port_of(node.module)
@@ -803,9 +835,7 @@ class _Wiring:
         return row
 
 
-def _pinned(
-    strategies: list[_Strategy], placements: object, handoff: object
-) -> list[_Strategy]:
+def _pinned(strategies: list[_Strategy], placements: object, handoff: object) -> list[_Strategy]:
     """The strategies a pinned ``(arrives, leaves)`` pair (``"plain"``: no conversion)
     and hand-off allow."""
     if placements == "plain":
@@ -824,9 +854,9 @@ def _placement_text(placement: str) -> str:
 
 
 def _pair_text(pair: object) -> str:
-    if pair == "plain" or pair is None:
+    if not isinstance(pair, tuple):  # "plain", or nothing pinned
         return "unconverted"
-    src, dst = pair  # type: ignore[misc]
+    src, dst = pair
     return f"{_placement_text(src)} -> {_placement_text(dst)}"
 
 
@@ -930,7 +960,9 @@ def _readable(problem: LayoutProblem, message: str) -> str:
         for name, (type_id, node) in problem.ops.items()
     }
     for name, conversion in problem.conversions.items():
-        names[name] = f"the {conversion.side} of {_where(problem, conversion.type_id, conversion.module)}"
+        names[name] = (
+            f"the {conversion.side} of {_where(problem, conversion.type_id, conversion.module)}"
+        )
     text = message.split(": ", 1)[-1]  # ShardingInfeasibleError adds its prefix again
     for name in sorted(names, key=len, reverse=True):
         text = text.replace(name, names[name])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.assemble import assemble_plan
@@ -27,7 +27,6 @@ from planner.solve.stages import partition_stages
 from planner.spec import (
     Candidate,
     Cluster,
-    DType,
     Plan,
     Prediction,
     SolverStats,

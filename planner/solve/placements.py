@@ -327,7 +327,9 @@ class StrategyBuilder:
         if kind in (OpKind.CONV, OpKind.LOSS, OpKind.OTHER, OpKind.EMBEDDING) or not self.inputs:
             return [self._replicate()]
         if _mixes_positions(node):
-            log.info("%s (%s): mixes positions along a dim, replicated only", node.name, node.target)
+            log.info(
+                "%s (%s): mixes positions along a dim, replicated only", node.name, node.target
+            )
             return [self._replicate()]
         return self._follow()
 
@@ -367,18 +369,32 @@ class StrategyBuilder:
         if self._valid(shard(last_out), out):
             strategies.append(
                 OpStrategy(
-                    "colwise", (REPLICATE, *self._rest(1)), (PARTIAL, *self._rest(1)),
-                    shard(last_out), shard(last_out), tp, params / tp, 1,
-                    style=TPStyle.COLWISE, weight=shard(0),
-                )  # fmt: skip
+                    "colwise",
+                    (REPLICATE, *self._rest(1)),
+                    (PARTIAL, *self._rest(1)),
+                    shard(last_out),
+                    shard(last_out),
+                    tp,
+                    params / tp,
+                    1,
+                    style=TPStyle.COLWISE,
+                    weight=shard(0),
+                )
             )
         if self._valid(shard(last_in), x):
             strategies.append(
                 OpStrategy(
-                    "rowwise", (shard(last_in), *self._rest(1)), (shard(last_in), *self._rest(1)),
-                    PARTIAL, REPLICATE, tp, (params - bias) / tp + bias, tp,
-                    style=TPStyle.ROWWISE, weight=shard(1),
-                )  # fmt: skip
+                    "rowwise",
+                    (shard(last_in), *self._rest(1)),
+                    (shard(last_in), *self._rest(1)),
+                    PARTIAL,
+                    REPLICATE,
+                    tp,
+                    (params - bias) / tp + bias,
+                    tp,
+                    style=TPStyle.ROWWISE,
+                    weight=shard(1),
+                )
             )
         return strategies
 
@@ -391,17 +407,31 @@ class StrategyBuilder:
         if tp > 1 and vocab >= tp and vocab % tp == 0:
             strategies.append(
                 OpStrategy(
-                    "vocab", rest, rest, PARTIAL, REPLICATE, tp, params / tp,
-                    style=TPStyle.VOCAB_PARALLEL, weight=shard(0),
-                )  # fmt: skip
+                    "vocab",
+                    rest,
+                    rest,
+                    PARTIAL,
+                    REPLICATE,
+                    tp,
+                    params / tp,
+                    style=TPStyle.VOCAB_PARALLEL,
+                    weight=shard(0),
+                )
             )
         last = shard(len(out) - 1)
         if self._valid(last, out):
             strategies.append(
                 OpStrategy(
-                    "colwise", rest, rest, last, last, tp, params / tp,
-                    style=TPStyle.COLWISE, weight=shard(1),
-                )  # fmt: skip
+                    "colwise",
+                    rest,
+                    rest,
+                    last,
+                    last,
+                    tp,
+                    params / tp,
+                    style=TPStyle.COLWISE,
+                    weight=shard(1),
+                )
             )
         return strategies
 
@@ -422,7 +452,9 @@ class StrategyBuilder:
         if legal and valid(out, self.node.output_shape, self.tp):
             placements = (*heads, *self._rest(len(main)))
             strategies.append(
-                OpStrategy("heads", placements, placements, out, out, self.tp, saved_divisor=self.tp)
+                OpStrategy(
+                    "heads", placements, placements, out, out, self.tp, saved_divisor=self.tp
+                )
             )
         return strategies
 
@@ -437,9 +469,15 @@ class StrategyBuilder:
             comms = tuple(Comm(Collective.ALL_REDUCE, 4.0 * tokens, backward=False) for _ in "msv")
             strategies.append(
                 OpStrategy(
-                    "vocab", (VOCAB, REPLICATE), (VOCAB, REPLICATE), REPLICATE, REPLICATE,
-                    self.tp, saved_divisor=self.tp, comms=comms,
-                )  # fmt: skip
+                    "vocab",
+                    (VOCAB, REPLICATE),
+                    (VOCAB, REPLICATE),
+                    REPLICATE,
+                    REPLICATE,
+                    self.tp,
+                    saved_divisor=self.tp,
+                    comms=comms,
+                )
             )
         return strategies
 

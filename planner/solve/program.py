@@ -67,16 +67,21 @@ class TPLayout:
 
     @property
     def shards_anything(self) -> bool:
-        return any(m.style not in (TPStyle.REPLICATE, TPStyle.BOUNDARY) for m in self.modules.values())
+        return any(
+            m.style not in (TPStyle.REPLICATE, TPStyle.BOUNDARY) for m in self.modules.values()
+        )
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Some parameter is split over the ranks (else every rank does the same work)."""
+        return any(p.startswith("Shard") for m in self.modules.values() for p in m.params.values())
 
 
 def layout_from_solution(
     problem: LayoutProblem, solution: ShardingSolution, info: ModuleInfo | None = None
 ) -> TPLayout:
     """The plan's module layout and the cost model's assignment of ``solution``."""
-    chosen = {
-        name: problem.node_strategy(name, choice) for name, choice in solution.choice.items()
-    }
+    chosen = {name: problem.node_strategy(name, choice) for name, choice in solution.choice.items()}
     modules: dict[str, ModuleTP] = {}
     for type_id in problem.type_keys:
         modules.update(_type_modules(problem, type_id, chosen, info))
@@ -189,9 +194,7 @@ def _dtensor(problem: LayoutProblem, chosen: dict[str, OpStrategy], name: str) -
     return found is not None and found[0].name.endswith("*")
 
 
-def _boundary_modules(
-    problem: LayoutProblem, chosen: dict[str, OpStrategy]
-) -> dict[str, ModuleTP]:
+def _boundary_modules(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> dict[str, ModuleTP]:
     """Blocks whose input (or output) changes placement, keyed by their FQNs."""
     out: dict[str, ModuleTP] = {}
     segments = problem.graph.segments
@@ -202,13 +205,17 @@ def _boundary_modules(
             continue
         ndim = len(problem.conversions[name].tensor.shape)
         pair = (torch_placement(src, ndim), torch_placement(dst, ndim))
+        if after is None:  # the model's output leaves its last block
+            out[segments[-1].fqn] = ModuleTP(style=TPStyle.BOUNDARY, output=pair)
+            continue
         side_input = problem.graph.types[after].kind == "block"
         for a, b in itertools.pairwise(segments):
             if (a.type_id, b.type_id) != (before, after):
                 continue
-            fqn = b.fqn if side_input else a.fqn
-            field = "input" if side_input else "output"
-            out[fqn] = ModuleTP(style=TPStyle.BOUNDARY, **{field: pair})
+            if side_input:
+                out[b.fqn] = ModuleTP(style=TPStyle.BOUNDARY, input=pair)
+            else:
+                out[a.fqn] = ModuleTP(style=TPStyle.BOUNDARY, output=pair)
     return out
 
 
@@ -245,10 +252,10 @@ def _at(comm: Comm, where: str) -> Comm:
     return Comm(comm.kind, comm.nbytes, comm.backward, comm.scaling, where)
 
 
-def _boundary_owner(problem: LayoutProblem, before: str, after: str) -> str:
+def _boundary_owner(problem: LayoutProblem, before: str, after: str | None) -> str:
     """The segment type that pays a boundary's collectives: the one that is not a block
-    (it occurs once), else the block after it."""
-    if problem.graph.types[before].kind != "block":
+    (it occurs once), else the block after it (or the last block, at the model's output)."""
+    if problem.graph.types[before].kind != "block" or after is None:
         return before
     return after
 
@@ -274,7 +281,10 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
     loss is the loss-parallel ``V``.
     """
     ndims = _tensor_ndims(graph)
-    styles, inputs, outputs, handoff = {}, {}, {}, {}
+    styles: dict[str, TPStyle] = {}
+    inputs: dict[str, tuple[str, str]] = {}
+    outputs: dict[str, tuple[str, str]] = {}
+    handoff: dict[str, bool] = {}
     loss_parallel = False
     for fqn, module in modules.items():
         if module.style is TPStyle.BOUNDARY:
@@ -283,14 +293,15 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
         relative = _relative_module(graph, fqn)
         if module.input is not None:
             ndim = ndims.get((relative, "input"), 3)
-            inputs[fqn] = tuple(placement_from_torch(p, ndim) for p in module.input)
+            arrives, runs = module.input
+            inputs[fqn] = (placement_from_torch(arrives, ndim), placement_from_torch(runs, ndim))
         if module.output is not None:
             ndim = ndims.get((relative, "output"), 3)
-            pair = [placement_from_torch(p, ndim) for p in module.output]
-            if module.output_dtensor and pair[1] not in (REPLICATE,):
-                pair[1] = VOCAB
-                loss_parallel = True
-            outputs[fqn] = tuple(pair)
+            produced = placement_from_torch(module.output[0], ndim)
+            handed = placement_from_torch(module.output[1], ndim)
+            if module.output_dtensor and handed != REPLICATE:
+                handed, loss_parallel = VOCAB, True
+            outputs[fqn] = (produced, handed)
             handoff[fqn] = module.output_dtensor
     return LayoutConstraints(
         styles=styles, inputs=inputs, outputs=outputs, handoff=handoff,
@@ -321,7 +332,9 @@ def _tensor_ndims(graph: OpGraph) -> dict[tuple[str, str], int]:
         for node in seg_type.nodes:
             if not node.module:
                 continue
-            ndims.setdefault((node.module, "input"), len(node.input_shapes[0]) if node.input_shapes else 0)
+            ndims.setdefault(
+                (node.module, "input"), len(node.input_shapes[0]) if node.input_shapes else 0
+            )
             ndims[(node.module, "output")] = len(node.output_shape)
     return ndims
 

@@ -331,7 +331,8 @@ class _Space:
         self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
     ) -> Iterator[_Group]:
         shardings = [
-            (z, d, self._state_bytes_per_param(z, d * cp)) for z, d in self.shardings(dp, tp, pp, cp)
+            (z, d, self._state_bytes_per_param(z, d * cp))
+            for z, d in self.shardings(dp, tp, pp, cp)
         ]
         schedules = [
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
@@ -547,10 +548,12 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
                 f"tp({pins.tp}) does not divide the vocabulary ({limits.vocab_size}): pad it to "
                 "a multiple of 128, as Megatron-LM does"
             )
-    elif pins.tp is not None and pins.sequence_parallel:
-        blocker = limits.layout_blocker(pins.tp, True)
-        if blocker is not None:
-            reasons.append(f"sequence parallelism at tp({pins.tp}): {blocker}")
+    elif pins.tp is not None and pins.tp > 1:
+        options = [sp for sp in (False, True) if pins.allows("sequence_parallel", sp)]
+        blockers = {sp: limits.layout_blocker(pins.tp, sp) for sp in options}
+        if options and all(blockers.values()):
+            what = "sequence parallelism" if options == [True] else "tensor parallelism"
+            reasons.append(f"{what} at tp({pins.tp}): {blockers[options[-1]]}")
     if pins.pp is not None and (pins.pp > limits.num_blocks or not limits.pipeline):
         reasons.append(f"pp({pins.pp}) cannot split this model's {limits.num_blocks} blocks")
     if pins.cp is not None and pins.cp > 1 and not limits.context_parallel:

@@ -1,0 +1,230 @@
+"""One tensor-parallel truth: the layout the ILP solves is the plan's, the runtime's and
+the cost model's, for models the project did not write.
+
+The distributed half (every emitted plan runs and matches one process, with exact
+parameter elements and collective bytes) is ``tests/test_tp_matrix.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.cost import CostModel, graph_from_spec
+from planner.cost.tp import megatron_assignment
+from planner.errors import PlannerError, SpecError
+from planner.graph import OpGraph, OpKind
+from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout
+from planner.models import get_preset, resolve_model
+from planner.solve.layout import Roofline
+from planner.solve.make_plan import make_plan
+from planner.solve.search import Pins
+from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training
+from planner.trace import trace_for_training
+from tests.devices import write_tp_pays
+
+pytest.importorskip("transformers")
+from planner.hf import resolve_hf_config
+
+TRAINING = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+H100 = Cluster(gpu="h100-sxm-80gb", num_gpus=4, gpus_per_node=4)
+SLOW = Roofline(  # slow compute, fast link: sharding pays even for tiny layers
+    peak_flops=1e9, memory_bandwidth_GBps=1, link_bandwidth_GBps=1e6, link_latency_us=0
+)
+LLAMA = ModelSpec(
+    name="llama-kv4", family="llama", num_layers=2, hidden_size=64, num_heads=4,
+    num_kv_heads=4, vocab_size=256, seq_len=16,
+)  # fmt: skip
+_DECODER = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _hf(tmp_path: Path, model_type: str, **fields: object) -> str:
+    path = tmp_path / model_type
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, **_DECODER, **fields}))
+    return str(path)
+
+
+def _summary(graph: OpGraph, assignment) -> tuple[float, float, dict[tuple[str, bool], float]]:
+    """Parameters per rank, tensor-core FLOPs per rank, collective bytes by (kind, backward)."""
+    params = flops = 0.0
+    comm: dict[tuple[str, bool], float] = {}
+    for segment in graph.segments:
+        seg_type, split = graph.segment_type(segment), assignment.segment(segment.type_id)
+        params += sum(split.param_elements)
+        flops += sum(
+            (n.flops_fwd + n.flops_bwd) / d
+            for n, d in zip(seg_type.nodes, split.work_divisor, strict=True)
+            if n.kind in (OpKind.MATMUL, OpKind.ATTENTION)
+        )
+        for c in split.comms:
+            comm[(c.kind.value, c.backward)] = comm.get((c.kind.value, c.backward), 0.0) + c.nbytes
+    return params, flops, comm
+
+
+@pytest.mark.parametrize("preset", ["tiny-gpt", "llama-kv4"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_zoo_formula_prices_megatrons_solved_layout_exactly(preset, tp, sequence_parallel):
+    """The zoo keeps its fast formula graph; Megatron's layout solved on the real trace
+    gives the same parameters, tensor-core FLOPs and collective bytes per rank."""
+    spec = LLAMA if preset == "llama-kv4" else get_preset(preset)
+    handle = resolve_model(preset) if preset != "llama-kv4" else _zoo(spec)
+    training = TRAINING.model_copy(update={"seq_len": spec.seq_len})
+    traced = trace_for_training(handle, training)
+    formula = graph_from_spec(spec, seq_len=spec.seq_len, dtype=training.dtype)
+    solved = ModelLayouts(handle, traced, FIXED_STYLE_PRICER).layout(tp, sequence_parallel)
+    assert solved is not None
+    by_rule = _summary(formula, megatron_assignment(formula, tp, sequence_parallel))
+    by_ilp = _summary(traced, solved.assignment)
+    assert by_rule[0] == by_ilp[0]
+    assert by_rule[1] == pytest.approx(by_ilp[1])
+    assert by_rule[2] == pytest.approx(by_ilp[2])
+
+
+def _zoo(spec: ModelSpec):
+    from planner.models import build, handle_for_module
+
+    return handle_for_module(build(spec))
+
+
+def test_tensor_parallelism_that_shards_nothing_is_not_emitted():
+    """Case 1: a user module at tp 4 on H100s, where sharding its tiny layers does not pay:
+    the best layout would shard no parameter, so tp 4 is refused with that reason and
+    the free search plans without it."""
+    handle = resolve_model("tests.user_models:gpt")
+    with pytest.raises(PlannerError, match=r"tp\(4\).*shards no parameter"):
+        make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
+    assert make_plan(handle, H100, TRAINING).strategy.tp == 1
+
+
+def test_tensor_parallel_prediction_holds_the_layouts_own_shards():
+    """Where sharding pays, the prediction's parameters per rank are the layout's."""
+    handle = resolve_model("tests.user_models:gpt")
+    graph = trace_for_training(handle, TRAINING)
+    layout = ModelLayouts(handle, graph, SLOW).layout(4, False)
+    assert layout is not None and layout.shards_parameters
+    priced = CostModel(graph, H100, TRAINING, tp_layouts=lambda tp, sp: layout.assignment)
+    per_rank = priced.whole_model(Strategy(tp=4, micro_batch_size=8)).param_count
+    expected = 0.0
+    for fqn, module in handle.module.named_modules():
+        entry = next((e for p, e in layout.modules.items() if _matches(p, fqn)), None)
+        for name, param in module.named_parameters(recurse=False):
+            sharded = entry is not None and entry.params.get(name, "").startswith("Shard")
+            expected += param.numel() / (4 if sharded else 1)
+    assert per_rank == expected
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    from planner.validate import match_fqns
+
+    return bool(match_fqns(pattern, [fqn]))
+
+
+def test_hand_written_sequence_parallel_norms_before_replicated_attention_are_refused():
+    """Case 3: norms on a sequence shard, attention left whole and no gather declared:
+    refused, naming the module, instead of training on a shard of the sequence."""
+    handle = resolve_model("tiny-llama", device="cpu", seed=0)
+    plan = make_plan(
+        resolve_model("tiny-llama"), Cluster(gpu="h100-sxm-80gb", num_gpus=2), TRAINING,
+        pins=Pins(tp=2, sequence_parallel=True),
+    )  # fmt: skip
+    layout = {fqn: module for fqn, module in plan.tp_layout.items() if "attention." not in fqn}
+    norm = layout["layers.*.attention_norm"]
+    layout["layers.*.attention_norm"] = norm.model_copy(
+        update={"output": ("Shard(1)", "Shard(1)"), "output_dtensor": False}
+    )
+    edited = plan.model_copy(update={"tp_layout": layout})
+    with pytest.raises(SpecError, match=r"'layers\.\*\.attention") as caught:
+        check_plan_layout(edited, handle.module)
+    assert "plan.tp_layout" in str(caught.value)
+
+
+def test_fused_qkv_is_gathered_before_its_split_or_replicated():
+    """Case 5: nanoGPT's ``c_attn`` output is split by the full width, so no layout hands
+    on a column shard of it; its attention runs on whole heads (checked numerically in
+    the matrix)."""
+    handle = resolve_model("tests.user_models:gpt")
+    graph = trace_for_training(handle, TRAINING)
+    layouts = ModelLayouts(handle, graph, SLOW)
+    for tp in (2, 4):
+        for sp in (False, True):
+            layout = layouts.layout(tp, sp)
+            assert layout is not None
+            c_attn = layout.modules["transformer.h.*.attn.c_attn"]
+            assert c_attn.style is TPStyle.REPLICATE or c_attn.output[1] == "Replicate()"
+
+
+def test_tied_hugging_face_llama_is_planned_at_tp_2(tmp_path):
+    """Case 4: the ILP places the shared embedding/head weight one way for both (it also
+    runs and matches one process: tests/test_tp_matrix.py)."""
+    path = _hf(tmp_path, "llama", tie_word_embeddings=True)
+    handle = resolve_hf_config(path)
+    cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
+    plan = make_plan(handle, cluster, TRAINING, pins=Pins(tp=2))
+    embed = plan.tp_layout["model.embed_tokens"].params.get("weight", "plain")
+    head = plan.tp_layout["lm_head"].params.get("weight", "plain")
+    assert embed == head
+    check_plan_layout(plan, resolve_hf_config(path, device="cpu").module)
+
+
+def test_tensor_parallelism_that_splits_kv_heads_is_refused_at_plan_time(tmp_path):
+    handle = resolve_hf_config(_hf(tmp_path, "llama"))  # 4 heads, 2 key/value heads
+    with pytest.raises(PlannerError, match=r"tp\(4\) does not divide the heads \(4, kv 2\)"):
+        make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
+
+
+def test_sequence_parallelism_ends_where_the_models_own_code_needs_the_whole_sequence(
+    tmp_path,
+):
+    """GPT-2 reshapes its output to the whole sequence after the last block: the rehearsal
+    finds it, and the sequence-parallel region ends at the last block's output."""
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    config = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+    (path / "config.json").write_text(json.dumps(config))
+    handle = resolve_hf_config(path)
+    layout = ModelLayouts(handle, trace_for_training(handle, TRAINING), SLOW).layout(2, True)
+    assert layout is not None
+    assert layout.modules["transformer.h.1"].output == ("Shard(1)", "Replicate()")
+
+
+def test_sequence_parallelism_is_not_offered_where_no_module_can_reshard(tmp_path):
+    """Mixtral's mixture-of-experts block returns a whole sequence and holds no parameter
+    of its own to re-shard at: sequence parallelism is refused, saying so."""
+    handle = resolve_hf_config(_hf(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2))
+    layouts = ModelLayouts(handle, trace_for_training(handle, TRAINING), SLOW)
+    assert layouts.layout(2, True) is None
+    assert "residual stream sharded" in (layouts.why_not(2, True) or "")
+
+
+def test_plan_carries_each_modules_placements_and_explain_shows_them(capsys):
+    from rich.console import Console
+
+    from planner.cli.render import render_plan
+
+    plan = make_plan(
+        resolve_model("tiny-llama"), Cluster(gpu="h100-sxm-80gb", num_gpus=2), TRAINING,
+        pins=Pins(tp=2, sequence_parallel=True),
+    )  # fmt: skip
+    wo = plan.tp_layout["layers.*.attention.wo"]
+    assert wo == ModuleTP(
+        style="rowwise", params={"weight": "Shard(1)"}, input=("Shard(-1)", "Shard(-1)"),
+        output=("Partial()", "Shard(1)"),
+    )  # fmt: skip
+    assert plan.loss_parallel
+    render_plan(plan, Console(width=120))
+    shown = capsys.readouterr().out
+    assert "Tensor-parallel layout (tp=2" in shown
+    assert "row-parallel; weight Shard(1); out Partial() -> Shard(1)" in shown
