@@ -38,6 +38,7 @@ from planner.trace import trace
 from planner.validate import check_model_against_plan, validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
+from tests.devices import write_tp_pays
 from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write
 from tests.test_runtime_numerics import BATCH, CLIP, EXACT, LR, STEPS, VOCAB, _free_port
 
@@ -79,10 +80,15 @@ def graphs(config_dirs) -> dict[str, OpGraph]:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cli_plans_each_family_with_tensor_parallelism(config_dirs, family, tmp_path, capsys):
+    """On a device where sharding pays (on H100s these tiny layers would not be split:
+    tp 2 would shard nothing and is refused)."""
     out = tmp_path / "plan.json"
+    cluster = tmp_path / "cluster.json"
+    gpu = write_tp_pays(tmp_path)
+    cluster.write_text(json.dumps({"gpu": str(gpu), "num_gpus": 2, "gpus_per_node": 2}))
     argv = [
-        "search", "--hf-config", config_dirs[family], "--cluster", "h100-sxm-80gb",
-        "--gpus", "2", "--tp", "2", "--global-batch", "8", "--seq", str(SEQ), "-o", str(out),
+        "search", "--hf-config", config_dirs[family], "--cluster", str(cluster),
+        "--tp", "2", "--global-batch", "8", "--seq", str(SEQ), "-o", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     capsys.readouterr()

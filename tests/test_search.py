@@ -14,6 +14,7 @@ from planner.models import PRESETS, get_preset, resolve_model
 from planner.solve.lossy import LossyCompression
 from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
+from tests.devices import write_tp_pays
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
 from planner.trace import trace
 
@@ -223,9 +224,10 @@ def _tensor_core_flops(graph):
 @pytest.mark.parametrize(
     ("model", "pins"), [("mlp", Pins()), ("cnn", Pins(tp=2)), ("mlp-mixer", Pins(tp=2))]
 )
-def test_models_without_transformer_blocks_get_runnable_plans(model, pins):
+def test_models_without_transformer_blocks_get_runnable_plans(model, pins, tmp_path):
+    gpu = str(write_tp_pays(tmp_path)) if pins.tp else "a100-sxm-80gb"  # where TP pays
     plan = make_plan(
-        resolve_model(model), Cluster(gpu="a100-sxm-80gb", num_gpus=4), Training(global_batch_size=64),
+        resolve_model(model), Cluster(gpu=gpu, num_gpus=4), Training(global_batch_size=64),
         pins=pins,
     )  # fmt: skip
     assert plan.strategy.world_size == 4 and plan.strategy.pp == 1 and plan.strategy.cp == 1

@@ -44,7 +44,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Protocol
 
@@ -227,7 +227,7 @@ class LayoutProblem:
     ops: dict[str, tuple[str, OpNode]]  # ILP node name -> (segment type id, operator)
     conversions: dict[str, Conversion] = field(default_factory=dict)
     ports: dict[str, str] = field(default_factory=dict)  # type id -> port modules, comma-joined
-    boundaries: dict[str, tuple[str, str | None, int]] = field(default_factory=dict)
+    boundaries: dict[str, tuple[str | None, str | None, int]] = field(default_factory=dict)
 
     def node_strategy(self, name: str, choice: str) -> OpStrategy:
         return self.strategies[name][self.problem.node(name).strategies.index(choice)]
@@ -351,7 +351,7 @@ class _Builder:
         self.ops: dict[str, tuple[str, OpNode]] = {}
         self.conversions: dict[str, Conversion] = {}
         self.ports: dict[str, str] = {}
-        self.boundaries: dict[str, tuple[str, str | None, int]] = {}
+        self.boundaries: dict[str, tuple[str | None, str | None, int]] = {}
         self.entries: dict[str, dict[tuple[int, ...], str]] = {}
         self._type_modules: dict[str, _TypeModules] = {}
         self.exits: dict[str, dict[str, str]] = {}  # type id -> output op -> its ILP node
@@ -650,6 +650,12 @@ class _Builder:
         """Join each segment type's output to the next one's entry through a conversion at
         the block's input (or the last block's output), and the last to the model output."""
         segments = self.graph.segments
+        first = segments[0].type_id
+        if self.graph.types[first].kind == "block":  # the model's input enters a block
+            for entry in self.entries.get(self.type_keys[first], {}).values():
+                tensor = replace(self.tensors[entry], needs_grad=False)
+                port = self._add_port(f"model_input>{entry}", tensor, (REPLICATE,))
+                self._convert(None, first, 1, port, entry)
         joins = Counter((a.type_id, b.type_id) for a, b in itertools.pairwise(segments))
         for (before, after), count in joins.items():
             for shape, entry in self.entries.get(self.type_keys[after], {}).items():
@@ -678,13 +684,18 @@ class _Builder:
             return
         self._convert(before, after, count, sink, entry)
 
-    def _convert(self, before: str, after: str | None, count: int, sink: str, entry: str) -> None:
-        """A conversion at the block's input (``after`` a block) or the last block's output
-        (``after`` the head, or ``None``: the model's output)."""
+    def _convert(
+        self, before: str | None, after: str | None, count: int, sink: str, entry: str
+    ) -> None:
+        """A conversion at the block's input (``after`` a block; ``before`` ``None``: the
+        model's input) or the last block's output (``after`` the head, or ``None``: the
+        model's output)."""
         into_block = after is not None and self.graph.types[after].kind == "block"
-        name = f"bd:{self.type_keys[before]}>{self.type_keys[after] if after else 'out'}"
+        source = self.type_keys[before] if before is not None else "in"
+        name = f"bd:{source}>{self.type_keys[after] if after is not None else 'out'}"
         side = "input" if into_block else "output"
-        owner = after if into_block and after is not None else before
+        owner = after if into_block else before
+        assert owner is not None
         tensor = self.tensors[sink]
         conversion = Conversion(owner, "", side, tensor)
         self.conversions[name] = conversion

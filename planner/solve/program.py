@@ -208,6 +208,9 @@ def _boundary_modules(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> 
         if after is None:  # the model's output leaves its last block
             out[segments[-1].fqn] = ModuleTP(style=TPStyle.BOUNDARY, output=pair)
             continue
+        if before is None:  # the model's input enters its first block
+            out[segments[0].fqn] = ModuleTP(style=TPStyle.BOUNDARY, input=pair)
+            continue
         side_input = problem.graph.types[after].kind == "block"
         for a, b in itertools.pairwise(segments):
             if (a.type_id, b.type_id) != (before, after):
@@ -252,9 +255,12 @@ def _at(comm: Comm, where: str) -> Comm:
     return Comm(comm.kind, comm.nbytes, comm.backward, comm.scaling, where)
 
 
-def _boundary_owner(problem: LayoutProblem, before: str, after: str | None) -> str:
+def _boundary_owner(problem: LayoutProblem, before: str | None, after: str | None) -> str:
     """The segment type that pays a boundary's collectives: the one that is not a block
     (it occurs once), else the block after it (or the last block, at the model's output)."""
+    if before is None:
+        assert after is not None
+        return after
     if problem.graph.types[before].kind != "block" or after is None:
         return before
     return after
