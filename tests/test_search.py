@@ -14,9 +14,9 @@ from planner.models import PRESETS, get_preset, resolve_model
 from planner.solve.lossy import LossyCompression
 from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
-from tests.devices import write_tp_pays
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
 from planner.trace import trace
+from tests.devices import write_tp_pays
 
 
 def _setup(preset="gpt3-1.3b", gpus=16, batch=64, gpu="a100-sxm-80gb", seq=None):
