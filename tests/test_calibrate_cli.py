@@ -26,6 +26,10 @@ def _plan(*args: str, torchrun: bool = False) -> subprocess.CompletedProcess[str
 def test_calibrate_writes_a_cpu_profile_that_plan_search_uses(tmp_path: Path) -> None:
     profile_path = tmp_path / "my-cpu.json"
     result = _plan("calibrate", "--quick", "-o", str(profile_path), torchrun=True)
+    if result.returncode != 0 and "did not converge" in result.stderr:
+        # --quick times few collectives; on a busy 2-core machine they can scatter past the
+        # fit's bound (the command says so and writes nothing): measure once more
+        result = _plan("calibrate", "--quick", "-o", str(profile_path), torchrun=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "collectives" in result.stdout and "matmul" in result.stdout
     profile = load_profile(str(profile_path))
