@@ -9,17 +9,11 @@ and compares the loss with one process.
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
-import os
-import traceback
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -39,8 +33,9 @@ from planner.validate import check_model_against_plan, validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
 from tests.devices import write_tp_pays
+from tests.ranks import run_on_ranks
 from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write
-from tests.test_runtime_numerics import BATCH, CLIP, EXACT, LR, STEPS, VOCAB, _free_port
+from tests.test_runtime_numerics import BATCH, CLIP, EXACT, LR, STEPS, VOCAB
 
 _WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.VOCAB_PARALLEL)
 _NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -204,23 +199,6 @@ def _train(path: str, plan_json: str, rank: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world_size: int, port: int, cases: dict[str, Any], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
-    )
-    results: dict[str, Any] = {}
-    for name, (path, plan_json) in cases.items():
-        try:
-            results[name] = _train(path, plan_json, rank)
-        except Exception:
-            results[name] = traceback.format_exc()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 _DATA_PARALLEL = {  # one data-parallel runtime per family, DDP and FSDP alternating
     "llama": 3, "mistral": 0, "qwen2": 3, "gpt2": 0, "gpt_neox": 3, "mixtral": 3,
 }  # fmt: skip
@@ -235,22 +213,20 @@ def test_families_match_single_process_on_two_ranks(config_dirs, tmp_path):
     cases = {}
     for family, zero in _DATA_PARALLEL.items():
         strategy = Strategy(dp=2, zero=zero, micro_batch_size=BATCH // 2)
-        cases[f"{family} {'fsdp' if zero else 'ddp'}"] = (
-            config_dirs[family], _plan(config_dirs[family], 2, strategy)
-        )  # fmt: skip
-    mp.start_processes(
-        _worker, args=(2, _free_port(), cases, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
-    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        plan_json = _plan(config_dirs[family], 2, strategy)
+        cases[f"{family} {'fsdp' if zero else 'ddp'}"] = functools.partial(
+            _train, config_dirs[family], plan_json
+        )
+    per_case = run_on_ranks(2, cases, tmp_path)
     references = {
         family: _train(path, _plan(path, 1, Strategy(micro_batch_size=BATCH)), 0)
         for family, path in config_dirs.items()
     }
     failures = []
     for name in cases:
-        losses = per_rank[0][name]
-        if isinstance(losses, str) or per_rank[1][name] != losses:
-            failures.append(f"{name}: {losses} / {per_rank[1][name]}")
+        losses, other = per_case[name]
+        if isinstance(losses, str) or other != losses:
+            failures.append(f"{name}: {losses} / {other}")
             continue
         family = name.split()[0]
         expected, bound = references[family], _BOUND.get(family, EXACT)

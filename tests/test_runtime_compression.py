@@ -28,13 +28,8 @@ holds shards, so only its losses are compared.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
-import json
-import os
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +37,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import planner
@@ -53,7 +47,7 @@ from planner.spec import Cluster, Plan, Strategy, Training
 from planner.validate import validate_plan_for_world
 from strategies.int8_reduce_scatter import BLOCK, Int8ReduceScatter
 from strategies.runner import Trainer, local_slice, synthetic_batch
-from tests.test_runtime_numerics import _free_port
+from tests.ranks import Task, run_on_ranks
 
 MODEL = "tiny-llama"
 STEPS = 30
@@ -69,9 +63,6 @@ PERIOD = 4
 SHORT = 8  # steps of the tensor-parallel runs: two averaging steps (2 and 6)
 POWERSGD = {"kind": "powersgd", "rank": 2, "warmup_steps": WARMUP}
 LOCAL_GROUP = 2
-
-
-Task = Callable[[int, int], Any]  # (world_size, rank) -> JSON-able result
 
 
 @dataclass(frozen=True)
@@ -161,34 +152,12 @@ def _int8_operator(world_size: int, rank: int) -> dict[str, float]:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: dict[str, Task], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=120)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-    results: dict[str, Any] = {}
-    for name, task in tasks.items():
-        try:
-            results[name] = task(world_size, rank)
-        except Exception:
-            results[name] = traceback.format_exc()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()  # tearing gloo down under a peer's pending work aborts the process
-    dist.destroy_process_group()
-
-
 def _launch(
     world_size: int, runs: list[Run], out: Path, extra: dict[str, Task] | None = None
 ) -> dict[str, list[Any]]:
     """Each run's (and extra task's) per-rank results: a dict, or the traceback raised."""
-    tasks: dict[str, Task] = {run.name: functools.partial(_train, run) for run in runs}
-    tasks.update(extra or {})
-    mp.start_processes(
-        _worker, args=(world_size, _free_port(), tasks, str(out)), nprocs=world_size,
-        start_method="spawn",
-    )  # fmt: skip
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    return {name: [results[name] for results in per_rank] for name in tasks}
+    tasks: dict[str, Task] = {run.name: functools.partial(_train, run, world_size) for run in runs}
+    return run_on_ranks(world_size, {**tasks, **(extra or {})}, out)
 
 
 def _ok(results: list[Any]) -> list[Any]:
@@ -255,7 +224,7 @@ WORLD4 = [
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_compression_on_two_ranks(tmp_path: Path) -> None:
-    results = _launch(2, WORLD2, tmp_path, {"int8 operator": _int8_operator})
+    results = _launch(2, WORLD2, tmp_path, {"int8 operator": functools.partial(_int8_operator, 2)})
     reference = _ok(results["none"])[0]["losses"]
     for name in (
         "fp16 hook",

@@ -9,19 +9,13 @@ their loss must still fall.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
-import traceback
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -33,6 +27,7 @@ from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
 from planner.trace import trace_for_training
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
+from tests.ranks import run_on_ranks
 
 STEPS = 4
 SEQ = 16
@@ -163,36 +158,11 @@ def reference(model: str, optimizer: str) -> list[float]:
     return train(case, 1, 0)["losses"]
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[Case], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+def run_cases(world_size: int, cases: list[Case], out: Path) -> dict[str, list[Any]]:
+    """Run ``cases`` on ``world_size`` gloo ranks; each case's results in rank order."""
+    return run_on_ranks(
+        world_size, {case.name: functools.partial(train, case, world_size) for case in cases}, out
     )
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case.name] = train(case, world_size, rank)
-        except Exception:
-            results[case.name] = traceback.format_exc()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()  # tearing gloo down under a peer's pending work aborts the process
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_cases(world_size: int, cases: list[Case], out: Path) -> list[dict[str, Any]]:
-    """Run ``cases`` on ``world_size`` gloo ranks; each rank's results by case name."""
-    mp.start_processes(
-        _worker, args=(world_size, _free_port(), cases, str(out)), nprocs=world_size,
-        start_method="spawn",
-    )  # fmt: skip
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 def _exact(name: str, model: str, **strategy: Any) -> Case:
@@ -322,11 +292,11 @@ WORLD8 = [
 ]
 
 
-def _compare(cases: list[Case], per_rank: list[dict[str, Any]]) -> list[str]:
+def _compare(cases: list[Case], per_case: dict[str, list[Any]]) -> list[str]:
     """One line per case that failed, raised, or (inexact cases) did not decrease the loss."""
     failures = []
     for case in cases:
-        results = [rank_results[case.name] for rank_results in per_rank]
+        results = per_case[case.name]
         if case.expect_error is not None:
             failures += _expected_error(case, results)
             continue

@@ -21,19 +21,15 @@ the whole sequence in its own code: its sequence-parallel region ends at the las
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
 import math
-import os
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
@@ -47,7 +43,7 @@ from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.trace import trace_for_training
 from planner.validate import shares_parameters
 from tests.devices import write_tp_pays
-from tests.test_runtime_numerics import _free_port
+from tests.ranks import run_on_ranks
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config
@@ -144,7 +140,7 @@ def _case(model: str, root: Path, dp: int, tp: int, sp: bool) -> Case:
     )  # fmt: skip
 
 
-def _train(case: Case, root: Path, rank: int, out: Path) -> dict[str, Any]:
+def _train(case: Case, root: Path, out: Path, rank: int) -> dict[str, Any]:
     from strategies.apply import parallelize
     from strategies.comm_bytes import CollectiveBytes
     from strategies.runner import Trainer, local_slice, synthetic_batch
@@ -184,23 +180,6 @@ def _tp_local_elements(param: torch.Tensor) -> int:
         if placement.is_shard() and names[axis] == "tp":
             shape[placement.dim] //= param.device_mesh.size(axis)
     return math.prod(shape)
-
-
-def _worker(rank: int, world: int, port: int, cases: list[Case], root: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case.name] = _train(case, Path(root), rank, Path(out))
-        except Exception:
-            results[case.name] = traceback.format_exc()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _reference(model: str, root: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -248,15 +227,12 @@ def test_every_emitted_plan_runs_matches_and_is_priced_exactly(setup, tmp_path, 
     }
     assert {line.split(":")[0] for line in refused} == expected_refusals, refused
     assert all("sequence" in line for line in refused), refused
-    mp.start_processes(
-        _worker, args=(world, _free_port(), cases, str(root), str(tmp_path)), nprocs=world,
-        start_method="spawn",
-    )  # fmt: skip
-    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    tasks = {case.name: functools.partial(_train, case, root, tmp_path) for case in cases}
+    per_case = run_on_ranks(world, tasks, tmp_path)
     references = {model: _reference(model, root) for model in MODELS}
     failures = []
     for case in cases:
-        result = per_rank[0][case.name]
+        result = per_case[case.name][0]
         if isinstance(result, str):
             failures.append(f"{case.name}: {result}")
             continue

@@ -1,0 +1,50 @@
+"""Run tasks on spawned gloo ranks on 127.0.0.1; each task's result per rank, or its traceback."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Task = Callable[[int], Any]  # rank -> JSON-able result; must pickle (a module-level function)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: dict[str, Task], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    results: dict[str, Any] = {}
+    for name, task in tasks.items():
+        try:
+            results[name] = task(rank)
+        except Exception:
+            results[name] = traceback.format_exc()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()  # tearing gloo down under a peer's pending work aborts the process
+    dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, tasks: dict[str, Task], out: Path) -> dict[str, list[Any]]:
+    """Each task's result on every rank (rank order): what it returned, or the traceback (str)."""
+    mp.start_processes(
+        _worker, args=(world_size, free_port(), tasks, str(out)), nprocs=world_size,
+        start_method="spawn",
+    )  # fmt: skip
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return {name: [results[name] for results in per_rank] for name in tasks}
