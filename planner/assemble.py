@@ -83,7 +83,7 @@ def megatron_layout(
             f"strategy.tp > 1 for model {handle.name!r}, which is not a zoo transformer: "
             "give its tp_layout (planner.make_plan writes the one the sharding ILP finds)"
         )
-    tokens = handle_for_module(handle.module, name=handle.name)  # token ids as inputs
+    tokens = handle_for_module(handle.module, name=handle.name)  # token ids, whatever handle takes
     layouts = ModelLayouts(
         tokens, None, FIXED_STYLE_PRICER, trace=lambda: trace_for_training(tokens, training)
     )

@@ -1,7 +1,7 @@
 """Facts about a mesh that several layers need, each stated once.
 
-The search's candidate filter, validation, the cost model and the runtime ask these
-functions rather than restating them.
+The search's candidate filter, the compression options it offers and validation ask
+these functions rather than restating them.
 """
 
 from __future__ import annotations
@@ -19,5 +19,8 @@ def ddp_blocker(*, dp: int, cp: int, tp: int, pp: int, tied: bool) -> str | None
     if pp > 1:
         return f"pp({pp}) > 1: DDP cannot run under a pipeline schedule"
     if tp > 1 and tied:
-        return f"tp({tp}) > 1 with tied weights: DDP over tensor-parallel shards loses the tie"
+        return (
+            f"tp({tp}) > 1 with tied weights: DDP cannot run over tensor-parallel shards "
+            "(it loses the tie)"
+        )
     return None

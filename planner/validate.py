@@ -56,6 +56,7 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
         )
     _check_batch(plan)
     _check_context_parallel(plan)
+    _check_replication(plan, tied=False)
     _check_compression(plan)
     _check_recompute(plan)
     _check_pipeline(plan)
@@ -103,12 +104,6 @@ def _check_compression(plan: Plan) -> None:
             f"strategy.compression.kind = 'int8' with zero = {strategy.zero} and no sharded "
             "data-parallel axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, "
             "or compression 'fp16'/'bf16' with DDP"
-        )
-    if strategy.zero == 0 and strategy.pp > 1:
-        raise SpecError(
-            f"strategy.compression.kind = {kind.value!r} with zero = 0 and pp({strategy.pp}) > 1: "
-            "DDP communication hooks cannot run under a pipeline schedule; use zero >= 1 "
-            "(FSDP reduce dtype, fp16/bf16) or pp = 1"
         )
     if kind is CompressionKind.LOCAL_SGD:
         _check_local_sgd(plan)
@@ -326,34 +321,21 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleT
     if plan.strategy.cp > 1:
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
-    _check_hooks_over_tp(plan, module)
-    _check_replication(plan, module)
+    _check_replication(plan, tied=shares_parameters(module))
     return expanded
 
 
-def _check_replication(plan: Plan, module: nn.Module) -> None:
-    """Plain data parallelism (ZeRO-0) only where DDP runs; elsewhere ZeRO >= 1 does."""
+def _check_replication(plan: Plan, tied: bool) -> None:
+    """Plain data parallelism (ZeRO-0) only where DDP runs; elsewhere ZeRO >= 1 does.
+    ``tied``: the model shares parameters (known once the module is at hand)."""
     s = plan.strategy
     if s.zero >= 1:
         return
-    blocker = ddp_blocker(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, tied=shares_parameters(module))
+    blocker = ddp_blocker(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, tied=tied)
     if blocker is not None:
         raise SpecError(
             f"strategy.zero = 0 with dp({s.dp}) x cp({s.cp}) replicas: {blocker}; use zero >= 1 "
             "(FSDP2 averages the same gradients)"
-        )
-
-
-def _check_hooks_over_tp(plan: Plan, module: nn.Module) -> None:
-    """DDP hooks over tensor-parallel shards need DDP, which tied weights rule out there."""
-    strategy = plan.strategy
-    hook = strategy.compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD)
-    if hook and strategy.tp > 1 and shares_parameters(module):
-        raise SpecError(
-            f"strategy.compression.kind = {strategy.compression.kind.value!r} with tp("
-            f"{strategy.tp}) on a model with tied weights: DDP cannot run over tensor-parallel "
-            "shards of shared parameters (the runtime replicates with FSDP2 there), so its "
-            "hooks cannot apply; use tp = 1, compression 'bf16', or untie the weights"
         )
 
 

@@ -11,7 +11,15 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError, UnknownNameError
-from planner.models import PRESETS, SMALL_MODELS, build, fingerprint, list_models, resolve_model
+from planner.models import (
+    PRESETS,
+    SMALL_MODELS,
+    build,
+    fingerprint,
+    handle_for_module,
+    list_models,
+    resolve_model,
+)
 from planner.spec import ModelSpec
 
 
@@ -68,6 +76,19 @@ def test_module_function_path_resolves(monkeypatch):
     assert handle.name == "wide"
     assert handle.device == torch.device("meta")
     assert handle.make_inputs(1, 1)[0].shape == (2, 4)
+
+
+class _Parameterless(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.randn(batch_size, 3),)
+
+
+def test_a_module_without_parameters_gets_its_example_inputs():
+    handle = handle_for_module(_Parameterless())
+    assert handle.make_inputs(2, 1)[0].shape == (2, 3)
 
 
 def test_module_path_that_does_not_import():

@@ -92,6 +92,8 @@ def test_pins_that_cannot_hold_name_the_factors():
         search(model, limits, pins=Pins(tp=3))
     with pytest.raises(SpecError, match=r"tp\(4\) \* pp\(8\) = 32 does not divide num_gpus"):
         search(model, limits, pins=Pins(tp=4, pp=8))
+    with pytest.raises(SpecError, match=r"zero\(0\): pp\(2\) > 1: DDP cannot run under a pipeline"):
+        search(model, limits, pins=Pins(zero=0, pp=2, dp=8))
 
 
 def test_no_fit_says_how_much_memory_and_what_to_change():

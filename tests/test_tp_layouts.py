@@ -228,3 +228,14 @@ def test_plan_carries_each_modules_placements_and_explain_shows_them(capsys):
     shown = capsys.readouterr().out
     assert "Tensor-parallel layout (tp=2" in shown
     assert "row-parallel; weight Shard(1); out Partial() -> Shard(1)" in shown
+
+
+@pytest.mark.parametrize("gpu", ["a100-sxm-40gb", "mi300x"])
+def test_zoo_plan_layout_does_not_depend_on_the_cluster(gpu):
+    """A zoo plan's layout is Megatron's as ``assemble_plan`` writes it, on any cluster."""
+    from planner.assemble import megatron_layout
+
+    handle = resolve_model("tiny-llama")
+    cluster = Cluster(gpu=gpu, num_gpus=4, gpus_per_node=4)
+    plan = make_plan(handle, cluster, TRAINING, pins=Pins(tp=2, sequence_parallel=True))
+    assert plan.tp_layout == megatron_layout(handle, plan.training, plan.strategy)

@@ -176,15 +176,13 @@ def is_hf_model(module: nn.Module) -> bool:
 def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHandle:
     """A handle for a module built by the caller: zoo transformers and Hugging Face causal
     LMs take token ids, other modules need an ``example_inputs(batch_size)`` method."""
-    device = next(module.parameters()).device
     if isinstance(module, Transformer):
-        inputs = _token_inputs(module.spec.vocab_size, device)
+        inputs = _token_inputs(module.spec.vocab_size, next(module.parameters()).device)
         return ModelHandle(name or module.spec.name, "module", module, inputs, module.spec)
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if is_hf_model(module) and isinstance(vocab, int):
-        return ModelHandle(
-            name or type(module).__name__, "module", module, _token_inputs(vocab, device)
-        )
+        inputs = _token_inputs(vocab, next(module.parameters()).device)
+        return ModelHandle(name or type(module).__name__, "module", module, inputs)
     return _from_module(name or type(module).__name__, "module", module, None)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from planner.cost import CostModel
 from planner.errors import SpecError
+from planner.parallel_dims import ddp_blocker
 from planner.spec import Cluster, Compression, CompressionKind, DType, Strategy
 
 __all__ = [
@@ -152,7 +153,8 @@ class LossyCompression:
         yield _NONE
         if dp * cp == 1:
             return
-        ddp_hook = zero == 0 and pp == cp == 1 and (tp == 1 or ddp_over_tp)
+        ddp = ddp_blocker(dp=dp, cp=cp, tp=tp, pp=pp, tied=not ddp_over_tp) is None
+        ddp_hook = zero == 0 and cp == 1 and ddp
         if self.half and (ddp_hook or zero >= 1):
             yield (_half_kind(dtype).value, 0, 0, 0)
         if self.int8 and zero >= 1:

@@ -18,7 +18,7 @@ from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.graph import OpGraph
-from planner.layouts import ModelLayouts
+from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, Transformer
 from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.program import TPLayout
@@ -160,7 +160,8 @@ def priced_model(
         tp_layouts=(lambda tp, sp: holder[0].assignment(tp, sp)) if traced else None,
     )  # fmt: skip
     layouts = ModelLayouts(
-        handle, graph if traced else None, model.layout_pricer(),
+        handle, graph if traced else None,
+        model.layout_pricer() if traced else FIXED_STYLE_PRICER,
         trace=lambda: trace_for_training(handle, training), time_limit_s=ilp_time_limit_s,
     )  # fmt: skip
     holder.append(layouts)

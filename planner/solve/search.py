@@ -560,6 +560,13 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
         reasons.append(f"cp({pins.cp}): the runtime shards sequences of zoo transformers only")
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
+    if pins.zero == 0:
+        blocker = ddp_blocker(
+            dp=pins.dp or max(1, gpus // product), cp=pins.cp or 1, tp=pins.tp or 1,
+            pp=pins.pp or 1, tied=not limits.ddp_over_tp,
+        )  # fmt: skip
+        if blocker is not None:
+            reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
     detail = "; ".join(reasons) or (
         "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
         "with the other pins"
