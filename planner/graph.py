@@ -57,6 +57,19 @@ class OpNode:
     gemm: tuple[int, int, int, int] | None = None
     batched: bool = True  # grows with the batch (False: derived from constants, as positions)
 
+    @property
+    def input_bytes(self) -> float:
+        """Bytes of the activations it reads (its parameters aside)."""
+        return max(self.bytes_read - self.param_bytes, 0.0)
+
+    @property
+    def bias_count(self) -> int:
+        """Parameters of a linear beyond its ``n x k`` weight (its bias); 0 for others."""
+        if self.gemm is None or not self.param_count:
+            return 0
+        _, _, out_features, in_features = self.gemm
+        return max(self.param_count - out_features * in_features, 0)
+
 
 @dataclass(frozen=True)
 class SegmentType:

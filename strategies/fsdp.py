@@ -5,8 +5,7 @@ Context-parallel ranks hold the same parameters, so the shard axis is dp_shard x
 over it, as the cost model assumes.
 
 ``zero = 3`` reshards weights after forward (gathered again in backward); ``zero = 1``
-and ``2`` (and ``zero = 0`` replication run through FSDP2, see :mod:`strategies.data_parallel`)
-keep them gathered between forward and backward (``reshard_after_forward=False``,
+and ``2`` keep them gathered between forward and backward (``reshard_after_forward=False``,
 so memory lies between ZeRO-2 and ZeRO-3: FSDP2 has no separate ZeRO-1/2 modes). A 2-D
 (dp_replicate, dp_shard) mesh gives hybrid sharding (HSDP). ``MixedPrecisionPolicy``
 takes the parameter dtype from ``training.dtype`` and the gradient-reduction dtype from
@@ -61,11 +60,11 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     """Shard ``model`` with FSDP2 over the data-parallel axes when the plan asks for it."""
     if not uses_fsdp(plan) or mesh is None:
         return model
-    shard(model, shard_mesh(mesh), plan, reason=f"zero={plan.strategy.zero}")
+    _shard(model, shard_mesh(mesh), plan)
     return model
 
 
-def shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, reason: str) -> None:
+def _shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
     """``fully_shard`` each block, then the root, over ``dp_mesh`` (1-D, or 2-D for HSDP)."""
     reshard = plan.strategy.zero == 3
     policy = mixed_precision(plan)
@@ -76,8 +75,8 @@ def shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, *, reason: str) -> 
     if plan.strategy.compression.kind is CompressionKind.INT8:
         use_int8_reduce_scatter(model)
     log.info(
-        "fsdp (%s): %d blocks + root over %s, reshard_after_forward=%s, param %s, reduce %s",
-        reason,
+        "fsdp (zero=%d): %d blocks + root over %s, reshard_after_forward=%s, param %s, reduce %s",
+        plan.strategy.zero,
         len(blocks),
         dp_mesh.mesh_dim_names,
         reshard,

@@ -102,7 +102,7 @@ class ComputeModel:
         """
         e = self.element_bytes
         weight = node.param_bytes / e
-        inputs = (node.bytes_read - node.param_bytes) / e * scale
+        inputs = node.input_bytes / e * scale
         outputs = node.bytes_written / e * scale
         elements = inputs + weight if forward else outputs + inputs + weight
         return elements * (2 * e + 1)

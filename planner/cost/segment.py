@@ -126,7 +126,7 @@ class SegmentPricer:
     def _input_bytes(nodes: Sequence[OpNode], saved: Sequence[float]) -> float:
         """The segment's input activation: all that full recompute keeps."""
         first = nodes[0]
-        return max(first.bytes_read - first.param_bytes, 0.0) * saved[0]
+        return first.input_bytes * saved[0]
 
     def _tp_comm(
         self, split: SegmentTP, times: Sequence[OpTime], key: ShardKey

@@ -56,14 +56,14 @@ __all__ = [
     "TPAssignment",
     "AssignmentSource",
     "unsharded",
+    "loss_parallel_comms",
+    "replicated_grad_comm",
     "megatron_assignment",
-    "SUBLAYERS",
-    "VOCAB_PARALLEL",
 ]
 
-SUBLAYERS = frozenset({"attention", "feed_forward"})
+_SUBLAYERS = frozenset({"attention", "feed_forward"})
 """Zoo block children holding a column-parallel/row-parallel linear pair."""
-VOCAB_PARALLEL = frozenset({"tok_embeddings", "output", "loss"})
+_VOCAB_PARALLEL = frozenset({"tok_embeddings", "output", "loss"})
 """Zoo leaves split on the vocabulary: the token embedding, the output head, the loss."""
 # Kinds doing tensor-core work: a run of split nodes without any is no TP sublayer.
 _SUBLAYER_WORK = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.LOSS})
@@ -95,15 +95,13 @@ class Comm:
     ``nbytes`` is the whole array at the traced batch-1 shapes. ``scaling`` says how it
     grows with the micro-batch: ``tokens`` (activations: with its sequences and its
     context-parallel shard of each), ``sequence`` (position embeddings: with the shard
-    only) or ``fixed`` (a replicated parameter's gradient). ``where`` names the module
-    it runs at.
+    only) or ``fixed`` (a replicated parameter's gradient).
     """
 
     kind: Collective
     nbytes: float
     backward: bool
     scaling: Scaling = "tokens"
-    where: str = ""
 
     def bytes_for(self, key: ShardKey) -> float:
         """Bytes of the whole array for one micro-batch of ``key``."""
@@ -129,8 +127,6 @@ class SegmentTP:
 class TPAssignment:
     """A layout as the cost model sees it: one :class:`SegmentTP` per segment type."""
 
-    tp: int
-    sequence_parallel: bool
     segments: Mapping[str, SegmentTP]
 
     def segment(self, type_id: str) -> SegmentTP:
@@ -146,9 +142,21 @@ def _replicated(seg_type: SegmentType) -> SegmentTP:
     return SegmentTP(ones, ones, tuple(float(n.param_count) for n in seg_type.nodes))
 
 
-def unsharded(graph: OpGraph, tp: int = 1) -> TPAssignment:
-    """Every operator whole on every rank (``tp = 1``, or a layout that shards nothing)."""
-    return TPAssignment(tp, False, {t: _replicated(s) for t, s in graph.types.items()})
+def unsharded(graph: OpGraph) -> TPAssignment:
+    """Every operator whole on every rank (``tp = 1``)."""
+    return TPAssignment({t: _replicated(s) for t, s in graph.types.items()})
+
+
+def loss_parallel_comms(tokens: int) -> tuple[Comm, ...]:
+    """A vocabulary-parallel cross entropy's forward all-reduces: the max, the sum of
+    exponentials and the target logit, one fp32 value per token each."""
+    return (Comm(Collective.ALL_REDUCE, 4.0 * tokens, backward=False),) * _LOSS_REDUCTIONS
+
+
+def replicated_grad_comm(node: OpNode) -> Comm:
+    """The all-reduce of a replicated parameter's gradient when ``node`` runs on shards
+    (a norm under sequence parallelism): partial sums, once per micro-batch."""
+    return Comm(Collective.ALL_REDUCE, node.param_bytes, backward=True, scaling="fixed")
 
 
 # --- Megatron-LM's layout of the zoo transformer, by module name ------------------------
@@ -156,9 +164,9 @@ def unsharded(graph: OpGraph, tp: int = 1) -> TPAssignment:
 
 def _is_split(node: OpNode) -> bool:
     parts = node.module.split(".") if node.module else []
-    if node.kind is OpKind.LOSS or (parts and parts[-1] in VOCAB_PARALLEL):
+    if node.kind is OpKind.LOSS or (parts and parts[-1] in _VOCAB_PARALLEL):
         return True
-    return bool(parts) and parts[0] in SUBLAYERS and node.kind is not OpKind.NORM
+    return bool(parts) and parts[0] in _SUBLAYERS and node.kind is not OpKind.NORM
 
 
 def _split_runs(nodes: Sequence[OpNode]) -> list[list[int]]:
@@ -187,40 +195,27 @@ def _rowwise(nodes: Sequence[OpNode], run: list[int]) -> int | None:
     return linears[-1] if len(linears) > 1 else None
 
 
-def _bias(node: OpNode) -> int:
-    if node.gemm is None:
-        return 0
-    _, _, out_features, in_features = node.gemm
-    return max(node.param_count - out_features * in_features, 0)
-
-
-def _input_bytes(node: OpNode) -> float:
-    return max(node.bytes_read - node.param_bytes, 0.0)
-
-
 def _run_comms(nodes: Sequence[OpNode], run: list[int], sp: bool, regather: bool) -> list[Comm]:
     """A split run's collectives (a sublayer, the embedding, or the head and loss)."""
     first, last = nodes[run[0]], nodes[run[-1]]
-    where = first.module.rpartition(".")[0] or first.module
     comms: list[Comm] = []
     if first.kind is not OpKind.EMBEDDING:  # the input is replicated: gather it, or not
-        entry = _input_bytes(first)
+        entry = first.input_bytes
         if sp:
-            comms += [Comm(Collective.ALL_GATHER, entry, False, where=where),
-                      Comm(Collective.REDUCE_SCATTER, entry, True, where=where)]  # fmt: skip
+            comms += [Comm(Collective.ALL_GATHER, entry, False),
+                      Comm(Collective.REDUCE_SCATTER, entry, True)]  # fmt: skip
             if regather:
-                comms.append(Comm(Collective.ALL_GATHER, entry, True, where=where))
+                comms.append(Comm(Collective.ALL_GATHER, entry, True))
         else:
-            comms.append(Comm(Collective.ALL_REDUCE, entry, True, where=where))
+            comms.append(Comm(Collective.ALL_REDUCE, entry, True))
     if last.kind is OpKind.LOSS:
-        tokens = math.prod(last.input_shapes[0][:-1]) if last.input_shapes else 1
-        comms += [Comm(Collective.ALL_REDUCE, 4.0 * tokens, False, where="loss")] * _LOSS_REDUCTIONS
+        comms += loss_parallel_comms(math.prod(last.input_shapes[0][:-1]))
     elif sp and first.kind is not OpKind.EMBEDDING:
         out = last.bytes_written
-        comms += [Comm(Collective.REDUCE_SCATTER, out, False, where=where),
-                  Comm(Collective.ALL_GATHER, out, True, where=where)]  # fmt: skip
+        comms += [Comm(Collective.REDUCE_SCATTER, out, False),
+                  Comm(Collective.ALL_GATHER, out, True)]  # fmt: skip
     else:
-        comms.append(Comm(Collective.ALL_REDUCE, last.bytes_written, False, where=where))
+        comms.append(Comm(Collective.ALL_REDUCE, last.bytes_written, False))
     return comms
 
 
@@ -235,17 +230,16 @@ def _megatron_segment(
         work.append(tp if split or on_sequence else 1)
         params.append(node.param_count / tp if split else float(node.param_count))
         if on_sequence and not split and node.param_count:
-            comms.append(Comm(Collective.ALL_REDUCE, node.param_bytes, True, "fixed", node.module))
+            comms.append(replicated_grad_comm(node))
     gathered = 0.0
     for run in _split_runs(nodes):
         comms += _run_comms(nodes, run, sp, regather)
         rowwise = _rowwise(nodes, run)
         if rowwise is not None:  # its bias stays whole on every rank
             node = nodes[rowwise]
-            bias = _bias(node)
-            params[rowwise] = (node.param_count - bias) / tp + bias
+            params[rowwise] = (node.param_count - node.bias_count) / tp + node.bias_count
         if on_sequence and not regather and nodes[run[0]].kind is not OpKind.EMBEDDING:
-            gathered += _input_bytes(nodes[run[0]]) * (1 - 1 / tp)
+            gathered += nodes[run[0]].input_bytes * (1 - 1 / tp)
     divisors = tuple(work)
     return SegmentTP(divisors, divisors, tuple(params), tuple(comms), gathered)
 
@@ -273,9 +267,9 @@ def megatron_assignment(
         embedding = graph.segments[first_block - 1].type_id
         sink = graph.types[embedding].nodes[-1]
         seg = segments[embedding]
-        gather = Comm(Collective.ALL_GATHER, sink.bytes_written, True, where="block input")
+        gather = Comm(Collective.ALL_GATHER, sink.bytes_written, True)
         segments[embedding] = SegmentTP(
             seg.work_divisor, seg.saved_divisor, seg.param_elements, (*seg.comms, gather),
             seg.gathered_bytes,
         )  # fmt: skip
-    return TPAssignment(tp, sp, segments)
+    return TPAssignment(segments)

@@ -41,7 +41,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from planner.cost.communication import Collective
-from planner.cost.tp import Comm
+from planner.cost.tp import Comm, loss_parallel_comms, replicated_grad_comm
 from planner.errors import SpecError
 from planner.graph import OpKind, OpNode
 from planner.spec import TPStyle
@@ -364,7 +364,7 @@ class StrategyBuilder:
         tp, x, out = self.tp, self.inputs[0].shape, self.node.output_shape
         last_in, last_out = len(x) - 1, len(out) - 1
         params = self.node.param_count
-        bias = max(params - x[-1] * out[-1], 0) if params else 0
+        bias = self.node.bias_count
         strategies = [self._replicate()]
         if self._valid(shard(last_out), out):
             strategies.append(
@@ -465,8 +465,7 @@ class StrategyBuilder:
         logits = self.inputs[0].shape
         token_loss = any(name in self.node.target for name in _TOKEN_LOSSES)
         if token_loss and len(self.inputs) == 2 and valid(VOCAB, logits, self.tp):
-            tokens = math.prod(logits[:-1])
-            comms = tuple(Comm(Collective.ALL_REDUCE, 4.0 * tokens, backward=False) for _ in "msv")
+            comms = loss_parallel_comms(math.prod(logits[:-1]))
             strategies.append(
                 OpStrategy(
                     "vocab",
@@ -527,11 +526,7 @@ class StrategyBuilder:
         params = self.node.param_count
         # A parameter used on a shard (a norm's weight under sequence parallelism) is a
         # replicated DTensor whose gradient is partial: all-reduced once per micro-batch.
-        comms = (
-            (Comm(Collective.ALL_REDUCE, self.node.param_bytes, backward=True, scaling="fixed"),)
-            if params
-            else ()
-        )
+        comms = (replicated_grad_comm(self.node),) if params else ()
         return OpStrategy(
             placement, tuple(needs), tuple(grads), placement, placement, self.tp,
             float(params), self.tp, comms,

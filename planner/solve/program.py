@@ -145,8 +145,7 @@ def _param_names(info: ModuleInfo | None, fqn: str, node: OpNode | None) -> tupl
     if node is None:
         return ()
     if node.kind is OpKind.MATMUL and node.gemm is not None:
-        _, _, out_features, in_features = node.gemm
-        return ("weight", "bias") if node.param_count > out_features * in_features else ("weight",)
+        return ("weight", "bias") if node.bias_count else ("weight",)
     return ("weight",) if node.param_count else ()
 
 
@@ -231,13 +230,12 @@ def _assignment(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> TPAssi
     for name, (type_id, node) in problem.ops.items():
         strategy = chosen[name]
         per_node[type_id][node.name] = strategy
-        comms[type_id] += [_at(c, node.module) for c in strategy.comms]
+        comms[type_id] += strategy.comms
     for name, conversion in problem.conversions.items():
         owner = conversion.type_id
         if name in problem.boundaries:
             owner = _boundary_owner(problem, *problem.boundaries[name][:2])
-        where = conversion.module or f"{conversion.side} of the blocks"
-        comms[owner] += [_at(c, where) for c in chosen[name].comms]
+        comms[owner] += chosen[name].comms
     segments = {}
     for type_id in problem.type_keys:
         nodes = problem.graph.types[type_id].nodes
@@ -248,11 +246,7 @@ def _assignment(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> TPAssi
             param_elements=tuple(s.param_elements for s in picks),
             comms=tuple(comms[type_id]),
         )
-    return TPAssignment(problem.tp, problem.sequence_parallel, segments)
-
-
-def _at(comm: Comm, where: str) -> Comm:
-    return Comm(comm.kind, comm.nbytes, comm.backward, comm.scaling, where)
+    return TPAssignment(segments)
 
 
 def _boundary_owner(problem: LayoutProblem, before: str | None, after: str | None) -> str:
