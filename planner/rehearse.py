@@ -14,7 +14,6 @@ promises. The failure names the innermost module that was running.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,12 +23,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from planner.fqn import expand_patterns
 from planner.graph import OpGraph
 from planner.models import ModelHandle
-from planner.spec import ModuleTP
+from planner.spec import ModuleTP, shard_dim
 from planner.trace import DTYPES, prepare_traced_module
 
-__all__ = ["RehearsalFailure", "rehearse", "expand_patterns"]
+__all__ = ["RehearsalFailure", "rehearse"]
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,6 @@ class RehearsalFailure:
     def describe(self) -> str:
         where = f"module {self.module!r}" if self.module else "the model's forward"
         return f"{where}: {self.message}"
-
-
-def expand_patterns(patterns: Mapping[str, ModuleTP], names: list[str]) -> dict[str, ModuleTP]:
-    """Concrete FQN -> layout for every name a pattern (``*`` per component) matches."""
-    concrete: dict[str, ModuleTP] = {}
-    for pattern, layout in patterns.items():
-        parts = pattern.split(".")
-        for name in names:
-            pieces = name.split(".")
-            if len(pieces) == len(parts) and all(
-                fnmatch.fnmatchcase(n, p) for n, p in zip(pieces, parts, strict=True)
-            ):
-                concrete[name] = layout
-    return concrete
 
 
 def rehearse(
@@ -106,7 +92,7 @@ def _shard_parameters(root: nn.Module, prefix: str, layout: dict[str, ModuleTP],
             param = module._parameters.get(name)
             if param is None:
                 raise _Mismatch(fqn, f"plan places parameter {name!r}, which {fqn!r} does not have")
-            dim = _shard_dim(placement)
+            dim = shard_dim(placement)
             if dim is None:
                 continue
             if id(param) not in replaced:
@@ -126,15 +112,9 @@ def _shard_parameters(root: nn.Module, prefix: str, layout: dict[str, ModuleTP],
                 module._parameters[name] = replaced[id(param)][1]
 
 
-def _shard_dim(placement: str) -> int | None:
-    if placement.startswith("Shard("):
-        return int(placement[6:-1])
-    return None
-
-
 def _convert(x: torch.Tensor, src: str, dst: str, tp: int) -> torch.Tensor:
     """The local tensor after redistributing ``x`` from ``src`` to ``dst`` (shapes only)."""
-    src_dim, dst_dim = _shard_dim(src), _shard_dim(dst)
+    src_dim, dst_dim = shard_dim(src), shard_dim(dst)
     if src_dim == dst_dim and src == dst:
         return x
     if src_dim is not None:  # gather the sharded dim
@@ -145,7 +125,7 @@ def _convert(x: torch.Tensor, src: str, dst: str, tp: int) -> torch.Tensor:
 
 
 def _local_shape(shape: tuple[int, ...], placement: str, tp: int) -> tuple[int, ...]:
-    dim = _shard_dim(placement)
+    dim = shard_dim(placement)
     if dim is None:
         return shape
     local = list(shape)

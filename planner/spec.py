@@ -137,6 +137,16 @@ _STYLE_WORDS = {
 }
 
 Placement = Annotated[str, Field(pattern=r"^(Replicate\(\)|Partial\(\)|Shard\(-?\d+\))$")]
+
+
+def shard_dim(placement: str) -> int | None:
+    """The dim a ``"Shard(d)"`` placement splits (``-1``: the last); ``None`` for
+    ``"Replicate()"`` and ``"Partial()"``."""
+    if placement.startswith("Shard("):
+        return int(placement.removeprefix("Shard(").removesuffix(")"))
+    return None
+
+
 """A DTensor placement over the tensor-parallel ranks, spelled as in torch."""
 
 
@@ -158,9 +168,9 @@ class ModuleTP(_Doc):
     every rank). ``input``: the placement its first argument arrives in and the one it
     runs on; ``output``: the placement it produces and the one handed to its consumers
     (``Shard(1)``: the sequence, ``Shard(-1)``: the last dim, ``Partial()``: partial
-    sums, reduced where the next block reads them). ``output_dtensor``: handed on as a DTensor, so its consumers' gradients are
-    summed before one collective (or, ``Shard(-1)`` logits, the loss is vocabulary-
-    parallel); otherwise as a local tensor.
+    sums, reduced where the next block reads them). ``output_dtensor``: handed on as a
+    DTensor, so its consumers' gradients are summed before one collective (or, sharded
+    logits, the loss is vocabulary-parallel); otherwise as a local tensor.
     """
 
     style: TPStyle
@@ -168,6 +178,21 @@ class ModuleTP(_Doc):
     input: tuple[Placement, Placement] | None = None
     output: tuple[Placement, Placement] | None = None
     output_dtensor: bool = False
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Some direct parameter is split over the ranks."""
+        return any(shard_dim(p) is not None for p in self.params.values())
+
+    @property
+    def loss_parallel(self) -> bool:
+        """It hands its output on as a sharded DTensor: vocabulary-sharded logits, which
+        the loss reads under ``loss_parallel()``."""
+        return (
+            self.output_dtensor
+            and self.output is not None
+            and shard_dim(self.output[1]) is not None
+        )
 
     def describe(self) -> str:
         """In words: ``column-parallel; weight Shard(0); in Shard(1) -> Replicate()``."""
@@ -541,10 +566,7 @@ class Plan(_Doc):
     def loss_parallel(self) -> bool:
         """The output head hands on vocabulary-sharded logits: compute the loss under
         ``loss_parallel()`` (:func:`strategies.apply.loss_context`)."""
-        return any(
-            m.output_dtensor and m.output is not None and m.output[1].startswith("Shard")
-            for m in self.tp_layout.values()
-        )
+        return any(m.loss_parallel for m in self.tp_layout.values())
 
     @model_validator(mode="after")
     def _check_mesh(self) -> Self:

@@ -11,13 +11,13 @@ Module paths (FQNs) in layouts may use ``*`` for one path component, as in
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from torch import nn
 
 from planner.cost.compression import should_compress
 from planner.errors import PlanMismatchError, SpecError
+from planner.fqn import match_fqns
 from planner.models import fingerprint
 from planner.models.transformer import Transformer
 from planner.parallel_dims import ddp_blocker
@@ -30,13 +30,13 @@ from planner.spec import (
     Plan,
     RecomputeMode,
     Schedule,
+    shard_dim,
 )
 
 __all__ = [
     "validate_plan_for_world",
     "check_model_against_plan",
     "expand_layout",
-    "match_fqns",
     "find_blocks",
     "pipeline_splittable",
     "shares_parameters",
@@ -207,17 +207,6 @@ def _check_pipeline(plan: Plan) -> None:
         )
 
 
-def match_fqns(pattern: str, names: Iterable[str]) -> list[str]:
-    """Names equal to ``pattern``, where ``*`` in a component matches within that component."""
-    parts = pattern.split(".")
-    return [
-        name
-        for name in names
-        if len(name.split(".")) == len(parts)
-        and all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts, strict=True))
-    ]
-
-
 def expand_layout(module: nn.Module, layout: Mapping[str, ModuleTP]) -> dict[str, ModuleTP]:
     """Concrete ``{fqn: layout}`` for ``module``; raise naming any key that matches nothing
     or places a parameter the module does not have."""
@@ -253,9 +242,9 @@ def _check_tp_divides(expanded: dict[str, ModuleTP], module: nn.Module, tp: int)
     for fqn, entry in expanded.items():
         own = dict(module.get_submodule(fqn).named_parameters(recurse=False))
         for name, placement in entry.params.items():
-            if not placement.startswith("Shard("):
+            dim = shard_dim(placement)
+            if dim is None:
                 continue
-            dim = int(placement[6:-1])
             size = own[name].shape[dim]
             if size % tp:
                 raise SpecError(

@@ -39,8 +39,8 @@ from torch.distributed.tensor import (
 )
 
 from planner.errors import SpecError
-from planner.rehearse import expand_patterns
-from planner.spec import ModuleTP, Plan
+from planner.fqn import expand_patterns
+from planner.spec import ModuleTP, Plan, shard_dim
 
 __all__ = ["apply", "concrete_layout", "torch_placement"]
 
@@ -53,7 +53,9 @@ def torch_placement(text: str) -> Placement:
         return Replicate()
     if text == "Partial()":
         return Partial()
-    return Shard(int(text.removeprefix("Shard(").removesuffix(")")))
+    dim = shard_dim(text)
+    assert dim is not None, text
+    return Shard(dim)
 
 
 def concrete_layout(model: nn.Module, plan: Plan) -> dict[str, ModuleTP]:
@@ -80,7 +82,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
         "parameters reduce partial gradients",
         plan.strategy.tp,
         len(layout),
-        sum(1 for m in layout.values() if any(p.startswith("Shard") for p in m.params.values())),
+        sum(1 for m in layout.values() if m.shards_parameters),
         ", sequence parallel" if plan.strategy.sequence_parallel else "",
         ", loss parallel" if plan.loss_parallel else "",
         reduced,

@@ -15,6 +15,7 @@ import pytest
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.tp import megatron_assignment
 from planner.errors import PlannerError, SpecError
+from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout
 from planner.models import get_preset, resolve_model
@@ -119,17 +120,11 @@ def test_tensor_parallel_prediction_holds_the_layouts_own_shards():
     per_rank = priced.whole_model(Strategy(tp=4, micro_batch_size=8)).param_count
     expected = 0.0
     for fqn, module in handle.module.named_modules():
-        entry = next((e for p, e in layout.modules.items() if _matches(p, fqn)), None)
+        entry = next((e for p, e in layout.modules.items() if fqn_matches(p, fqn)), None)
         for name, param in module.named_parameters(recurse=False):
             sharded = entry is not None and entry.params.get(name, "").startswith("Shard")
             expected += param.numel() / (4 if sharded else 1)
     assert per_rank == expected
-
-
-def _matches(pattern: str, fqn: str) -> bool:
-    from planner.validate import match_fqns
-
-    return bool(match_fqns(pattern, [fqn]))
 
 
 def test_hand_written_sequence_parallel_norms_before_replicated_attention_are_refused():

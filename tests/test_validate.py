@@ -9,6 +9,7 @@ from torch import nn
 
 from planner.assemble import assemble_plan
 from planner.errors import PlanMismatchError, SpecError
+from planner.fqn import match_fqns
 from planner.layouts import check_plan_layout
 from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
@@ -16,7 +17,6 @@ from planner.validate import (
     check_model_against_plan,
     expand_layout,
     find_blocks,
-    match_fqns,
     validate_plan_for_world,
 )
 

@@ -47,9 +47,7 @@ def _prediction_rows(p: Prediction) -> list[tuple[str, str]]:
 def _layout(plan: Plan) -> Table:
     """Each module the tensor-parallel layout touches: how it runs, what it holds, where
     its input and output change placement."""
-    sharded = sum(
-        1 for m in plan.tp_layout.values() if any(p.startswith("Shard") for p in m.params.values())
-    )
+    sharded = sum(1 for m in plan.tp_layout.values() if m.shards_parameters)
     title = (
         f"Tensor-parallel layout (tp={plan.strategy.tp}, {sharded} of {len(plan.tp_layout)} "
         "modules shard parameters)"

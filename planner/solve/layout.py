@@ -45,7 +45,6 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from fnmatch import fnmatchcase
 from typing import Protocol
 
 import numpy as np
@@ -53,6 +52,7 @@ import numpy as np
 from planner.cost.communication import Collective, LinkModel, collective_time
 from planner.cost.tp import Comm, Scaling
 from planner.errors import SpecError
+from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
 from planner.solve.placements import (
     PARTIAL,
@@ -255,7 +255,7 @@ def root_patterns(graph: OpGraph, type_id: str) -> list[str]:
         return roots
     pattern = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts, strict=True))
     others = (segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id != type_id)
-    return roots if any(fnmatchcase(other, pattern) for other in others) else [pattern]
+    return roots if any(fqn_matches(pattern, other) for other in others) else [pattern]
 
 
 def _relative(fqns: Iterable[str], root: str) -> set[str]:
@@ -268,13 +268,6 @@ def _relative(fqns: Iterable[str], root: str) -> set[str]:
 
 def _within(module: str, region: str) -> bool:
     return module == region or module.startswith(region + ".") or region == ""
-
-
-def _matches(pattern: str, fqn: str) -> bool:
-    parts, names = pattern.split("."), fqn.split(".")
-    return len(parts) == len(names) and all(
-        fnmatchcase(n, p) for n, p in zip(names, parts, strict=True)
-    )
 
 
 class _TypeModules:
@@ -304,7 +297,7 @@ class _TypeModules:
 
 def _constraint_for(mapping: Mapping[str, object], fqns: list[str]) -> object | None:
     for pattern, value in mapping.items():
-        if any(_matches(pattern, fqn) for fqn in fqns):
+        if any(fqn_matches(pattern, fqn) for fqn in fqns):
             return value
     return None
 
@@ -428,7 +421,7 @@ class _Builder:
     ) -> list[OpStrategy]:
         fqns = modules.fqns(node.module)
         replicated = any(
-            _matches(region, ancestor)
+            fqn_matches(region, ancestor)
             for fqn in fqns
             for ancestor in _ancestors(fqn)
             for region in self.constraints.replicated

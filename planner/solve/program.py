@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from planner.cost.tp import Comm, SegmentTP, TPAssignment
 from planner.errors import SpecError
+from planner.fqn import under_pattern
 from planner.graph import OpGraph, OpKind, OpNode
 from planner.solve.layout import (
     LayoutConstraints,
@@ -40,7 +41,7 @@ from planner.solve.layout import (
 )
 from planner.solve.placements import PARTIAL, REPLICATE, VOCAB, OpStrategy, shard, torch_placement
 from planner.solve.sharding import ShardingSolution
-from planner.spec import ModuleTP, TPStyle
+from planner.spec import ModuleTP, TPStyle, shard_dim
 
 __all__ = [
     "TPLayout",
@@ -74,7 +75,7 @@ class TPLayout:
     @property
     def shards_parameters(self) -> bool:
         """Some parameter is split over the ranks (else every rank does the same work)."""
-        return any(p.startswith("Shard") for m in self.modules.values() for p in m.params.values())
+        return any(m.shards_parameters for m in self.modules.values())
 
 
 def layout_from_solution(
@@ -269,7 +270,8 @@ def placement_from_torch(text: str, ndim: int) -> str:
         return REPLICATE
     if text == "Partial()":
         return PARTIAL
-    dim = int(text.removeprefix("Shard(").removesuffix(")"))
+    dim = shard_dim(text)
+    assert dim is not None, text
     return shard(dim % ndim) if ndim else shard(dim)
 
 
@@ -299,7 +301,7 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
             ndim = ndims.get((relative, "output"), 3)
             produced = placement_from_torch(module.output[0], ndim)
             handed = placement_from_torch(module.output[1], ndim)
-            if module.output_dtensor and handed != REPLICATE:
+            if module.loss_parallel:
                 handed, loss_parallel = VOCAB, True
             outputs[fqn] = (produced, handed)
             handoff[fqn] = module.output_dtensor
@@ -313,16 +315,9 @@ def _relative_module(graph: OpGraph, fqn: str) -> str:
     for segment in graph.segments:
         if graph.types[segment.type_id].kind == "block":
             root = segment.fqn
-            if fqn.startswith(root + ".") or _pattern_root(fqn, root):
+            if under_pattern(fqn, root):
                 return fqn.split(".", root.count(".") + 1)[-1]
     return fqn
-
-
-def _pattern_root(fqn: str, root: str) -> bool:
-    parts, names = fqn.split("."), root.split(".")
-    return len(parts) > len(names) and all(
-        p == "*" or p == n for p, n in zip(parts, names, strict=False)
-    )
 
 
 def _tensor_ndims(graph: OpGraph) -> dict[tuple[str, str], int]:
