@@ -128,6 +128,12 @@ class OpGraph:
     def segment_type(self, segment: Segment) -> SegmentType:
         return self.types[segment.type_id]
 
+    def module_root(self, segment: Segment) -> str:
+        """The FQN its operators' module paths are relative to: a block's own
+        (``layers.3``); the model's (``""``) for the runs before and after the blocks,
+        whose ``fqn`` is a label."""
+        return segment.fqn if self.types[segment.type_id].kind == "block" else ""
+
     @property
     def blocks(self) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if self.types[s.type_id].kind == "block")

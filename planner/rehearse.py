@@ -137,9 +137,8 @@ def _output_shapes(graph: OpGraph) -> dict[str, tuple[int, ...]]:
     """Each module's global output shape (its last operator's), by concrete FQN."""
     shapes: dict[str, tuple[int, ...]] = {}
     for segment in graph.segments:
-        seg_type = graph.segment_type(segment)
-        root = segment.fqn if seg_type.kind == "block" else ""
-        for node in seg_type.nodes:
+        root = graph.module_root(segment)
+        for node in graph.segment_type(segment).nodes:
             if node.module:
                 shapes[".".join(p for p in (root, node.module) if p)] = node.output_shape
     return shapes

@@ -77,6 +77,11 @@ class DType(StrEnum):
     BF16 = "bf16"
     FP8 = "fp8"  # fp8 matmuls, bf16 everything else (as torchao Float8 training)
 
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation (and parameter) element: fp8 training keeps bf16 ones."""
+        return 4 if self is DType.FP32 else 2
+
 
 class Optimizer(StrEnum):
     ADAM = "adam"
@@ -117,7 +122,8 @@ class CompressionKind(StrEnum):
 
 
 class TPStyle(StrEnum):
-    """Module-level tensor-parallel layouts the runtime can apply."""
+    """What a module's tensor-parallel layout does, in Megatron's words: the name the ILP
+    pins and ``plan explain`` shows (the runtime applies the placements, not the style)."""
 
     COLWISE = "colwise"
     ROWWISE = "rowwise"
@@ -170,7 +176,9 @@ class ModuleTP(_Doc):
     (``Shard(1)``: the sequence, ``Shard(-1)``: the last dim, ``Partial()``: partial
     sums, reduced where the next block reads them). ``output_dtensor``: handed on as a
     DTensor, so its consumers' gradients are summed before one collective (or, sharded
-    logits, the loss is vocabulary-parallel); otherwise as a local tensor.
+    logits, the loss is vocabulary-parallel); otherwise as a local tensor. A module with
+    placed parameters computes on DTensors: without ``input`` (``output``) its first
+    argument (its output) is ``Replicate()`` there.
     """
 
     style: TPStyle

@@ -124,8 +124,13 @@ def structural_hash(module: nn.Module) -> str:
 
 
 def _has_repeats(container: nn.Module) -> bool:
-    hashes = [structural_hash(child) for child in container.children()]
-    return len(hashes) >= 2 and len(set(hashes)) < len(hashes)
+    """Two children of equal hash, each made of modules (bare layers, such as a list of
+    ``nn.Linear``, are a model's layers, not its blocks)."""
+    children = list(container.children())
+    if len(children) < 2 or not any(True for _ in children[0].children()):
+        return False
+    hashes = [structural_hash(child) for child in children]
+    return len(set(hashes)) < len(hashes)
 
 
 def find_blocks(model: nn.Module) -> dict[str, nn.Module]:

@@ -254,7 +254,9 @@ def _check_tp_divides(expanded: dict[str, ModuleTP], module: nn.Module, tp: int)
 
 
 def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks: children of the largest ModuleDict/ModuleList of one class.
+    """The repeated blocks: children of the largest ModuleDict/ModuleList of one class
+    whose children are made of modules (a list of bare layers, such as ``nn.Linear``, is
+    not a list of blocks: a block's layers are what tensor parallelism lays out).
 
     Returns ``(fqn, block)`` pairs in order; empty when the model has no such container.
     """
@@ -264,6 +266,8 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         children = list(container.named_children())
         if len({type(child) for _, child in children}) != 1 or len(children) <= len(best):
+            continue
+        if not any(True for _ in children[0][1].children()):
             continue
         prefix = f"{name}." if name else ""
         best = [(prefix + key, child) for key, child in children]

@@ -14,8 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from planner.errors import SpecError, TraceError
 from planner.graph import OpKind
 from planner.models import PRESETS, ModelHandle, build, resolve_model
+from planner.models.small import MLPStack
 from planner.spec import Family, ModelSpec
 from planner.trace import trace, trace_model
+from planner.validate import find_blocks
 
 SEQ = 64
 GPT_PRESETS = [name for name, spec in PRESETS.items() if spec.family is Family.GPT]
@@ -208,7 +210,7 @@ class _Branchy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16)) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -237,6 +239,16 @@ def test_fx_failure_falls_back_to_export(caplog):
     assert "falling back to torch.export" in caplog.text
     assert graph.flops_fwd == 3 * 2 * 2 * 16 * 16
     assert [graph.segment_type(s).kind for s in graph.segments] == ["block"] * 3 + ["head"]
+
+
+def test_a_list_of_bare_layers_is_not_a_list_of_blocks():
+    """Blocks are made of modules (what tensor parallelism lays out); a ModuleList of
+    equal nn.Linear layers is the model's layers, traced as one segment."""
+    with torch.device("meta"):
+        model = MLPStack((16, 16, 16))
+    graph = trace(_user_handle(model, 16))
+    assert [graph.segment_type(s).kind for s in graph.segments] == ["other"]
+    assert find_blocks(model) == []
 
 
 def test_untraceable_model_raises_trace_error_with_advice():

@@ -176,7 +176,7 @@ def test_find_blocks_on_zoo_and_hugging_face_naming() -> None:
     assert [name for name, _ in blocks] == ["layers.0", "layers.1", "layers.2", "layers.3"]
     nested = nn.Module()
     nested.model = nn.Module()
-    nested.model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    nested.model.layers = nn.ModuleList(nn.Sequential(nn.Linear(2, 2)) for _ in range(3))
     assert [name for name, _ in find_blocks(nested)] == [
         "model.layers.0",
         "model.layers.1",

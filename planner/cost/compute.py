@@ -55,7 +55,7 @@ class ComputeModel:
     def __init__(self, profile: HardwareProfile, dtype: DType, options: CostOptions) -> None:
         self.profile = profile
         self.options = options
-        self.element_bytes = 4 if dtype is DType.FP32 else 2
+        self.element_bytes = dtype.activation_bytes
         self.fp8 = dtype is DType.FP8
         self.matmul_peak = profile.peak_flops(dtype)
         self.attention_peak = profile.peak_flops(DType.BF16 if dtype is DType.FP8 else dtype)

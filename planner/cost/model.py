@@ -251,10 +251,6 @@ class CostModel:
             self.graph, tp, sequence_parallel, regather=self.options.sp_regather_input
         )
 
-    @cached_property
-    def _element_bytes(self) -> int:
-        return 4 if self.training.dtype is DType.FP32 else 2
-
     def _type_cost(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
         cache_key = (
             seg_type.type_id,
@@ -824,7 +820,7 @@ class CostModel:
             for node in seg_type.nodes:
                 if node.kind is OpKind.ATTENTION and len(node.input_shapes) >= 3:
                     kv = sum(math.prod(shape) for shape in node.input_shapes[1:3])
-                    largest = max(largest, kv * self._element_bytes)
+                    largest = max(largest, kv * self.training.dtype.activation_bytes)
         return 2 * largest * strategy.micro_batch_size / strategy.tp
 
     # ----- result -----------------------------------------------------------------------

@@ -21,12 +21,7 @@ from __future__ import annotations
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.spec import Activation, DType, Family, ModelSpec
 
-__all__ = ["graph_from_spec", "activation_bytes"]
-
-
-def activation_bytes(dtype: DType) -> int:
-    """Bytes per activation element: fp8 training keeps bf16 activations."""
-    return 4 if dtype is DType.FP32 else 2
+__all__ = ["graph_from_spec"]
 
 
 class _Builder:
@@ -191,7 +186,7 @@ def graph_from_spec(
 ) -> OpGraph:  # fmt: skip
     """The operator graph of ``spec`` for one sequence of ``seq_len`` tokens (batch 1)."""
     seq = seq_len or spec.seq_len
-    e = activation_bytes(dtype)
+    e = dtype.activation_bytes
     types = {
         "embedding": _embedding(spec, seq, e, dropout),
         "block": _block(spec, seq, e, dropout),

@@ -33,14 +33,13 @@ one placement of it.
 Costs: each operator's compute and each strategy's collectives, from a
 :class:`LayoutPricer` (the cost model's compute and communication model, or a plain
 :class:`Roofline`), times the segments of its type. Memory per device is parameter
-bytes per rank (times ``param_memory_factor``) plus kept activations over their split.
+bytes per rank plus kept activations over their split.
 The solution maps to the plan's per-module layout (:mod:`planner.solve.program`).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -62,6 +61,7 @@ from planner.solve.placements import (
     StrategyBuilder,
     TensorInfo,
     element_bytes,
+    is_cast,
     reshard_collectives,
     shard,
     tensor_of,
@@ -87,13 +87,11 @@ __all__ = [
     "LayoutProblem",
     "build_layout_problem",
     "solve_layout",
-    "segment_root",
     "root_patterns",
 ]
 
-log = logging.getLogger(__name__)
 
-_ALIAS_TARGETS = ("to", "alias", "contiguous", "detach", "type_as", "float", "clone", "_to_copy")
+_IDENTITY_TARGETS = frozenset({"alias", "contiguous", "detach", "clone"})
 
 
 class LayoutPricer(Protocol):
@@ -184,8 +182,8 @@ class LayoutConstraints:
 @dataclass(frozen=True)
 class Conversion:
     """A boundary where the runtime may redistribute: ``module`` (relative to its segment
-    type) and ``side`` (``input``/``output``), or a block boundary (``module`` is the
-    model FQN pattern of the blocks whose input or output it is)."""
+    type) and ``side`` (``input``/``output``); ``module`` is ``""`` at a block boundary
+    (the input of the blocks of ``type_id``, or the last block's output)."""
 
     type_id: str
     module: str
@@ -227,7 +225,7 @@ class LayoutProblem:
     ops: dict[str, tuple[str, OpNode]]  # ILP node name -> (segment type id, operator)
     conversions: dict[str, Conversion] = field(default_factory=dict)
     ports: dict[str, str] = field(default_factory=dict)  # type id -> port modules, comma-joined
-    boundaries: dict[str, tuple[str | None, str | None, int]] = field(default_factory=dict)
+    boundaries: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
     def node_strategy(self, name: str, choice: str) -> OpStrategy:
         return self.strategies[name][self.problem.node(name).strategies.index(choice)]
@@ -236,25 +234,17 @@ class LayoutProblem:
 # --- segment roots and FQN patterns --------------------------------------------------
 
 
-def segment_root(graph: OpGraph, type_id: str, fqn: str) -> str:
-    """A block segment is rooted at its module (``layers.3``); the runs before and after
-    the blocks at the model, their names being labels."""
-    return fqn if graph.types[type_id].kind == "block" else ""
-
-
 def root_patterns(graph: OpGraph, type_id: str) -> list[str]:
     """The roots of a type's segments: one ``*`` pattern (``layers.*``) when it names them
     and no segment of another type, else each root."""
     roots = list(
-        dict.fromkeys(
-            segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id
-        )
+        dict.fromkeys(graph.module_root(s) for s in graph.segments if s.type_id == type_id)
     )
     parts = [root.split(".") for root in roots]
     if len(parts) == 1 or len({len(p) for p in parts}) != 1:
         return roots
     pattern = ".".join(c[0] if len(set(c)) == 1 else "*" for c in zip(*parts, strict=True))
-    others = (segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id != type_id)
+    others = (graph.module_root(s) for s in graph.segments if s.type_id != type_id)
     return roots if any(fqn_matches(pattern, other) for other in others) else [pattern]
 
 
@@ -274,9 +264,7 @@ class _TypeModules:
     """Per segment type: its roots and the module paths (relative) of its ports and weights."""
 
     def __init__(self, graph: OpGraph, type_id: str, info: ModuleInfo | None) -> None:
-        self.roots = [
-            segment_root(graph, s.type_id, s.fqn) for s in graph.segments if s.type_id == type_id
-        ]
+        self.roots = [graph.module_root(s) for s in graph.segments if s.type_id == type_id]
         nodes = graph.types[type_id].nodes
         if info is None:
             self.weights: set[str] | None = None
@@ -317,13 +305,11 @@ class _Builder:
         sequence_parallel: bool,
         info: ModuleInfo | None,
         constraints: LayoutConstraints,
-        param_memory_factor: float,
     ) -> None:
         self.graph, self.tp, self.pricer = graph, tp, pricer
         self.sp = sequence_parallel
         self.info = info
         self.constraints = constraints
-        self.param_memory_factor = param_memory_factor
         order = list(dict.fromkeys(s.type_id for s in graph.segments))
         self.type_keys = {type_id: f"t{i}" for i, type_id in enumerate(order)}
         self.counts = Counter(segment.type_id for segment in graph.segments)
@@ -344,7 +330,7 @@ class _Builder:
         self.ops: dict[str, tuple[str, OpNode]] = {}
         self.conversions: dict[str, Conversion] = {}
         self.ports: dict[str, str] = {}
-        self.boundaries: dict[str, tuple[str | None, str | None, int]] = {}
+        self.boundaries: dict[str, tuple[str | None, str | None]] = {}
         self.entries: dict[str, dict[tuple[int, ...], str]] = {}
         self._type_modules: dict[str, _TypeModules] = {}
         self.exits: dict[str, dict[str, str]] = {}  # type id -> output op -> its ILP node
@@ -409,11 +395,10 @@ class _Builder:
             return
         module, side, src = wiring.conversions[name]
         self._ensure(src, wiring, type_id, count)
-        tensor = self.tensors[src]
-        conversion = Conversion(type_id, module, side, tensor, name in wiring.keep_shape)
+        conversion = Conversion(type_id, module, side, self.tensors[src], name in wiring.keep_shape)
         self.conversions[name] = conversion
         sources = {s.output for s in self.strategies[src]}
-        self._add_conversion_node(name, conversion, sources, tensor, count)
+        self._add_conversion_node(name, conversion, sources, count)
         self._add_edge(src, name, 0)
 
     def _strategies(
@@ -446,9 +431,8 @@ class _Builder:
             strategies = [s for s in strategies if s.name == wanted] or strategies
         return strategies
 
-    def _conversion_strategies(
-        self, conversion: Conversion, sources: set[str], tensor: TensorInfo
-    ) -> list[_Strategy]:
+    def _conversion_strategies(self, conversion: Conversion, sources: set[str]) -> list[_Strategy]:
+        tensor = conversion.tensor
         shape = tensor.shape
         whole = conversion.type_id in self.whole  # activations stay whole there
         dims = [] if whole else range(1, len(shape))
@@ -498,9 +482,10 @@ class _Builder:
         return placements, handoff
 
     def _add_conversion_node(
-        self, name: str, conversion: Conversion, sources: set[str], tensor: TensorInfo, count: int
+        self, name: str, conversion: Conversion, sources: set[str], count: int
     ) -> None:
-        strategies = self._conversion_strategies(conversion, sources, tensor)
+        strategies = self._conversion_strategies(conversion, sources)
+        tensor = conversion.tensor
         if not strategies:
             pinned, _ = self._conversion_pins(conversion)
             fqn = self._modules(conversion.type_id).fqns(conversion.module)[0]
@@ -550,10 +535,7 @@ class _Builder:
     ) -> None:
         """An operator of a type that ``count`` segments share: its costs count that often."""
         size = op.param_bytes / op.param_count if op.param_count else 0.0
-        memory = [
-            s.param_elements * size * self.param_memory_factor + op.saved_bytes / s.saved_divisor
-            for s in strategies
-        ]
+        memory = [s.param_elements * size + op.saved_bytes / s.saved_divisor for s in strategies]
         compute = [self.pricer.op_seconds(op, s.compute_divisor) for s in strategies]
         comm = [self._comm_seconds(s.comms) for s in strategies]
         self.nodes.append(
@@ -689,12 +671,11 @@ class _Builder:
         side = "input" if into_block else "output"
         owner = after if into_block else before
         assert owner is not None
-        tensor = self.tensors[sink]
-        conversion = Conversion(owner, "", side, tensor)
+        conversion = Conversion(owner, "", side, self.tensors[sink])
         self.conversions[name] = conversion
-        self.boundaries[name] = (before, after, count)
+        self.boundaries[name] = (before, after)
         sources = {s.output for s in self.strategies[sink]}
-        self._add_conversion_node(name, conversion, sources, tensor, count)
+        self._add_conversion_node(name, conversion, sources, count)
         self._add_edge(sink, name, 0)
         self._add_edge(name, entry, 0)
 
@@ -876,8 +857,7 @@ def _is_alias(node: OpNode) -> bool:
         return False
     if node.input_shapes[0] != node.output_shape:
         return False
-    parts = node.target.lower().split(".")
-    return any(t in parts for t in _ALIAS_TARGETS)
+    return is_cast(node) or not _IDENTITY_TARGETS.isdisjoint(node.target.lower().split("."))
 
 
 def _outputs(segment: SegmentType) -> list[OpNode]:
@@ -924,35 +904,30 @@ def build_layout_problem(
     pricer: LayoutPricer,
     sequence_parallel: bool = False,
     memory_budget_bytes: float = math.inf,
-    param_memory_factor: float = 1.0,
     info: ModuleInfo | None = None,
     constraints: LayoutConstraints | None = None,
 ) -> LayoutProblem:
     """The sharding ILP of ``graph`` at TP degree ``tp``, one variable set per segment type.
 
     ``memory_budget_bytes`` bounds the per-device memory of the whole model (parameters
-    times ``param_memory_factor`` plus kept activations, bytes). ``info`` describes the
+    plus kept activations, bytes). ``info`` describes the
     real module (without it, weights and ports are judged by the operators).
     """
     if tp < 1:
         raise SpecError(f"tp = {tp} must be >= 1")
     if not graph.segments:
         raise SpecError(f"graph of {graph.model_name!r} has no segments to shard")
-    if param_memory_factor <= 0:
-        raise SpecError(f"param_memory_factor = {param_memory_factor} must be > 0")
     builder = _Builder(
         graph, tp, pricer, sequence_parallel=sequence_parallel, info=info,
-        constraints=constraints or LayoutConstraints(), param_memory_factor=param_memory_factor,
+        constraints=constraints or LayoutConstraints(),
     )  # fmt: skip
     return builder.build(memory_budget_bytes)
 
 
-def solve_layout(
-    problem: LayoutProblem, *, time_limit_s: float = 10.0, tmp_dir: str | None = None
-) -> ShardingSolution:
+def solve_layout(problem: LayoutProblem, *, time_limit_s: float = 10.0) -> ShardingSolution:
     """Solve a layout problem with CBC; an infeasibility names modules, not ILP nodes."""
     try:
-        return solve_sharding(problem.problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
+        return solve_sharding(problem.problem, time_limit_s=time_limit_s)
     except ShardingInfeasibleError as exc:
         raise ShardingInfeasibleError(exc.family, _readable(problem, str(exc))) from None
 

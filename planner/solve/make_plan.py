@@ -21,7 +21,6 @@ from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, Transformer
 from planner.solve.lossy import LossyCompression, tradeoff
-from planner.solve.program import TPLayout
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
 from planner.spec import (
@@ -29,7 +28,6 @@ from planner.spec import (
     Cluster,
     Plan,
     Prediction,
-    SolverStats,
     Strategy,
     Training,
 )
@@ -118,9 +116,9 @@ def search_plan(
     chunks, prediction = _refine_stages(model, best)
     strategy = best.strategy
     layout = layouts.layout(strategy.tp, strategy.sequence_parallel) if strategy.tp > 1 else None
-    stats = result.stats.model_copy(
-        update={"search_time_s": time.perf_counter() - started} | _ilp_stats(layout, result.stats)
-    )
+    stats = result.stats.model_copy(update={"search_time_s": time.perf_counter() - started})
+    if layout is not None:
+        stats = layout.solution.solver_stats(stats)
     stages = [[fqn for i in chunk for fqn in graph.segments[i].modules] for chunk in chunks]
     plan = assemble_plan(
         handle,
@@ -237,19 +235,6 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
     if refined.fits and refined.step_time_s < best.prediction.step_time_s:
         return chunks, refined
     return even, best.prediction
-
-
-def _ilp_stats(layout: TPLayout | None, base: SolverStats) -> dict[str, object]:
-    if layout is None:
-        return {}
-    solution = layout.solution
-    notes: Sequence[str] = (*base.notes, solution.note) if solution.note else base.notes
-    return {
-        "ilp_status": solution.status,
-        "ilp_objective": solution.objective_s,
-        "ilp_time_s": solution.solve_time_s,
-        "notes": tuple(notes),
-    }
 
 
 def _diverse(ranked: Sequence[Scored], count: int) -> list[Scored]:

@@ -20,7 +20,6 @@ pins, so a hand-written (or re-read) plan is checked and priced by the same rule
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from planner.solve.layout import (
     ModuleInfo,
     build_layout_problem,
     root_patterns,
-    segment_root,
     solve_layout,
 )
 from planner.solve.placements import PARTIAL, REPLICATE, VOCAB, OpStrategy, shard, torch_placement
@@ -50,8 +48,6 @@ __all__ = [
     "placement_from_torch",
     "solve_tp_layout",
 ]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,7 +98,7 @@ def _type_modules(
     ops = [(name, node) for name, (t, node) in problem.ops.items() if t == type_id]
     roots = root_patterns(problem.graph, type_id)
     first = next(s for s in problem.graph.segments if s.type_id == type_id)
-    concrete_root = segment_root(problem.graph, type_id, first.fqn)
+    concrete_root = problem.graph.module_root(first)
     out: dict[str, ModuleTP] = {}
     for module in ports:
         inside = [(n, node) for n, node in ops if node.module == module]
@@ -198,7 +194,7 @@ def _boundary_modules(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> 
     """Blocks whose input (or output) changes placement, keyed by their FQNs."""
     out: dict[str, ModuleTP] = {}
     segments = problem.graph.segments
-    for name, (before, after, _) in problem.boundaries.items():
+    for name, (before, after) in problem.boundaries.items():
         strategy = chosen[name]
         src, dst = strategy.inputs[0], strategy.output
         if src == dst and not strategy.name.endswith("*"):
@@ -235,7 +231,7 @@ def _assignment(problem: LayoutProblem, chosen: dict[str, OpStrategy]) -> TPAssi
     for name, conversion in problem.conversions.items():
         owner = conversion.type_id
         if name in problem.boundaries:
-            owner = _boundary_owner(problem, *problem.boundaries[name][:2])
+            owner = _boundary_owner(problem, *problem.boundaries[name])
         comms[owner] += chosen[name].comms
     segments = {}
     for type_id in problem.type_keys:
@@ -294,11 +290,11 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
         styles[fqn] = module.style
         relative = _relative_module(graph, fqn)
         if module.input is not None:
-            ndim = ndims.get((relative, "input"), 3)
+            ndim = _ndim(ndims, relative, "input", fqn)
             arrives, runs = module.input
             inputs[fqn] = (placement_from_torch(arrives, ndim), placement_from_torch(runs, ndim))
         if module.output is not None:
-            ndim = ndims.get((relative, "output"), 3)
+            ndim = _ndim(ndims, relative, "output", fqn)
             produced = placement_from_torch(module.output[0], ndim)
             handed = placement_from_torch(module.output[1], ndim)
             if module.loss_parallel:
@@ -311,6 +307,15 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
     )  # fmt: skip
 
 
+def _ndim(ndims: Mapping[tuple[str, str], int], relative: str, side: str, fqn: str) -> int:
+    if (relative, side) not in ndims:
+        raise SpecError(
+            f"plan.tp_layout[{fqn!r}] places its {side}, but the model's forward never runs "
+            f"{fqn!r} (nothing of it was traced): remove its {side} placements"
+        )
+    return ndims[(relative, side)]
+
+
 def _relative_module(graph: OpGraph, fqn: str) -> str:
     for segment in graph.segments:
         if graph.types[segment.type_id].kind == "block":
@@ -321,7 +326,8 @@ def _relative_module(graph: OpGraph, fqn: str) -> str:
 
 
 def _tensor_ndims(graph: OpGraph) -> dict[tuple[str, str], int]:
-    """Rank of each module's input and output, by relative module path (the first seen)."""
+    """Rank of each module's input (its first operator's) and output (its last
+    operator's), by relative module path."""
     ndims: dict[tuple[str, str], int] = {}
     for seg_type in graph.types.values():
         for node in seg_type.nodes:
@@ -343,15 +349,12 @@ def solve_tp_layout(
     info: ModuleInfo | None = None,
     constraints: LayoutConstraints | None = None,
     memory_budget_bytes: float = math.inf,
-    param_memory_factor: float = 1.0,
     time_limit_s: float = 10.0,
-    tmp_dir: str | None = None,
 ) -> TPLayout:
     """Build the layout ILP of ``graph`` at ``tp``, solve it with CBC and map the answer."""
     problem = build_layout_problem(
         graph, tp=tp, pricer=pricer, sequence_parallel=sequence_parallel, info=info,
         constraints=constraints, memory_budget_bytes=memory_budget_bytes,
-        param_memory_factor=param_memory_factor,
     )  # fmt: skip
-    solution = solve_layout(problem, time_limit_s=time_limit_s, tmp_dir=tmp_dir)
+    solution = solve_layout(problem, time_limit_s=time_limit_s)
     return layout_from_solution(problem, solution, info)
