@@ -54,7 +54,7 @@ def rehearse(
     ``graph`` is the model's trace (batch 1, the training sequence length): it gives the
     inputs' length and each module's global output shape.
     """
-    root, prefix, inputs = prepare_traced_module(handle, 1, graph.seq_len, DTYPES[graph.dtype])
+    root, inputs, prefix = prepare_traced_module(handle, 1, graph.seq_len, DTYPES[graph.dtype])
     expected = _output_shapes(graph)
     stack: list[str] = []
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -115,7 +115,7 @@ def _shard_parameters(root: nn.Module, prefix: str, layout: dict[str, ModuleTP],
 def _convert(x: torch.Tensor, src: str, dst: str, tp: int) -> torch.Tensor:
     """The local tensor after redistributing ``x`` from ``src`` to ``dst`` (shapes only)."""
     src_dim, dst_dim = shard_dim(src), shard_dim(dst)
-    if src_dim == dst_dim and src == dst:
+    if src == dst:
         return x
     if src_dim is not None:  # gather the sharded dim
         x = torch.cat([x] * tp, dim=src_dim)

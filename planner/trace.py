@@ -125,10 +125,11 @@ def _check_arguments(handle: ModelHandle, batch_size: int, seq_len: int, dtype: 
         )
 
 
-def _prepare(
+def prepare_traced_module(
     handle: ModelHandle, batch_size: int, seq_len: int, dtype: torch.dtype
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...], str]:
-    """The module to trace, its meta inputs, and the FQN prefix to strip from paths."""
+    """What :func:`trace` runs: a meta copy of the model (wrapped with its loss for token
+    models), its meta inputs, and the FQN prefix the wrapper adds."""
     model = _meta_copy(handle.module, dtype)
     inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
     hf = is_hf_model(model)
@@ -138,15 +139,6 @@ def _prepare(
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
     return _WithLoss(model, hf), (inputs[0], targets), _WRAPPED
-
-
-def prepare_traced_module(
-    handle: ModelHandle, batch_size: int, seq_len: int, dtype: torch.dtype
-) -> tuple[nn.Module, str, tuple[torch.Tensor, ...]]:
-    """What :func:`trace` runs: a meta copy of the model (wrapped with its loss for token
-    models), the FQN prefix the wrapper adds, and meta inputs."""
-    root, inputs, prefix = _prepare(handle, batch_size, seq_len, dtype)
-    return root, prefix, inputs
 
 
 def _run_front_ends(
@@ -345,7 +337,7 @@ def trace(
     """
     seq = seq_len if seq_len is not None else _default_seq_len(handle)
     _check_arguments(handle, batch_size, seq, dtype)
-    root, inputs, prefix = _prepare(handle, batch_size, seq, DTYPES[dtype])
+    root, inputs, prefix = prepare_traced_module(handle, batch_size, seq, DTYPES[dtype])
     blocks = find_blocks(root)
     traced = _run_front_ends(root, inputs, blocks, handle.name)
     block_fqns = frozenset(fqn.removeprefix(prefix) for fqn in blocks)

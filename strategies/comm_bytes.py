@@ -30,15 +30,11 @@ _FUNCTIONAL = {
 
 class CollectiveBytes(CommDebugMode):
     """``with CollectiveBytes() as counted: ...``; then ``counted.bytes`` maps
-    ``(kind, "forward" | "backward")`` to bytes and ``counted.total`` sums them."""
+    ``(kind, "forward" | "backward")`` to bytes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes: Counter[tuple[str, str]] = Counter()
-
-    @property
-    def total(self) -> float:
-        return float(sum(self.bytes.values()))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)

@@ -42,12 +42,12 @@ from planner.errors import SpecError
 from planner.fqn import expand_patterns
 from planner.spec import ModuleTP, Plan, shard_dim
 
-__all__ = ["apply", "concrete_layout", "torch_placement"]
+__all__ = ["apply"]
 
 log = logging.getLogger(__name__)
 
 
-def torch_placement(text: str) -> Placement:
+def _torch_placement(text: str) -> Placement:
     """``"Shard(1)"`` -> ``Shard(1)``, ``"Replicate()"``, ``"Partial()"``."""
     if text == "Replicate()":
         return Replicate()
@@ -58,18 +58,13 @@ def torch_placement(text: str) -> Placement:
     return Shard(dim)
 
 
-def concrete_layout(model: nn.Module, plan: Plan) -> dict[str, ModuleTP]:
-    """``plan.tp_layout`` keyed by the FQNs of ``model`` (a pipeline chunk holds some)."""
-    names = [name for name, _ in model.named_modules() if name]
-    return expand_patterns(plan.tp_layout, names)
-
-
 def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     """Lay ``model``'s modules out over the ``tp`` axis as ``plan.tp_layout`` says (in place)."""
     if plan.strategy.tp == 1 or mesh is None:
         return model
     tp_mesh = mesh["tp"]
-    layout = concrete_layout(model, plan)
+    # keyed by the FQNs of ``model`` (a pipeline chunk holds some of the plan's)
+    layout = expand_patterns(plan.tp_layout, (name for name, _ in model.named_modules() if name))
     shared: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # original (kept alive), DTensor
     for fqn, module_layout in layout.items():
         module = model.get_submodule(fqn)
@@ -104,7 +99,7 @@ def _distribute_parameters(
                 f"plan.tp_layout[{fqn!r}] places parameter {name!r}, which "
                 f"{type(module).__name__} {fqn!r} does not have"
             )
-        placement = torch_placement(text)
+        placement = _torch_placement(text)
         if id(param) in shared:
             done = shared[id(param)][1]
             assert isinstance(done, DTensor)
@@ -133,7 +128,7 @@ def _convert_boundaries(module: nn.Module, layout: ModuleTP, mesh: DeviceMesh) -
     computes_on_dtensor = bool(layout.params)
     input_pair = layout.input or (("Replicate()", "Replicate()") if computes_on_dtensor else None)
     if input_pair is not None:
-        arrives, runs = (torch_placement(p) for p in input_pair)
+        arrives, runs = (_torch_placement(p) for p in input_pair)
 
         def prepare(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             if not args or not isinstance(args[0], torch.Tensor):
@@ -149,8 +144,8 @@ def _convert_boundaries(module: nn.Module, layout: ModuleTP, mesh: DeviceMesh) -
         module.register_forward_pre_hook(prepare)
     if layout.output is None and not computes_on_dtensor:
         return
-    produced = torch_placement(layout.output[0]) if layout.output else None
-    handed = torch_placement(layout.output[1]) if layout.output else None
+    produced = _torch_placement(layout.output[0]) if layout.output else None
+    handed = _torch_placement(layout.output[1]) if layout.output else None
     keep = layout.output_dtensor
 
     def finish(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:

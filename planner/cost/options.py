@@ -40,7 +40,9 @@ class CostOptions(BaseModel):
     selective: SelectivePolicy = SelectivePolicy.ATTENTION  # what "selective" recompute means
     fused_pointwise: bool = False  # chains of memory-bound ops run as one kernel (torch.compile, Apex/Megatron fused kernels)
     grad_reduce_bytes: Literal[2, 4] = 4  # bytes per gradient element in DP reductions
-    sp_regather_input: bool = True  # SP backward all-gathers a linear's input again (Megatron)
+    # SP backward all-gathers a linear's input again (Megatron), on zoo formula graphs;
+    # traced layouts price what the DTensor runtime does (it keeps the gathered input)
+    sp_regather_input: bool = True
     dp_bucket_mib: float = Field(default=40.0, gt=0)  # size of one gradient bucket
     # PyTorch caching allocator: reserved exceeds allocated by ~5-15% in LLM training
     allocator_margin: float = Field(default=0.10, ge=0, lt=1)

@@ -285,7 +285,8 @@ class StrategyBuilder:
     forces the replicate strategy (a region the runtime cannot shard).
     ``whole_activations`` keeps every operator but those holding a weight replicated
     (before the first block, where a model's own code computes positions, masks and
-    output shapes from its embeddings' shape).
+    output shapes from its embeddings' shape; after the blocks too when a rehearsal
+    showed the model's code there needs whole tensors).
     """
 
     def __init__(

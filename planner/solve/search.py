@@ -126,9 +126,24 @@ class ModelLimits:
     layout_problem: Callable[[int, bool], str | None] | None = None
 
     def allows_tp(self, tp: int) -> bool:
-        sizes = [h for h in (self.num_heads, self.num_kv_heads, self.vocab_size) if h is not None]
-        within = self.max_tp is None or tp <= self.max_tp
-        return within and all(h % tp == 0 for h in sizes)
+        return self.tp_blocker(tp) is None
+
+    def tp_blocker(self, tp: int) -> str | None:
+        """Why the model's shapes (or its layout's reach) rule out tensor parallelism ``tp``."""
+        if self.max_tp is not None and tp > self.max_tp:
+            return (
+                f"tp({tp}) > {self.max_tp}: tensor parallelism of this model stays within "
+                "a node (its layout is solved per degree up to the GPUs per node)"
+            )
+        heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
+        if any(h % tp for h in heads):
+            return f"tp({tp}) does not divide the heads ({self.num_heads}, kv {self.num_kv_heads})"
+        if self.vocab_size is not None and self.vocab_size % tp:
+            return (
+                f"tp({tp}) does not divide the vocabulary ({self.vocab_size}): pad it to "
+                "a multiple of 128, as Megatron-LM does"
+            )
+        return None
 
     def layout_blocker(self, tp: int, sp: bool) -> str | None:
         """Why tensor parallelism ``tp`` (with ``sp``) cannot run the model, if it cannot."""
@@ -531,23 +546,9 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
     if gpus % product or (len(pinned) == 4 and product != gpus):
         factors = " * ".join(f"{name}({value})" for name, value in pinned.items())
         reasons.append(f"{factors} = {product} does not divide num_gpus({gpus})")
-    if pins.tp is not None and limits.max_tp is not None and pins.tp > limits.max_tp:
-        reasons.append(
-            f"tp({pins.tp}) > {limits.max_tp}: tensor parallelism of this model stays within "
-            "a node (its layout is solved per degree up to the GPUs per node)"
-        )
-    elif pins.tp is not None and not limits.allows_tp(pins.tp):
-        heads = [h for h in (limits.num_heads, limits.num_kv_heads) if h is not None]
-        if any(h % pins.tp for h in heads):
-            reasons.append(
-                f"tp({pins.tp}) does not divide the heads ({limits.num_heads}, kv "
-                f"{limits.num_kv_heads})"
-            )
-        if limits.vocab_size is not None and limits.vocab_size % pins.tp:
-            reasons.append(
-                f"tp({pins.tp}) does not divide the vocabulary ({limits.vocab_size}): pad it to "
-                "a multiple of 128, as Megatron-LM does"
-            )
+    shape_blocker = limits.tp_blocker(pins.tp) if pins.tp is not None else None
+    if shape_blocker is not None:
+        reasons.append(shape_blocker)
     elif pins.tp is not None and pins.tp > 1:
         options = [sp for sp in (False, True) if pins.allows("sequence_parallel", sp)]
         blockers = {sp: limits.layout_blocker(pins.tp, sp) for sp in options}
