@@ -1,4 +1,5 @@
-"""Shared test set-up: deterministic torch on one thread, small models only."""
+"""Shared test set-up: deterministic torch on one thread, small models only, and
+Hugging Face offline (tests write the configs they need; nothing is downloaded)."""
 
 import os
 
@@ -12,3 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -35,11 +35,6 @@ CONFIGS = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 def _write(tmp_path, model_type: str, **fields) -> str:
     path = tmp_path / model_type
     path.mkdir()

@@ -50,11 +50,6 @@ SLOW = Roofline(  # slow enough that sharding pays even for tiny layers
 )
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def config_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf")

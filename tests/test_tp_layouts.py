@@ -45,11 +45,6 @@ _DECODER = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 def _hf(tmp_path: Path, model_type: str, **fields: object) -> str:
     path = tmp_path / model_type
     path.mkdir(exist_ok=True)

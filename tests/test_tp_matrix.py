@@ -75,11 +75,6 @@ MESHES = [(1, 2), (1, 4), (2, 2)]  # (dp, tp)
 NO_SEQUENCE_PARALLEL = {"hf-mixtral"}
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-matrix")
