@@ -602,10 +602,13 @@ def format_validation_error(error: ValidationError, source: str) -> str:
 
 
 def load_document(cls: type[DocT], data: str | Path | dict[str, Any], source: str = "") -> DocT:
-    """Validate ``data`` (a dict, JSON text or a JSON file path) as ``cls``.
+    """Validate ``data`` (a dict, JSON text, or the path of a JSON file: a ``Path``, or
+    a string that does not start with ``{``) as ``cls``.
 
     Raises :class:`SpecError` with one line per invalid field.
     """
+    if isinstance(data, str) and not data.lstrip().startswith("{"):
+        data = Path(data)
     try:
         if isinstance(data, Path):
             source = source or str(data)

@@ -203,3 +203,12 @@ def test_atomic_writes_leave_ordinary_permissions(tmp_path: Path):
     assert path.read_text() == "{}"
     assert path.stat().st_mode & 0o777 == 0o666 & ~mask
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_a_document_loads_from_json_text_a_path_or_a_path_string(tmp_path):
+    text = _llama().model_dump_json()
+    (tmp_path / "model.json").write_text(text)
+    for data in (text, tmp_path / "model.json", str(tmp_path / "model.json")):
+        assert load_document(ModelSpec, data) == _llama()
+    with pytest.raises(SpecError, match=r"cannot read ModelSpec file .*missing\.json"):
+        load_document(ModelSpec, str(tmp_path / "missing.json"))

@@ -53,7 +53,7 @@ def _layout(plan: Plan) -> Table:
         "modules shard parameters)"
     )
     if plan.loss_parallel:
-        title += "; loss parallel: compute the loss inside loss_context(plan)"
+        title += "; loss parallel: loss and backward inside loss_context(plan)"
     table = Table(title=title, title_justify="left")
     table.add_column("module")
     table.add_column("how it runs")
