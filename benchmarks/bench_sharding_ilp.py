@@ -25,7 +25,7 @@ from planner.models import resolve_model
 from planner.solve.layout import ModuleInfo, Roofline, build_layout_problem
 from planner.solve.program import layout_from_solution
 from planner.solve.sharding import solve_sharding
-from planner.trace import trace
+from planner.tracing import trace
 
 H100 = Roofline(
     peak_flops=989e12, memory_bandwidth_GBps=3350, link_bandwidth_GBps=450, link_latency_us=3

@@ -31,7 +31,7 @@ def measure(name: str, seq_len: int) -> dict[str, float | str | int]:
     """Trace ``name`` in this process and report times (s) and peak RSS (MiB)."""
     start = time.perf_counter()
     from planner.models import resolve_model
-    from planner.trace import trace
+    from planner.tracing import trace
 
     imported = time.perf_counter()
     handle = resolve_model(name, seq_len=seq_len)

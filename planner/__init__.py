@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from planner.errors import PlannerError, SpecError
+from planner.make_plan import make_plan
 from planner.models import fingerprint, handle_for_module, list_models, resolve_model
 from planner.solve.lossy import LossyCompression
-from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
-from planner.trace import trace
+from planner.tracing import trace
 
 if TYPE_CHECKING:
     from torch import nn

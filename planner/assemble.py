@@ -16,6 +16,7 @@ from planner import __version__
 from planner.errors import SpecError
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, fingerprint, handle_for_module
+from planner.modules import find_blocks
 from planner.spec import (
     Candidate,
     Cluster,
@@ -26,8 +27,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
-from planner.trace import trace_for_training
-from planner.validate import find_blocks
+from planner.tracing import trace_for_training
 
 __all__ = ["assemble_plan", "megatron_layout", "even_stages"]
 

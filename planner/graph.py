@@ -1,4 +1,4 @@
-"""The operator graph: what :mod:`planner.trace` produces and the cost model reads.
+"""The operator graph: what :mod:`planner.tracing` produces and the cost model reads.
 
 Plain frozen dataclasses with no torch objects, so the cost model and the solvers can
 be tested without torch. A model is a sequence of *segments* in execution order

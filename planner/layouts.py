@@ -40,7 +40,7 @@ from planner.solve.layout import (
 from planner.solve.program import TPLayout, constraints_from_modules, solve_tp_layout
 from planner.solve.sharding import ShardingInfeasibleError
 from planner.spec import Activation, Family, ModelSpec, ModuleTP, Plan, TPStyle
-from planner.trace import trace_for_training
+from planner.tracing import trace_for_training
 
 __all__ = [
     "MAX_ATTEMPTS",

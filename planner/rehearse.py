@@ -27,7 +27,7 @@ from planner.fqn import expand_patterns
 from planner.graph import OpGraph
 from planner.models import ModelHandle
 from planner.spec import ModuleTP, shard_dim
-from planner.trace import DTYPES, prepare_traced_module
+from planner.tracing import DTYPES, prepare_traced_module
 
 __all__ = ["RehearsalFailure", "rehearse"]
 

@@ -30,8 +30,9 @@ from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
 from planner.errors import SpecError
 from planner.layouts import check_plan_layout
+from planner.modules import check_model_against_plan
 from planner.spec import Axis, Plan
-from planner.validate import check_model_against_plan, validate_plan_for_world
+from planner.validate import validate_plan_for_world
 from strategies import (
     checkpointing,
     compression,

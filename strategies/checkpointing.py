@@ -23,8 +23,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.modules import find_blocks
 from planner.spec import Plan, RecomputeMode
-from planner.validate import find_blocks
 
 __all__ = ["apply", "recompute_block"]
 

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from planner.errors import SpecError
+from planner.modules import find_blocks
 from planner.spec import CompressionKind, DType, Plan
-from planner.validate import find_blocks
 from strategies.int8_reduce_scatter import use_int8_reduce_scatter
 from strategies.mesh import shard_mesh
 

@@ -121,7 +121,7 @@ def test_not_fitting_names_the_dominant_term():
 
 
 def test_traced_graph_prices_like_the_formula_graph():
-    trace = pytest.importorskip("planner.trace")
+    trace = pytest.importorskip("planner.tracing")
     from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
     from planner.models import resolve_model
 

@@ -24,8 +24,8 @@ from planner.assemble import assemble_plan
 from planner.cli import main
 from planner.errors import ExportError, UnknownNameError
 from planner.export import export_plan, to_deepspeed, to_megatron, to_torchtitan
+from planner.make_plan import make_plan
 from planner.models import ModelHandle, resolve_model
-from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import (
     Cluster,

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from planner.errors import SpecError, UnknownNameError
 from planner.graph import OpKind
-from planner.trace import trace
+from planner.tracing import trace
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config

@@ -25,11 +25,12 @@ from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.hf import resolve_hf_config
 from planner.layouts import ModelLayouts
+from planner.make_plan import trace_for_training
+from planner.modules import check_model_against_plan
 from planner.solve.layout import Roofline
-from planner.solve.make_plan import trace_for_training
 from planner.spec import Cluster, Plan, Strategy, TPStyle, Training, load_document
-from planner.trace import trace
-from planner.validate import check_model_against_plan, validate_plan_for_world
+from planner.tracing import trace
+from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
 from tests.devices import write_tp_pays

@@ -19,7 +19,7 @@ from planner.solve.placements import _permutation_map, _reshape_map, reshard_col
 from planner.solve.program import TPLayout, solve_tp_layout
 from planner.solve.sharding import ShardingInfeasibleError
 from planner.spec import TPStyle
-from planner.trace import trace
+from planner.tracing import trace
 
 H100 = Roofline(
     peak_flops=989e12, memory_bandwidth_GBps=3350, link_bandwidth_GBps=450, link_latency_us=3

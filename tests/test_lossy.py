@@ -9,9 +9,10 @@ from planner.cost import CostModel, graph_from_spec
 from planner.cost.communication import link_for_axis
 from planner.errors import SpecError, UnknownNameError
 from planner.hardware import load_profile
+from planner.make_plan import make_plan
 from planner.models import ModelHandle, build, get_preset, resolve_model
+from planner.modules import check_model_against_plan
 from planner.solve.lossy import LossyCompression, crossover_bandwidth, decode, encode
-from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, search
 from planner.spec import (
     Axis,
@@ -24,7 +25,6 @@ from planner.spec import (
     Strategy,
     Training,
 )
-from planner.validate import check_model_against_plan
 
 ALL = LossyCompression.parse("bf16,int8,powersgd:4,local_sgd:8")
 SPEC = get_preset("gpt3-1.3b")

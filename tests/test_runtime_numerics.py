@@ -24,7 +24,7 @@ from planner.layouts import ModelLayouts
 from planner.models import ModelHandle, build, get_preset, handle_for_module, resolve_model
 from planner.solve.layout import Roofline
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
-from planner.trace import trace_for_training
+from planner.tracing import trace_for_training
 from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
 from tests.ranks import run_on_ranks

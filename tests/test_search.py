@@ -10,12 +10,12 @@ from planner.cli import main
 from planner.cost import CostModel, estimate_run, graph_from_spec
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.graph import OpKind
+from planner.make_plan import make_plan
 from planner.models import PRESETS, get_preset, resolve_model
 from planner.solve.lossy import LossyCompression
-from planner.solve.make_plan import make_plan
 from planner.solve.search import ModelLimits, Pins, _Space, in_search_space, search
 from planner.spec import Cluster, ModelSpec, Plan, RecomputeMode, Training, load_document
-from planner.trace import trace
+from planner.tracing import trace
 from tests.devices import write_tp_pays
 
 

@@ -18,12 +18,12 @@ from planner.errors import PlannerError, SpecError
 from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout
+from planner.make_plan import make_plan
 from planner.models import get_preset, resolve_model
 from planner.solve.layout import Roofline
-from planner.solve.make_plan import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training
-from planner.trace import trace_for_training
+from planner.tracing import trace_for_training
 from tests.devices import write_tp_pays
 
 pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ from planner.errors import SpecError, TraceError
 from planner.graph import OpKind
 from planner.models import PRESETS, ModelHandle, build, resolve_model
 from planner.models.small import MLPStack
+from planner.modules import find_blocks
 from planner.spec import Family, ModelSpec
-from planner.trace import trace, trace_model
-from planner.validate import find_blocks
+from planner.tracing import trace, trace_model
 
 SEQ = 64
 GPT_PRESETS = [name for name, spec in PRESETS.items() if spec.family is Family.GPT]
@@ -279,12 +279,12 @@ def test_user_module_function_path(tmp_path, monkeypatch):
 
 
 def test_each_distinct_block_is_traced_once(monkeypatch):
-    import planner.trace_fx
+    import planner.tracing.fx
 
     calls = []
-    original = planner.trace_fx._trace_block
+    original = planner.tracing.fx._trace_block
     monkeypatch.setattr(
-        planner.trace_fx, "_trace_block", lambda *args: calls.append(1) or original(*args)
+        planner.tracing.fx, "_trace_block", lambda *args: calls.append(1) or original(*args)
     )
     graph = trace_model("llama3.1-405b", seq_len=8192)
     assert len(calls) == 1

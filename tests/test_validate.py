@@ -12,13 +12,9 @@ from planner.errors import PlanMismatchError, SpecError
 from planner.fqn import match_fqns
 from planner.layouts import check_plan_layout
 from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
+from planner.modules import check_model_against_plan, expand_layout, find_blocks
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
-from planner.validate import (
-    check_model_against_plan,
-    expand_layout,
-    find_blocks,
-    validate_plan_for_world,
-)
+from planner.validate import validate_plan_for_world
 
 
 def _plan(

@@ -44,9 +44,9 @@ from planner.cost.tp import ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind
 from planner.hardware import HardwareProfile
+from planner.make_plan import cost_graph
 from planner.measured import MeasuredProfile
 from planner.models import ModelHandle, build
-from planner.solve.make_plan import cost_graph
 from planner.spec import Plan, Prediction
 
 __all__ = [

@@ -13,9 +13,9 @@ from planner.cli.common import add_model_args, positive_int, resolve_model_args
 from planner.cli.render import render_plan
 from planner.clusters import resolve_cluster
 from planner.io import write_text_atomic
+from planner.make_plan import search_plan
 from planner.plots import check_plot_path, plot_plan
 from planner.solve.lossy import LossyCompression
-from planner.solve.make_plan import search_plan
 from planner.solve.search import Pins
 from planner.spec import (
     Cluster,

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.cli.common import add_model_args, positive_int, resolve_model_args
-from planner.trace import DTYPES, summarize, trace
+from planner.tracing import DTYPES, summarize, trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

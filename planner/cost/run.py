@@ -23,7 +23,7 @@ from planner.cost.options import CostOptions
 from planner.cost.spec_graph import graph_from_spec
 from planner.errors import SpecError
 from planner.hardware import load_profile
-from planner.models import get_preset
+from planner.presets import get_preset
 from planner.spec import Cluster, ModelSpec, Prediction, Strategy, Training, load_document
 
 __all__ = ["RunConfig", "estimate_run", "prediction_to_dict"]

@@ -1,10 +1,10 @@
 """The profiler: a model traced on meta tensors into an :class:`~planner.graph.OpGraph`.
 
 :func:`trace` copies the model onto the meta device in the requested dtype (no
-memory, no compute), finds repeated blocks by structural hash, traces it with
+memory, no compute), finds the repeated blocks (:func:`planner.modules.find_blocks`), traces it with
 torch.fx (falling back to torch.export for models whose control flow defeats fx; the
 graph's ``tracer`` says which ran) and prices every operator with
-:mod:`planner.trace_ops`. Token models (zoo transformers, Hugging Face causal LMs)
+:mod:`planner.tracing.ops`. Token models (zoo transformers, Hugging Face causal LMs)
 are traced with their training loss: ``cross_entropy(logits.float(), targets)``, as
 torchtitan computes it.
 
@@ -32,16 +32,16 @@ from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
+from planner.modules import find_blocks
 from planner.spec import DType, Family, Training
-from planner.trace_fx import (
+from planner.tracing.fx import (
     BlockCall,
     Traced,
     error_summary,
-    find_blocks,
     trace_export,
     trace_fx,
 )
-from planner.trace_ops import OpCost, RawOp, cost_of, is_known
+from planner.tracing.ops import OpCost, RawOp, cost_of, is_known
 
 __all__ = [
     "DTYPES",
@@ -338,7 +338,7 @@ def trace(
     seq = seq_len if seq_len is not None else _default_seq_len(handle)
     _check_arguments(handle, batch_size, seq, dtype)
     root, inputs, prefix = prepare_traced_module(handle, batch_size, seq, DTYPES[dtype])
-    blocks = find_blocks(root)
+    blocks = dict(find_blocks(root))
     traced = _run_front_ends(root, inputs, blocks, handle.name)
     block_fqns = frozenset(fqn.removeprefix(prefix) for fqn in blocks)
     builder = _GraphBuilder(block_fqns, prefix)

@@ -20,6 +20,7 @@ from planner.errors import InfeasibleError
 from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, Transformer
+from planner.modules import check_model_against_plan, pipeline_splittable, shares_parameters
 from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
@@ -31,13 +32,8 @@ from planner.spec import (
     Strategy,
     Training,
 )
-from planner.trace import trace_for_training
-from planner.validate import (
-    check_model_against_plan,
-    pipeline_splittable,
-    shares_parameters,
-    validate_plan_for_world,
-)
+from planner.tracing import trace_for_training
+from planner.validate import validate_plan_for_world
 
 __all__ = [
     "PlanSearch",

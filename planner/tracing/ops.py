@@ -1,6 +1,6 @@
-"""Per-operator accounting for :mod:`planner.trace`: kind, FLOPs, bytes, saved bytes.
+"""Per-operator accounting for :mod:`planner.tracing`: kind, FLOPs, bytes, saved bytes.
 
-The tracing front ends (:mod:`planner.trace_fx`) turn every graph node into a
+The tracing front ends (:mod:`planner.tracing.fx`) turn every graph node into a
 :class:`RawOp`: a normalised op name (``linear``, ``scaled_dot_product_attention``,
 ``mul``...) with its tensor arguments as :class:`TensorRef`. This module prices one
 such op without torch.

@@ -1,4 +1,4 @@
-"""Tracing front ends for :mod:`planner.trace`: torch.fx and torch.export to :class:`RawOp`.
+"""Tracing front ends for :mod:`planner.tracing`: torch.fx and torch.export to :class:`RawOp`.
 
 Both front ends run on meta tensors and yield the model's operators in execution
 order, with repeated blocks marked as :class:`BlockCall` items:
@@ -26,13 +26,12 @@ import torch
 import torch.fx
 from torch import nn
 
-from planner.trace_ops import RawOp, TensorRef
+from planner.tracing.ops import RawOp, TensorRef
 
 __all__ = [
     "BlockCall",
     "Traced",
     "structural_hash",
-    "find_blocks",
     "trace_fx",
     "trace_export",
     "error_summary",
@@ -121,35 +120,6 @@ def structural_hash(module: nn.Module) -> str:
             if isinstance(value, (bool, int, float, str, tuple, type(None))):
                 digest.update(f"{attr}={value!r};".encode())
     return digest.hexdigest()[:16]
-
-
-def _has_repeats(container: nn.Module) -> bool:
-    """Two children of equal hash, each made of modules (bare layers, such as a list of
-    ``nn.Linear``, are a model's layers, not its blocks)."""
-    children = list(container.children())
-    if len(children) < 2 or not any(True for _ in children[0].children()):
-        return False
-    hashes = [structural_hash(child) for child in children]
-    return len(set(hashes)) < len(hashes)
-
-
-def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """Repeated blocks: children of a ModuleList/ModuleDict/Sequential with equal hashes.
-
-    Returns FQN -> module in definition order; the outermost such container wins.
-    """
-    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-    blocks: dict[str, nn.Module] = {}
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        if isinstance(module, containers) and _has_repeats(module):
-            blocks.update({f"{prefix}{name}": child for name, child in module.named_children()})
-            return
-        for name, child in module.named_children():
-            visit(f"{prefix}{name}.", child)
-
-    visit("", model)
-    return blocks
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -394,7 +364,7 @@ def trace_fx(
 ) -> Traced:
     """Trace ``root`` with torch.fx; each distinct block is traced once on its own.
 
-    Raises whatever fx or shape propagation raises; :func:`planner.trace.trace` turns
+    Raises whatever fx or shape propagation raises; :func:`planner.trace` turns
     that into a fallback or a :class:`~planner.errors.TraceError`.
     """
     gm = _symbolic_trace(root, frozenset(id(b) for b in blocks.values()))
@@ -439,7 +409,7 @@ def _block_inputs(node: torch.fx.Node) -> tuple[torch.Tensor, ...]:
 def _quiet_torch_logs() -> Iterator[None]:
     """Mute torch's own error logs (tracebacks of failed meta kernels) while exporting.
 
-    A failure still raises; :func:`planner.trace.trace` reports it in one line.
+    A failure still raises; :func:`planner.trace` reports it in one line.
     """
     loggers = [logging.getLogger(name) for name in _NOISY_TORCH_LOGGERS]
     levels = [lg.level for lg in loggers]

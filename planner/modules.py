@@ -1,0 +1,231 @@
+"""What the runtime needs to know about an ``nn.Module``: its blocks, ties, layout fit.
+
+:func:`find_blocks` is the one rule for what a block is (the tracer's segments, the
+runtime's pipeline stages, FSDP units and recompute wrappers all ask it);
+:func:`check_model_against_plan` checks a module against a plan before any collective.
+Module paths (FQNs) in layouts may use ``*`` for one path component, as in
+``layers.*.attention.wq``; :func:`expand_layout` turns such keys into concrete FQNs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from planner.errors import PlanMismatchError, SpecError
+from planner.fqn import match_fqns
+from planner.models import fingerprint
+from planner.models.transformer import Transformer
+from planner.spec import ModuleTP, Plan, shard_dim
+from planner.validate import check_replication
+
+__all__ = [
+    "find_blocks",
+    "shares_parameters",
+    "pipeline_splittable",
+    "expand_layout",
+    "check_model_against_plan",
+]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: the children of the outermost ``ModuleList``, ``ModuleDict``
+    or ``Sequential`` that holds two or more modules of one class, each made of modules
+    (a list of bare layers, such as ``nn.Linear``, is a model's layers, not its blocks:
+    a block's layers are what tensor parallelism lays out).
+
+    Returns ``(fqn, block)`` pairs in order; empty when the model has no such container.
+    """
+
+    def visit(prefix: str, node: nn.Module) -> list[tuple[str, nn.Module]]:
+        if isinstance(node, _CONTAINERS) and _holds_blocks(node):
+            return [(prefix + name, child) for name, child in node.named_children()]
+        for name, child in node.named_children():
+            found = visit(f"{prefix}{name}.", child)
+            if found:
+                return found
+        return []
+
+    return visit("", module)
+
+
+def _holds_blocks(container: nn.Module) -> bool:
+    children = list(container.children())
+    return (
+        len(children) >= 2
+        and len({type(child) for child in children}) == 1
+        and any(True for _ in children[0].children())
+    )
+
+
+def shares_parameters(module: nn.Module) -> bool:
+    """Whether two of ``module``'s submodules hold the same parameter (tied weights)."""
+    every = [param for _, param in module.named_parameters(remove_duplicate=False)]
+    return len({id(param) for param in every}) < len(every)
+
+
+def pipeline_splittable(module: nn.Module) -> bool:
+    """Whether the runtime can split ``module`` into pipeline stages: its blocks sit in an
+    ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it shares no parameters."""
+    blocks = find_blocks(module)
+    if not blocks:
+        return False
+    container = module.get_submodule(blocks[0][0].rpartition(".")[0])
+    return isinstance(container, nn.ModuleDict) and not shares_parameters(module)
+
+
+def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleTP]:
+    """Raise if ``module`` is not the model ``plan`` was made for, or cannot take its layout.
+
+    Checks the fingerprint, the layout keys (and that tp divides every sharded
+    dimension), the heads of zoo models, and the stage FQN lists. Returns the layout
+    expanded to concrete module FQNs.
+    """
+    found = fingerprint(module)
+    if found != plan.model_fingerprint:
+        raise PlanMismatchError(
+            f"plan.model_fingerprint = {plan.model_fingerprint!r} (model {plan.model_name!r}) "
+            f"but the model given has fingerprint {found!r}: this plan was made for another "
+            "model; make a plan for this model"
+        )
+    tp = plan.strategy.tp
+    if plan.model is not None and tp > 1:
+        _check_heads(plan, tp)
+    expanded = expand_layout(module, plan.tp_layout) if tp > 1 else {}
+    _check_tp_divides(expanded, module, tp)
+    if plan.strategy.pp > 1:
+        _check_stages(plan, module)
+    if plan.strategy.cp > 1:
+        _check_context_parallel_model(plan, module)
+    _check_tied(plan, module, expanded)
+    check_replication(plan, tied=shares_parameters(module))
+    return expanded
+
+
+def expand_layout(module: nn.Module, layout: Mapping[str, ModuleTP]) -> dict[str, ModuleTP]:
+    """Concrete ``{fqn: layout}`` for ``module``; raise naming any key that matches nothing
+    or places a parameter the module does not have."""
+    modules = dict(module.named_modules())
+    expanded: dict[str, ModuleTP] = {}
+    for pattern, entry in layout.items():
+        matches = match_fqns(pattern, modules)
+        if not matches:
+            raise SpecError(
+                f"plan.tp_layout[{pattern!r}] ({entry.style.value}) names no module of "
+                f"{type(module).__name__}; known modules include {_sample(modules)}. Fix the key"
+            )
+        for fqn in matches:
+            own = dict(modules[fqn].named_parameters(recurse=False))
+            missing = [name for name in entry.params if name not in own]
+            if missing:
+                raise SpecError(
+                    f"plan.tp_layout[{pattern!r}] places {', '.join(map(repr, missing))}, but "
+                    f"{fqn!r} ({type(modules[fqn]).__name__}) holds {sorted(own) or 'no parameters'}"
+                )
+            expanded[fqn] = entry
+    return expanded
+
+
+def _sample(modules: dict[str, nn.Module], limit: int = 8) -> str:
+    names = [name for name in modules if name]
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _check_tp_divides(expanded: dict[str, ModuleTP], module: nn.Module, tp: int) -> None:
+    """Every sharded parameter dim has a size tp divides."""
+    for fqn, entry in expanded.items():
+        own = dict(module.get_submodule(fqn).named_parameters(recurse=False))
+        for name, placement in entry.params.items():
+            dim = shard_dim(placement)
+            if dim is None:
+                continue
+            size = own[name].shape[dim]
+            if size % tp:
+                raise SpecError(
+                    f"plan.tp_layout[{fqn!r}] shards {name} on dim {dim} of size {size}, not "
+                    f"divisible by tp({tp}); choose a tp that divides it or replicate this module"
+                )
+
+
+def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:
+    if not any(isinstance(m, Transformer) for m in module.modules()):
+        raise SpecError(
+            f"strategy.cp = {plan.strategy.cp} but {type(module).__name__} is not a zoo "
+            "Transformer: context parallel needs attention that gathers keys and values over "
+            "the cp group (planner.models.transformer); use cp = 1 for this model"
+        )
+
+
+def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, ModuleTP]) -> None:
+    """Modules sharing a parameter must place it alike under TP and sit in one pipeline chunk."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        owners.setdefault(id(param), []).append((owner, attr))
+    for group in (names for names in owners.values() if len(names) > 1):
+        tied = [owner for owner, _ in group]
+        placements = {
+            owner: expanded[owner].params.get(attr, "plain") if owner in expanded else "plain"
+            for owner, attr in group
+        }
+        if len(set(placements.values())) > 1:
+            given = ", ".join(f"{m!r} {p}" for m, p in placements.items())
+            raise SpecError(
+                f"{' and '.join(tied)} share a parameter (tied weights), but plan.tp_layout "
+                f"places it differently ({given}): place it alike (an embedding sharded on "
+                "the vocabulary, Shard(0), with a column-parallel head), or replicate both"
+            )
+        chunks = {_chunk_of(plan, m) for m in tied} if plan.strategy.pp > 1 else set()
+        if len(chunks) > 1:
+            raise SpecError(
+                f"{' and '.join(tied)} share a parameter (tied weights) but sit in pipeline "
+                f"chunks {sorted(chunks)}: the runtime does not all-reduce tied gradients "
+                "across pipeline stages; put them in one chunk or untie them "
+                "(tied_embeddings = false)"
+            )
+
+
+def _chunk_of(plan: Plan, fqn: str) -> int:
+    for index, chunk in enumerate(plan.stages):
+        if any(fqn == kept or fqn.startswith(kept + ".") for kept in chunk):
+            return index
+    return -1
+
+
+def _check_heads(plan: Plan, tp: int) -> None:
+    assert plan.model is not None
+    for field, heads in (("num_heads", plan.model.num_heads), ("kv_heads", plan.model.kv_heads)):
+        if heads % tp:
+            raise SpecError(
+                f"model {field} = {heads} is not divisible by tp({tp}): each tensor-parallel "
+                f"rank needs whole heads; choose tp dividing {heads}"
+            )
+
+
+def _check_stages(plan: Plan, module: nn.Module) -> None:
+    strategy = plan.strategy
+    blocks = find_blocks(module)
+    if len(blocks) < strategy.num_stages:
+        raise SpecError(
+            f"model has {len(blocks)} blocks but pp({strategy.pp}) * virtual_stages"
+            f"({strategy.virtual_stages}) = {strategy.num_stages} pipeline chunks need at least "
+            "one block each; lower pp or virtual_stages"
+        )
+    known = {name for name, _ in module.named_modules() if name}
+    for index, chunk in enumerate(plan.stages):
+        if not chunk:
+            raise SpecError(f"plan.stages[{index}] is empty: every chunk needs a module")
+        missing = [fqn for fqn in chunk if fqn not in known]
+        if missing:
+            raise SpecError(
+                f"plan.stages[{index}] names {', '.join(map(repr, missing))}, not modules of "
+                f"{type(module).__name__}; fix the FQNs (e.g. 'layers.0')"
+            )
+    placed = [fqn for chunk in plan.stages for fqn in chunk]
+    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
+    if twice:
+        raise SpecError(f"plan.stages places {', '.join(twice)} in more than one chunk")
