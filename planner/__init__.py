@@ -7,25 +7,47 @@ runtime lives in the ``strategies`` package and is imported only when a plan is 
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from planner.errors import PlannerError, SpecError
-from planner.make_plan import make_plan
-from planner.models import fingerprint, handle_for_module, list_models, resolve_model
-from planner.solve.lossy import LossyCompression
-from planner.solve.search import Pins
-from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
-from planner.tracing import trace
+# Public names and the module that defines each, loaded on first use (PEP 562), so
+# `import planner` and the CLI's light subcommands start without torch.
+_LAZY = {
+    "PlannerError": "planner.errors",
+    "SpecError": "planner.errors",
+    "ModelSpec": "planner.spec",
+    "Cluster": "planner.spec",
+    "Training": "planner.spec",
+    "Strategy": "planner.spec",
+    "Plan": "planner.spec",
+    "load_document": "planner.spec",
+    "resolve_model": "planner.models",
+    "list_models": "planner.models",
+    "fingerprint": "planner.models",
+    "make_plan": "planner.make_plan",
+    "Pins": "planner.solve.search",
+    "LossyCompression": "planner.solve.lossy",
+    "trace": "planner.tracing",
+}
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from planner.errors import PlannerError, SpecError
+    from planner.make_plan import make_plan
+    from planner.models import fingerprint, list_models, resolve_model
+    from planner.solve.lossy import LossyCompression
+    from planner.solve.search import Pins
+    from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
+    from planner.tracing import trace
+
 __all__ = [
     "__version__",
     "PlannerError",
+    "SpecError",
     "ModelSpec",
     "Cluster",
     "Training",
@@ -41,6 +63,18 @@ __all__ = [
     "load_document",
     "parallelize",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def parallelize(
@@ -66,6 +100,10 @@ def parallelize(
     :class:`PlannerError` before any collective when the plan does not fit the model
     or the world size.
     """
+    from planner.errors import SpecError
+    from planner.make_plan import make_plan
+    from planner.models import handle_for_module
+    from planner.spec import Plan, load_document
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 
     if plan is None:

@@ -1,26 +1,172 @@
-"""Facts about a mesh that several layers need, each stated once.
+"""Every fact about a strategy's mesh that more than one layer needs, each stated once.
 
-The search's candidate filter, the compression options it offers and validation ask
-these functions rather than restating them.
+As torchtitan's ``ParallelDims``: which ranks shard model states, which reduce
+gradients, what must divide the sequence and the batch, and which gradient
+compression the mesh can run. The search's candidate filter, the cost model,
+validation, the exporters and the runtime ask :class:`ParallelDims`; none restates a
+rule. Torch-free.
+
+Mesh order (outermost to innermost): ``pp, dp_replicate, dp_shard, cp, tp``
+(:meth:`planner.spec.Strategy.mesh_axes`): tensor parallelism is innermost, so its
+ranks are adjacent GPUs; the data axes are ``tp * cp`` GPUs apart.
 """
 
 from __future__ import annotations
 
-__all__ = ["ddp_blocker"]
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.spec import CompressionKind
+
+if TYPE_CHECKING:
+    from planner.spec import Strategy
+
+__all__ = ["ParallelDims"]
 
 
-def ddp_blocker(*, dp: int, cp: int, tp: int, pp: int, tied: bool) -> str | None:
-    """Why plain data parallelism (ZeRO-0, DDP) cannot replicate over ``dp x cp`` here,
-    or ``None`` when it can. DDP's reducer cannot run the several backwards a pipeline
-    schedule runs per step (torch 2.13), and DDP over tensor-parallel shards loses tied
-    weights; ZeRO >= 1 (FSDP2) replicates the same gradients in both cases."""
-    if dp * cp == 1:
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of one mesh: ``dp = dp_replicate * dp_shard``; ``zero`` the ZeRO
+    stage (0: DDP replicas); ``sp`` sequence parallelism over the ``tp`` ranks."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    dp_shard: int = 1
+    sp: bool = False
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> ParallelDims:
+        return cls(
+            dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp,
+            zero=strategy.zero, dp_shard=strategy.shard_degree, sp=strategy.sequence_parallel,
+        )  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, whose gradients are averaged: ``dp x cp``
+        (context-parallel ranks hold the same weights and see other tokens)."""
+        return self.dp * self.cp
+
+    @property
+    def zero_shard_ranks(self) -> int:
+        """Ranks that ZeRO (FSDP2) shards model states over: ``dp_shard x cp`` under
+        ZeRO >= 1, else 1."""
+        return self.dp_shard * self.cp if self.zero >= 1 else 1
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether FSDP2 runs (ZeRO >= 1 over more than one rank)."""
+        return self.zero_shard_ranks > 1
+
+    def sequence_blocker(self, seq_len: int) -> str | None:
+        """Why ``seq_len`` tokens cannot be split on this mesh, or ``None``.
+
+        Context parallelism cuts every sequence into ``2 cp`` equal chunks (the
+        load-balanced layout of causal attention that Megatron-LM and torchtitan use;
+        this runtime's contiguous shards need ``cp`` of them); sequence parallelism then
+        splits each rank's ``seq / cp`` tokens over the ``tp`` ranks.
+        """
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            return (
+                f"seq_len {seq_len} is not divisible by 2 * cp({self.cp}) = {2 * self.cp}: "
+                "context parallelism splits each sequence into 2 cp equal chunks; choose "
+                f"seq_len divisible by {2 * self.cp}"
+            )
+        local = seq_len // self.cp
+        if self.sp and local % self.tp:
+            return (
+                f"seq_len {seq_len} / cp({self.cp}) = {local} tokens per rank is not divisible "
+                f"by tp({self.tp}): sequence parallelism splits them over the tensor-parallel "
+                "ranks; choose seq_len divisible by cp * tp or turn sequence parallelism off"
+            )
         return None
-    if pp > 1:
-        return f"pp({pp}) > 1: DDP cannot run under a pipeline schedule"
-    if tp > 1 and tied:
+
+    def batch_blocker(
+        self, global_batch: int, micro_batch: int, num_microbatches: int
+    ) -> str | None:
+        """Why the batch arithmetic does not hold (``dp * micro * count == global``)."""
+        per_step = self.dp * micro_batch * num_microbatches
+        if per_step == global_batch:
+            return None
         return (
-            f"tp({tp}) > 1 with tied weights: DDP cannot run over tensor-parallel shards "
-            "(it loses the tie)"
+            f"training.global_batch_size = {global_batch} != dp({self.dp}) * "
+            f"micro_batch_size({micro_batch}) * num_microbatches({num_microbatches}) = "
+            f"{per_step}: make them agree"
         )
-    return None
+
+    def ddp_blocker(self, *, tied: bool) -> str | None:
+        """Why plain data parallelism (ZeRO-0, DDP) cannot replicate over ``dp x cp``,
+        or ``None`` when it can. DDP's reducer cannot run the several backwards a
+        pipeline schedule runs per step (torch 2.13), and DDP over tensor-parallel shards
+        loses tied weights (``tied``: the model shares parameters); ZeRO >= 1 (FSDP2)
+        replicates the same gradients in both cases."""
+        if self.replicas == 1:
+            return None
+        if self.pp > 1:
+            return f"pp({self.pp}) > 1: DDP cannot run under a pipeline schedule"
+        if self.tp > 1 and tied:
+            return (
+                f"tp({self.tp}) > 1 with tied weights: DDP cannot run over tensor-parallel "
+                "shards (it loses the tie)"
+            )
+        return None
+
+    def compression_blocker(self, kind: CompressionKind, *, tied: bool = False) -> str | None:
+        """Why gradient compression ``kind`` cannot run on this mesh, or ``None``.
+
+        fp16/bf16 run as FSDP2's reduce dtype (ZeRO >= 1) or as a DDP hook; int8 replaces
+        FSDP2's reduce-scatter; PowerSGD and local SGD are DDP hooks. DDP hooks need
+        ZeRO 0, no context parallelism (the hook reduces over dp alone) and a mesh DDP
+        runs on (:meth:`ddp_blocker`).
+        """
+        if kind is CompressionKind.NONE:
+            return None
+        if self.replicas == 1:
+            return (
+                f"compression {kind.value!r} needs dp({self.dp}) * cp({self.cp}) > 1: there "
+                "is no gradient reduction to compress"
+            )
+        if kind is CompressionKind.INT8:
+            if self.zero_shard_ranks > 1:
+                return None
+            return (
+                f"compression 'int8' with zero = {self.zero} and no sharded data-parallel "
+                "axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, or "
+                "compression 'fp16'/'bf16' with DDP"
+            )
+        if kind in (CompressionKind.FP16, CompressionKind.BF16) and self.zero >= 1:
+            return None
+        return self._ddp_hook_blocker(kind, tied=tied)
+
+    def _ddp_hook_blocker(self, kind: CompressionKind, *, tied: bool) -> str | None:
+        if self.zero >= 1:
+            return (
+                f"compression {kind.value!r} with zero = {self.zero}: it is a DDP "
+                "communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
+            )
+        if self.cp > 1:
+            return (
+                f"compression {kind.value!r} with cp({self.cp}) > 1: DDP hooks reduce over "
+                "the data-parallel ranks alone; use cp = 1"
+            )
+        blocker = self.ddp_blocker(tied=tied)
+        return None if blocker is None else f"compression {kind.value!r}: {blocker}"
+
+    def local_sgd_blocker(self, local_group: int | None) -> str | None:
+        """Why ``local_group`` cannot be local SGD's group: more than one group of
+        consecutive dp ranks, all of one size."""
+        if local_group is not None and local_group < self.dp and self.dp % local_group == 0:
+            return None
+        example = max((d for d in range(1, self.dp) if self.dp % d == 0), default=1)
+        return (
+            f"strategy.compression.local_group = {local_group} with dp({self.dp}): local SGD "
+            "needs a local_group smaller than dp that divides it (dp ranks split into groups "
+            f"of consecutive ranks that reduce every step); e.g. local_group = {example}"
+        )

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from planner.cost.compression import should_compress
+from planner.cost.compression import max_useful_rank, should_compress
 from planner.errors import PlanMismatchError, SpecError
-from planner.parallel_dims import ddp_blocker
+from planner.parallel_dims import ParallelDims
 from planner.spec import (
     Activation,
     CompressionKind,
@@ -36,7 +36,7 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
             f"for {world_size} GPUs"
         )
     _check_batch(plan)
-    _check_context_parallel(plan)
+    _check_sequence(plan)
     check_replication(plan, tied=False)
     _check_compression(plan)
     _check_recompute(plan)
@@ -44,74 +44,32 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
 
 
 def _check_batch(plan: Plan) -> None:
-    strategy, training = plan.strategy, plan.training
-    per_step = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
-    if training.global_batch_size != per_step:
-        raise SpecError(
-            f"training.global_batch_size = {training.global_batch_size} != dp({strategy.dp}) * "
-            f"micro_batch_size({strategy.micro_batch_size}) * "
-            f"num_microbatches({strategy.num_microbatches}) = {per_step}: make them agree"
-        )
+    strategy = plan.strategy
+    blocker = ParallelDims.of(strategy).batch_blocker(
+        plan.training.global_batch_size, strategy.micro_batch_size, strategy.num_microbatches
+    )
+    if blocker is not None:
+        raise SpecError(blocker)
 
 
-def _check_context_parallel(plan: Plan) -> None:
-    cp = plan.strategy.cp
+def _check_sequence(plan: Plan) -> None:
     seq_len = plan.training.seq_len or (plan.model.seq_len if plan.model is not None else None)
-    if cp > 1 and seq_len is not None and seq_len % cp:
-        raise SpecError(
-            f"training.seq_len = {seq_len} is not divisible by cp({cp}): every context-parallel "
-            "rank holds an equal contiguous shard of the sequence; choose seq_len divisible by cp"
-        )
+    blocker = None if seq_len is None else ParallelDims.of(plan.strategy).sequence_blocker(seq_len)
+    if blocker is not None:
+        raise SpecError(f"training.{blocker}")
 
 
 def _check_compression(plan: Plan) -> None:
     strategy = plan.strategy
-    kind = strategy.compression.kind
-    if kind is CompressionKind.NONE:
-        return
-    if strategy.dp * strategy.cp == 1:
-        raise SpecError(
-            f"strategy.compression.kind = {kind.value!r} needs dp({strategy.dp}) * "
-            f"cp({strategy.cp}) > 1 (there is no gradient reduction to compress); set "
-            "compression kind 'none'"
-        )
-    if kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD) and strategy.zero >= 1:
-        raise SpecError(
-            f"strategy.compression.kind = {kind.value!r} with zero = {strategy.zero}: it is a "
-            "DDP communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
-        )
-    if kind is CompressionKind.INT8 and strategy.shard_degree * strategy.cp == 1:
-        raise SpecError(
-            f"strategy.compression.kind = 'int8' with zero = {strategy.zero} and no sharded "
-            "data-parallel axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, "
-            "or compression 'fp16'/'bf16' with DDP"
-        )
-    if kind is CompressionKind.LOCAL_SGD:
-        _check_local_sgd(plan)
-    if kind is CompressionKind.POWERSGD and plan.model is not None:
-        check_powersgd_rank(plan.strategy.compression.rank or 1, _spec_matrices(plan.model))
-
-
-def _check_local_sgd(plan: Plan) -> None:
-    """Local groups of consecutive dp ranks: more than one group, all of one size."""
-    strategy = plan.strategy
-    group = strategy.compression.local_group
-    if strategy.cp > 1:
-        raise SpecError(
-            f"strategy.compression.kind = 'local_sgd' with cp({strategy.cp}) > 1: context-"
-            "parallel ranks must stay identical, but local SGD lets groups drift; use cp = 1"
-        )
-    if group is None or group >= strategy.dp or strategy.dp % group:
-        raise SpecError(
-            f"strategy.compression.local_group = {group} with dp({strategy.dp}): local SGD "
-            "needs a local_group smaller than dp that divides it (dp ranks split into groups "
-            "of consecutive ranks that reduce every step); e.g. local_group = "
-            f"{_largest_proper_divisor(strategy.dp)}"
-        )
-
-
-def _largest_proper_divisor(n: int) -> int:
-    return max((d for d in range(1, n) if n % d == 0), default=1)
+    compression = strategy.compression
+    dims = ParallelDims.of(strategy)
+    blocker = dims.compression_blocker(compression.kind)
+    if blocker is None and compression.kind is CompressionKind.LOCAL_SGD:
+        blocker = dims.local_sgd_blocker(compression.local_group)
+    if blocker is not None:
+        raise SpecError(f"strategy.{blocker}")
+    if compression.kind is CompressionKind.POWERSGD and plan.model is not None:
+        check_powersgd_rank(compression.rank or 1, _spec_matrices(plan.model))
 
 
 def _spec_matrices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -139,20 +97,15 @@ def check_powersgd_rank(rank: int, matrices: Mapping[str, tuple[int, int]]) -> N
     """
     if any(should_compress(m, n, rank) for m, n in matrices.values()):
         return
-    best = max(matrices, key=lambda name: _max_useful_rank(*matrices[name]), default=None)
+    best = max(matrices, key=lambda name: max_useful_rank(*matrices[name]), default=None)
     largest = f"{best} {matrices[best][0]} x {matrices[best][1]}" if best else "none"
-    limit = _max_useful_rank(*matrices[best]) if best else 0
+    limit = max_useful_rank(*matrices[best]) if best else 0
     raise SpecError(
         f"strategy.compression.rank = {rank} compresses no gradient: PowerSGD sends a matrix "
         f"uncompressed unless rank * (rows + columns) * 2 < rows * columns, and the model's "
         f"most compressible matrix ({largest}) allows rank <= {limit}; "
         + (f"choose rank <= {limit}" if limit else "use compression 'fp16' or 'bf16'")
     )
-
-
-def _max_useful_rank(m: int, n: int) -> int:
-    """The largest rank at which torch's PowerSGD still compresses an ``m x n`` matrix."""
-    return max(0, (m * n - 1) // (2 * (m + n)))
 
 
 def _check_recompute(plan: Plan) -> None:
@@ -194,7 +147,7 @@ def check_replication(plan: Plan, tied: bool) -> None:
     s = plan.strategy
     if s.zero >= 1:
         return
-    blocker = ddp_blocker(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, tied=tied)
+    blocker = ParallelDims.of(s).ddp_blocker(tied=tied)
     if blocker is not None:
         raise SpecError(
             f"strategy.zero = 0 with dp({s.dp}) x cp({s.cp}) replicas: {blocker}; use zero >= 1 "

@@ -8,7 +8,7 @@ With ``tp > 1`` DDP runs over the tensor-parallel shards: torch's
 torch composes TP with DDP), so DDP communication hooks (compression) apply too. It
 loses tied weights, and DDP's reducer fails when a pipeline schedule runs several
 backwards per step (torch 2.13, gloo): plans there use ZeRO >= 1 (the search offers no
-ZeRO-0 and validation refuses it, :func:`planner.parallel_dims.ddp_blocker`).
+ZeRO-0 and validation refuses it, :meth:`planner.parallel_dims.ParallelDims.ddp_blocker`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from planner.layouts import FIXED_STYLE_PRICER, plan_layout
 from planner.make_plan import make_plan
 from planner.models import ModelHandle, resolve_model
 from planner.modules import shares_parameters
-from planner.parallel_dims import ddp_blocker
+from planner.parallel_dims import ParallelDims
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.tracing import trace_for_training
@@ -113,7 +113,7 @@ def _plan(model: str, root: Path, dp: int, tp: int, sp: bool) -> Plan:
     """ZeRO-0 where DDP runs; with tied weights over TP shards, ZeRO-2 replicates."""
     cluster = Cluster(gpu=str(root / "tp-pays.json"), num_gpus=dp * tp, gpus_per_node=8)
     handle = build(model, root)
-    tied = ddp_blocker(dp=dp, cp=1, tp=tp, pp=1, tied=shares_parameters(handle.module))
+    tied = ParallelDims(dp=dp, tp=tp).ddp_blocker(tied=shares_parameters(handle.module))
     pins = Pins(
         dp=dp, tp=tp, pp=1, cp=1, zero=0 if tied is None else 2, sequence_parallel=sp,
         recompute="none", micro_batch_size=BATCH // dp,

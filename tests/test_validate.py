@@ -57,7 +57,7 @@ def test_context_parallel_on_the_zoo_transformer_is_accepted() -> None:
 def test_context_parallel_needs_seq_len_divisible_by_cp() -> None:
     plan = _plan(batch=1, cp=4)
     odd = plan.model_copy(update={"training": plan.training.model_copy(update={"seq_len": 30})})
-    with pytest.raises(SpecError, match=r"seq_len = 30 is not divisible by cp\(4\)"):
+    with pytest.raises(SpecError, match=r"seq_len 30 is not divisible by 2 \* cp\(4\)"):
         validate_plan_for_world(odd, 4)
 
 

@@ -42,6 +42,7 @@ from planner.cost.tp import TPAssignment
 from planner.graph import OpGraph, OpKind, OpNode
 
 __all__ = [
+    "max_useful_rank",
     "GradientShapes",
     "INT8_WIRE_BYTES",
     "all_gather_break_even_ranks",
@@ -143,6 +144,11 @@ def gradient_shapes(graph: OpGraph, layout: TPAssignment) -> GradientShapes:
 def should_compress(m: int, n: int, rank: int) -> bool:
     """torch's rule: compress ``m x n`` only if ``P`` and ``Q`` are less than half of it."""
     return (m + n) * rank * _MIN_COMPRESSION_RATE < m * n
+
+
+def max_useful_rank(m: int, n: int) -> int:
+    """The largest rank at which torch's PowerSGD still compresses an ``m x n`` matrix."""
+    return max(0, (m * n - 1) // (_MIN_COMPRESSION_RATE * (m + n)))
 
 
 def powersgd_work(shapes: GradientShapes, rank: int) -> PowerSGDWork:

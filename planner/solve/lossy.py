@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from planner.cost import CostModel
 from planner.errors import SpecError
-from planner.parallel_dims import ddp_blocker
+from planner.parallel_dims import ParallelDims
 from planner.spec import Cluster, Compression, CompressionKind, DType, Strategy
 
 __all__ = [
@@ -151,21 +151,22 @@ class LossyCompression:
         """The options (``none`` first) the runtime can run on this mesh and ZeRO stage;
         ``ddp_over_tp`` is false for models whose tied weights keep DDP off TP shards."""
         yield _NONE
-        if dp * cp == 1:
-            return
-        ddp = ddp_blocker(dp=dp, cp=cp, tp=tp, pp=pp, tied=not ddp_over_tp) is None
-        ddp_hook = zero == 0 and cp == 1 and ddp
-        if self.half and (ddp_hook or zero >= 1):
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp if zero else 1)
+
+        def runs(kind: CompressionKind) -> bool:
+            return dims.compression_blocker(kind, tied=not ddp_over_tp) is None
+
+        if self.half and runs(_half_kind(dtype)):
             yield (_half_kind(dtype).value, 0, 0, 0)
-        if self.int8 and zero >= 1:
+        if self.int8 and runs(CompressionKind.INT8):
             yield (CompressionKind.INT8.value, 0, 0, 0)
-        if not ddp_hook:
-            return
-        for rank in self.powersgd_ranks:
-            yield (CompressionKind.POWERSGD.value, rank, 0, 0)
-        for local in _local_groups(cluster, dp, tp):
-            for period in self.local_sgd_periods:
-                yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
+        if self.powersgd_ranks and runs(CompressionKind.POWERSGD):
+            for rank in self.powersgd_ranks:
+                yield (CompressionKind.POWERSGD.value, rank, 0, 0)
+        if self.local_sgd_periods and runs(CompressionKind.LOCAL_SGD):
+            for local in _local_groups(cluster, dp, tp):
+                for period in self.local_sgd_periods:
+                    yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
 
 
 def option_name(compression: Compression) -> str:

@@ -44,7 +44,7 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
-from planner.parallel_dims import ddp_blocker
+from planner.parallel_dims import ParallelDims
 from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode, option_name
 from planner.spec import (
     Compression,
@@ -293,7 +293,8 @@ class _Space:
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
-        ddp = ddp_blocker(dp=dp, cp=cp, tp=tp, pp=pp, tied=not self.limits.ddp_over_tp) is None
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+        ddp = dims.ddp_blocker(tied=not self.limits.ddp_over_tp) is None
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
                 continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
@@ -562,10 +563,11 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
     if pins.zero == 0:
-        blocker = ddp_blocker(
+        dims = ParallelDims(
             dp=pins.dp or max(1, gpus // product), cp=pins.cp or 1, tp=pins.tp or 1,
-            pp=pins.pp or 1, tied=not limits.ddp_over_tp,
+            pp=pins.pp or 1,
         )  # fmt: skip
+        blocker = dims.ddp_blocker(tied=not limits.ddp_over_tp)
         if blocker is not None:
             reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
     detail = "; ".join(reasons) or (
