@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from planner.dtypes import FP32_BYTES, HALF_BYTES
 from planner.errors import SpecError
 
 __all__ = [
@@ -80,7 +81,7 @@ class DType(StrEnum):
     @property
     def activation_bytes(self) -> int:
         """Bytes per activation (and parameter) element: fp8 training keeps bf16 ones."""
-        return 4 if self is DType.FP32 else 2
+        return FP32_BYTES if self is DType.FP32 else HALF_BYTES
 
 
 class Optimizer(StrEnum):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from planner.cost.communication import Collective
 from planner.cost.tp import Comm, loss_parallel_comms, replicated_grad_comm
+from planner.dtypes import ELEMENT_BYTES
 from planner.errors import SpecError
 from planner.graph import OpKind, OpNode
 from planner.spec import TPStyle
@@ -68,12 +69,6 @@ log = logging.getLogger(__name__)
 
 REPLICATE, PARTIAL, VOCAB = "R", "P", "V"
 
-# Bytes per element by dtype name (the trace's ``OpNode.dtype``).
-_ELEMENT_BYTES = {
-    "fp64": 8, "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1,
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
-}  # fmt: skip
 _INTEGER_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8", "bool"})
 _PERMUTING_TARGETS = ("transpose", "permute", "movedim", ".t", "swapaxes")
 # Ops whose result at one position depends on other positions along a dim: sharding any
@@ -137,11 +132,11 @@ def torch_placement(placement: str, ndim: int) -> str:
 
 
 def element_bytes(node: OpNode) -> int:
-    size = _ELEMENT_BYTES.get(node.dtype.removeprefix("torch."))
+    size = ELEMENT_BYTES.get(node.dtype.removeprefix("torch."))
     if size is None:
         raise SpecError(
             f"node {node.name!r} has dtype {node.dtype!r} of unknown size: "
-            f"use one of {sorted(_ELEMENT_BYTES)}"
+            f"use one of {sorted(ELEMENT_BYTES)}"
         )
     return size
 
