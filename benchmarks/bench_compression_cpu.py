@@ -67,7 +67,7 @@ from planner.cost.compression import gradient_shapes, half_wire_bytes, powersgd_
 from planner.errors import PlannerError
 from planner.hardware import load_profile
 from planner.models import ModelHandle, build
-from planner.make_plan import cost_graph
+from planner.planning import cost_graph
 from planner.spec import (
     Cluster,
     Compression,

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench_accuracy import DEFAULT_CSV, Case, load_cases
 
 from planner.cost import CostModel, RunConfig, graph_from_spec
-from planner.parallel_dims import ddp_blocker
+from planner.parallel_dims import ParallelDims
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
 from planner.spec import Strategy
 
@@ -45,7 +45,7 @@ SPEED_CASES = {
 _TIMED = """
 import json, sys, time
 started = time.perf_counter()
-import planner
+import planner, planner.planning, planner.tracing  # planner's own names load lazily
 imported = time.perf_counter()
 model, gpu, gpus, batch, seq = json.loads(sys.argv[1])
 handle = planner.resolve_model(model, seq_len=seq)
@@ -92,7 +92,7 @@ def runnable(strategy: Strategy) -> Strategy:
     all-reduce under a pipeline becomes ZeRO-1 (the same bytes, as a reduce-scatter and an
     all-gather), since DDP cannot run under a pipeline schedule here."""
     s = strategy
-    if s.zero == 0 and ddp_blocker(dp=s.dp, cp=s.cp, tp=s.tp, pp=s.pp, tied=False):
+    if s.zero == 0 and ParallelDims.of(s).ddp_blocker(tied=False):
         return s.model_copy(update={"zero": 1, "dp_shard": s.dp})
     return s
 

@@ -7,11 +7,12 @@ runtime lives in the ``strategies`` package and is imported only when a plan is 
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+from planner.lazy import lazy_attributes
 
 # Public names and the module that defines each, loaded on first use (PEP 562), so
 # `import planner` and the CLI's light subcommands start without torch.
@@ -27,7 +28,7 @@ _LAZY = {
     "resolve_model": "planner.models",
     "list_models": "planner.models",
     "fingerprint": "planner.models",
-    "make_plan": "planner.make_plan",
+    "make_plan": "planner.planning",
     "Pins": "planner.solve.search",
     "LossyCompression": "planner.solve.lossy",
     "trace": "planner.tracing",
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from planner.errors import PlannerError, SpecError
-    from planner.make_plan import make_plan
     from planner.models import fingerprint, list_models, resolve_model
+    from planner.planning import make_plan
     from planner.solve.lossy import LossyCompression
     from planner.solve.search import Pins
     from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
@@ -65,16 +66,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'planner' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 def parallelize(
@@ -101,8 +93,8 @@ def parallelize(
     or the world size.
     """
     from planner.errors import SpecError
-    from planner.make_plan import make_plan
     from planner.models import handle_for_module
+    from planner.planning import make_plan
     from planner.spec import Plan, load_document
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 

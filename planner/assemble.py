@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from planner import __version__
+from planner.cost.pipeline import even_split
 from planner.errors import SpecError
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, fingerprint, handle_for_module
@@ -28,6 +28,7 @@ from planner.spec import (
     Training,
 )
 from planner.tracing import trace_for_training
+from planner.version import __version__
 
 __all__ = ["assemble_plan", "megatron_layout", "even_stages"]
 
@@ -93,11 +94,12 @@ def megatron_layout(
 
 
 def even_stages(module: nn.Module, num_chunks: int) -> list[list[str]]:
-    """Split ``module`` into ``num_chunks`` FQN lists with blocks spread evenly.
+    """Split ``module`` into ``num_chunks`` FQN lists as the cost model prices them
+    (:func:`planner.cost.pipeline.even_split`).
 
     Modules registered before the block container (embeddings) join the first chunk,
-    modules after it (final norm, output head) the last; the first ``blocks % chunks``
-    chunks get one extra block.
+    modules after it (final norm, output head) the last; when the blocks do not divide
+    evenly, the middle chunks take the extra ones.
     """
     blocks = [fqn for fqn, _ in find_blocks(module)]
     if len(blocks) < num_chunks:
@@ -105,17 +107,8 @@ def even_stages(module: nn.Module, num_chunks: int) -> list[list[str]]:
             f"{type(module).__name__} has {len(blocks)} repeated blocks, too few for "
             f"{num_chunks} pipeline chunks; lower pp or virtual_stages"
         )
-    base, extra = divmod(len(blocks), num_chunks)
-    chunks: list[list[str]] = []
-    start = 0
-    for index in range(num_chunks):
-        size = base + (1 if index < extra else 0)
-        chunks.append(blocks[start : start + size])
-        start += size
     before, after = _modules_around(module, blocks[0].rpartition(".")[0])
-    chunks[0] = before + chunks[0]
-    chunks[-1] = chunks[-1] + after
-    return chunks
+    return even_split(blocks, num_chunks, before, after)
 
 
 def _modules_around(module: nn.Module, container: str) -> tuple[list[str], list[str]]:

@@ -8,7 +8,10 @@ activations.
 
 from __future__ import annotations
 
-__all__ = ["ELEMENT_BYTES", "FP32_BYTES", "HALF_BYTES"]
+__all__ = ["ELEMENT_BYTES", "FP32_BYTES", "HALF_BYTES", "RUNTIME_DTYPES"]
+
+# What the tracer and the runtime run in; fp8 is priced (fp8 GEMMs), not run here.
+RUNTIME_DTYPES = ("fp32", "bf16", "fp16")
 
 FP32_BYTES = 4
 HALF_BYTES = 2

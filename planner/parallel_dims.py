@@ -6,17 +6,16 @@ compression the mesh can run. The search's candidate filter, the cost model,
 validation, the exporters and the runtime ask :class:`ParallelDims`; none restates a
 rule. Torch-free.
 
-Mesh order (outermost to innermost): ``pp, dp_replicate, dp_shard, cp, tp``
-(:meth:`planner.spec.Strategy.mesh_axes`): tensor parallelism is innermost, so its
-ranks are adjacent GPUs; the data axes are ``tp * cp`` GPUs apart.
+The mesh order itself is :data:`planner.spec.MESH_ORDER` (tensor parallelism innermost).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.spec import CompressionKind
+from planner.spec import MESH_ORDER, Axis, CompressionKind, Schedule
 
 if TYPE_CHECKING:
     from planner.spec import Strategy
@@ -59,6 +58,11 @@ class ParallelDims:
         """Ranks that ZeRO (FSDP2) shards model states over: ``dp_shard x cp`` under
         ZeRO >= 1, else 1."""
         return self.dp_shard * self.cp if self.zero >= 1 else 1
+
+    @property
+    def hybrid_sharding(self) -> bool:
+        """ZeRO shards within groups of ``dp_shard`` and replicates across them (HSDP)."""
+        return self.zero >= 1 and 1 < self.dp_shard < self.dp
 
     @property
     def shards_parameters(self) -> bool:
@@ -121,23 +125,23 @@ class ParallelDims:
     def compression_blocker(self, kind: CompressionKind, *, tied: bool = False) -> str | None:
         """Why gradient compression ``kind`` cannot run on this mesh, or ``None``.
 
-        fp16/bf16 run as FSDP2's reduce dtype (ZeRO >= 1) or as a DDP hook; int8 replaces
-        FSDP2's reduce-scatter; PowerSGD and local SGD are DDP hooks. DDP hooks need
-        ZeRO 0, no context parallelism (the hook reduces over dp alone) and a mesh DDP
-        runs on (:meth:`ddp_blocker`).
+        fp16/bf16 run as FSDP2's reduce dtype (ZeRO >= 1) or as a DDP hook over
+        ``dp x cp``; int8 replaces FSDP2's reduce-scatter; PowerSGD and local SGD are DDP
+        hooks over ``dp`` alone (no context parallelism). DDP hooks need ZeRO 0 and a mesh
+        DDP runs on (:meth:`ddp_blocker`).
         """
         if kind is CompressionKind.NONE:
             return None
         if self.replicas == 1:
             return (
-                f"compression {kind.value!r} needs dp({self.dp}) * cp({self.cp}) > 1: there "
+                f"compression.kind = {kind.value!r} needs dp({self.dp}) * cp({self.cp}) > 1: there "
                 "is no gradient reduction to compress"
             )
         if kind is CompressionKind.INT8:
             if self.zero_shard_ranks > 1:
                 return None
             return (
-                f"compression 'int8' with zero = {self.zero} and no sharded data-parallel "
+                f"compression.kind = 'int8' with zero = {self.zero} and no sharded data-parallel "
                 "axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, or "
                 "compression 'fp16'/'bf16' with DDP"
             )
@@ -148,16 +152,41 @@ class ParallelDims:
     def _ddp_hook_blocker(self, kind: CompressionKind, *, tied: bool) -> str | None:
         if self.zero >= 1:
             return (
-                f"compression {kind.value!r} with zero = {self.zero}: it is a DDP "
+                f"compression.kind = {kind.value!r} with zero = {self.zero}: it is a DDP "
                 "communication hook; use zero = 0, or compression 'fp16'/'bf16' with FSDP"
             )
-        if self.cp > 1:
+        if self.cp > 1 and kind is CompressionKind.LOCAL_SGD:
             return (
-                f"compression {kind.value!r} with cp({self.cp}) > 1: DDP hooks reduce over "
-                "the data-parallel ranks alone; use cp = 1"
+                f"compression.kind = 'local_sgd' with cp({self.cp}) > 1: context-parallel ranks "
+                "must stay identical, but local SGD lets groups drift; use cp = 1"
+            )
+        if self.cp > 1 and kind is CompressionKind.POWERSGD:
+            return (
+                f"compression.kind = 'powersgd' with cp({self.cp}) > 1: this runtime does not "
+                "run PowerSGD over context-parallel replicas; use cp = 1, or compression "
+                "'fp16'/'bf16'"
             )
         blocker = self.ddp_blocker(tied=tied)
-        return None if blocker is None else f"compression {kind.value!r}: {blocker}"
+        return None if blocker is None else f"compression.kind = {kind.value!r}: {blocker}"
+
+    def schedule_blocker(self, schedule: Schedule, num_microbatches: int) -> str | None:
+        """Why ``schedule`` cannot run ``num_microbatches`` per step on ``pp`` ranks: 1F1B
+        needs a micro-batch per stage, interleaved 1F1B whole rounds of ``pp``."""
+        if self.pp == 1:
+            return None
+        if schedule is Schedule.ONE_F_ONE_B and num_microbatches < self.pp:
+            return (
+                f"strategy.num_microbatches = {num_microbatches} < pp({self.pp}): the 1f1b "
+                "schedule needs at least one micro-batch per stage; raise num_microbatches "
+                "or use gpipe"
+            )
+        if schedule is Schedule.INTERLEAVED_1F1B and num_microbatches % self.pp:
+            return (
+                f"strategy.num_microbatches = {num_microbatches} is not a multiple of "
+                f"pp({self.pp}): interleaved 1f1b runs micro-batches in rounds of pp; raise "
+                "num_microbatches to a multiple of pp or use 1f1b"
+            )
+        return None
 
     def local_sgd_blocker(self, local_group: int | None) -> str | None:
         """Why ``local_group`` cannot be local SGD's group: more than one group of
@@ -166,7 +195,20 @@ class ParallelDims:
             return None
         example = max((d for d in range(1, self.dp) if self.dp % d == 0), default=1)
         return (
-            f"strategy.compression.local_group = {local_group} with dp({self.dp}): local SGD "
+            f"compression.local_group = {local_group} with dp({self.dp}): local SGD "
             "needs a local_group smaller than dp that divides it (dp ranks split into groups "
             f"of consecutive ranks that reduce every step); e.g. local_group = {example}"
         )
+
+    def stride(self, innermost: Axis) -> int:
+        """GPUs between neighbouring ranks of a group of mesh axes whose innermost axis is
+        ``innermost``: the product of the degrees inside it (:data:`MESH_ORDER`)."""
+        sizes = {
+            Axis.PP: self.pp,
+            Axis.DP_REPLICATE: self.dp // self.dp_shard,
+            Axis.DP_SHARD: self.dp_shard,
+            Axis.CP: self.cp,
+            Axis.TP: self.tp,
+        }
+        inside = MESH_ORDER[MESH_ORDER.index(innermost) + 1 :]
+        return math.prod(sizes[axis] for axis in inside)

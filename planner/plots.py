@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from planner.compare import Comparison, Row
-    from planner.make_plan import PlanSearch
+    from planner.planning import PlanSearch
 
 __all__ = ["check_plot_path", "pareto_front", "plot_comparison", "plot_plan", "term_name"]
 

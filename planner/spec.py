@@ -61,6 +61,11 @@ class Axis(StrEnum):
     TP = "tp"
 
 
+# The mesh's axes from outermost to innermost: tensor parallelism, which talks the most,
+# is innermost (adjacent GPUs); the data axes are tp * cp GPUs apart.
+MESH_ORDER = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP, Axis.TP)
+
+
 class Family(StrEnum):
     GPT = "gpt"
     LLAMA = "llama"
@@ -479,21 +484,24 @@ class Strategy(_Doc):
         return self.recompute
 
     def mesh_axes(self) -> tuple[MeshAxis, ...]:
-        """Mesh axes from outermost to innermost (tp innermost: it talks the most)."""
-        sizes = (
-            (Axis.PP, self.pp),
-            (Axis.DP_REPLICATE, self.replicate_degree),
-            (Axis.DP_SHARD, self.shard_degree),
-            (Axis.CP, self.cp),
-            (Axis.TP, self.tp),
-        )
-        return tuple(MeshAxis(name=name, size=size) for name, size in sizes if size > 1)
+        """Mesh axes of size > 1 in :data:`MESH_ORDER` (outermost to innermost)."""
+        sizes = {
+            Axis.PP: self.pp,
+            Axis.DP_REPLICATE: self.replicate_degree,
+            Axis.DP_SHARD: self.shard_degree,
+            Axis.CP: self.cp,
+            Axis.TP: self.tp,
+        }
+        return tuple(MeshAxis(name=a, size=sizes[a]) for a in MESH_ORDER if sizes[a] > 1)
 
     def describe(self) -> str:
         """One line such as ``dp8(zero1) tp8 sp pp16 1f1b mb1x12 recompute=full``."""
+        from planner.parallel_dims import ParallelDims  # it reads this module
+
         parts = [f"dp{self.dp}"]
         if self.zero:
-            hsdp = f",shard{self.shard_degree}" if 1 < self.shard_degree < self.dp else ""
+            hybrid = ParallelDims.of(self).hybrid_sharding
+            hsdp = f",shard{self.shard_degree}" if hybrid else ""
             parts[0] += f"(zero{self.zero}{hsdp})"
         for name, size in (("tp", self.tp), ("cp", self.cp)):
             if size > 1:

@@ -19,7 +19,6 @@ from planner.spec import (
     ModelSpec,
     Plan,
     RecomputeMode,
-    Schedule,
 )
 
 __all__ = ["validate_plan_for_world", "check_replication", "check_powersgd_rank"]
@@ -133,12 +132,11 @@ def _check_pipeline(plan: Plan) -> None:
             f"strategy.pp = {strategy.pp} but plan.stages is empty: give one FQN list per "
             "pipeline chunk (planner.assemble.assemble_plan fills an even split)"
         )
-    if strategy.schedule is Schedule.ONE_F_ONE_B and strategy.num_microbatches < strategy.pp:
-        raise SpecError(
-            f"strategy.num_microbatches = {strategy.num_microbatches} < pp({strategy.pp}): the "
-            "1f1b schedule needs at least one micro-batch per stage; raise num_microbatches "
-            "or use gpipe"
-        )
+    blocker = ParallelDims.of(strategy).schedule_blocker(
+        strategy.schedule, strategy.num_microbatches
+    )
+    if blocker is not None:
+        raise SpecError(blocker)
 
 
 def check_replication(plan: Plan, tied: bool) -> None:
@@ -153,5 +151,3 @@ def check_replication(plan: Plan, tied: bool) -> None:
             f"strategy.zero = 0 with dp({s.dp}) x cp({s.cp}) replicas: {blocker}; use zero >= 1 "
             "(FSDP2 averages the same gradients)"
         )
-
-

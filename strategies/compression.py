@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
+from planner.parallel_dims import ParallelDims
 from planner.spec import Axis, CompressionKind, Plan
 from planner.validate import check_powersgd_rank
 from strategies.mesh import device_type
@@ -91,10 +92,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
         return model
     if not isinstance(model, DistributedDataParallel):
         if compression.kind in (CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD):
-            raise SpecError(
-                f"strategy.compression.kind = {compression.kind.value!r} needs DDP "
-                "(zero = 0, pp = 1)"
-            )
+            raise _refusal(plan, "needs DDP (zero = 0, pp = 1)")
         log.info("compression: %s in FSDP's gradient reduction", compression.kind.value)
         return model
     group = model.process_group
@@ -111,10 +109,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
         hook = powerSGD_hook.powerSGD_hook if device_type() == "cuda" else ordered_powersgd_hook
         model.register_comm_hook(_powersgd_state(group, plan), hook)
     else:
-        raise SpecError(
-            f"strategy.compression.kind = {compression.kind.value!r} needs FSDP (zero >= 1), "
-            "not DDP"
-        )
+        raise _refusal(plan, "needs FSDP (zero >= 1), not DDP")
     log.info("compression: %s hook on DDP", compression.describe())
     if compression.kind is CompressionKind.LOCAL_SGD:
         log.info(
@@ -123,6 +118,17 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
             "average"
         )
     return model
+
+
+def _refusal(plan: Plan, fallback: str) -> SpecError:
+    """Why the plan's compression cannot run on the model :func:`apply` got: the mesh's
+    reason (:meth:`planner.parallel_dims.ParallelDims.compression_blocker`, which
+    validation raises first), else ``fallback``."""
+    kind = plan.strategy.compression.kind
+    blocker = ParallelDims.of(plan.strategy).compression_blocker(kind)
+    if blocker is not None:
+        return SpecError(f"strategy.{blocker}")
+    return SpecError(f"strategy.compression.kind = {kind.value!r} {fallback}")
 
 
 def after_step_callback(model: nn.Module, plan: Plan) -> Callable[[], None] | None:
@@ -135,7 +141,7 @@ def after_step_callback(model: nn.Module, plan: Plan) -> Callable[[], None] | No
     if compression.kind is not CompressionKind.LOCAL_SGD:
         return None
     if not isinstance(model, DistributedDataParallel):
-        raise SpecError("strategy.compression.kind = 'local_sgd' needs DDP (zero = 0, pp = 1)")
+        raise _refusal(plan, "needs DDP (zero = 0, pp = 1)")
     assert compression.period is not None
     averager = PeriodicModelAverager(
         period=compression.period,

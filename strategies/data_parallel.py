@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_te
 from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 from torch.nn.parallel import DistributedDataParallel
 
+from planner.parallel_dims import ParallelDims
 from planner.spec import Plan
 from strategies import fsdp
 from strategies.mesh import replicate_mesh
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     """Wrap ``model`` in DDP over dp_replicate x cp (returns the wrapper) when the plan says DP."""
-    if fsdp.uses_fsdp(plan) or plan.strategy.dp * plan.strategy.cp == 1 or mesh is None:
+    if fsdp.uses_fsdp(plan) or ParallelDims.of(plan.strategy).replicas == 1 or mesh is None:
         return model
     dp_mesh = replicate_mesh(mesh)
     if plan.strategy.tp > 1:

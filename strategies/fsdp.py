@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from planner.errors import SpecError
 from planner.modules import find_blocks
+from planner.parallel_dims import ParallelDims
 from planner.spec import CompressionKind, DType, Plan
+from planner.torch_dtypes import TORCH_DTYPES, mixed_precision_dtype
 from strategies.int8_reduce_scatter import use_int8_reduce_scatter
 from strategies.mesh import shard_mesh
 
@@ -32,27 +33,30 @@ __all__ = ["apply", "uses_fsdp", "mixed_precision"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {DType.FP32: None, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
-_REDUCE_DTYPES = {CompressionKind.FP16: torch.float16, CompressionKind.BF16: torch.bfloat16}
+_REDUCE_DTYPES = {
+    CompressionKind.FP16: TORCH_DTYPES[DType.FP16],
+    CompressionKind.BF16: TORCH_DTYPES[DType.BF16],
+}
 
 
 def uses_fsdp(plan: Plan) -> bool:
-    """Whether the plan shards parameters (ZeRO >= 1 over dp_shard x cp > 1)."""
-    strategy = plan.strategy
-    return strategy.zero >= 1 and strategy.shard_degree * strategy.cp > 1
+    """Whether the plan shards parameters (ZeRO >= 1 over dp_shard x cp > 1,
+    :attr:`planner.parallel_dims.ParallelDims.shards_parameters`)."""
+    return ParallelDims.of(plan.strategy).shards_parameters
 
 
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
-    """Parameter dtype from ``training.dtype``; reduce dtype from compression, else fp32."""
-    if plan.training.dtype not in _TORCH_DTYPES:
+    """Parameter dtype from ``training.dtype`` (``None``, the parameters' own, for fp32);
+    reduce dtype from compression, else fp32."""
+    if plan.training.dtype not in TORCH_DTYPES:
         raise SpecError(
             f"training.dtype = {plan.training.dtype.value!r} is not supported by the runtime; "
             "use fp32, bf16 or fp16"
         )
-    param_dtype = _TORCH_DTYPES[plan.training.dtype]
+    param_dtype = mixed_precision_dtype(plan.training.dtype)
     reduce_dtype = _REDUCE_DTYPES.get(plan.strategy.compression.kind)
     if reduce_dtype is None and param_dtype is not None:
-        reduce_dtype = torch.float32
+        reduce_dtype = TORCH_DTYPES[DType.FP32]
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 

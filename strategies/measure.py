@@ -213,13 +213,23 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live[key] = storage.nbytes()
         self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+
+        def on_collect(_: weakref.ref[torch.UntypedStorage], key: int = key) -> None:
+            self._free(key)
+
+        self._refs[key] = weakref.ref(storage, on_collect)
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
         self._refs.pop(key, None)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             self.add(leaf)

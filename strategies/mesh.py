@@ -86,8 +86,9 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """FSDP's mesh: ``dp_shard`` and ``cp`` joined into one shard axis, ``dp_replicate`` outside.
 
     Context-parallel ranks hold the same parameters, so ZeRO shards over dp_shard x cp
-    (as torchtitan's ``dp_shard_cp``) and gradients are averaged over cp too. 1-D, or 2-D
-    (replicate, shard) for hybrid sharding.
+    (as torchtitan's ``dp_shard_cp``; :attr:`planner.parallel_dims.ParallelDims.zero_shard_ranks`)
+    and gradients are averaged over cp too. 1-D, or 2-D (replicate, shard) for hybrid
+    sharding.
     """
     names = _names(mesh)
     shard = tuple(n for n in (Axis.DP_SHARD.value, Axis.CP.value) if n in names)
@@ -99,6 +100,7 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def replicate_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Plain data parallel's 1-D mesh: ``dp_replicate`` and ``cp`` joined (cp ranks hold replicas)."""
+    """Plain data parallel's 1-D mesh: ``dp_replicate`` and ``cp`` joined (cp ranks hold
+    replicas: :attr:`planner.parallel_dims.ParallelDims.replicas`)."""
     names = _names(mesh)
     return _joined(mesh, tuple(n for n in (Axis.DP_REPLICATE.value, Axis.CP.value) if n in names))

@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
 from planner.models import build
-from planner.spec import Axis, DType, Optimizer, Plan
+from planner.spec import Axis, Optimizer, Plan
+from planner.torch_dtypes import mixed_precision_dtype
 from planner.validate import validate_plan_for_world
 from strategies.apply import loss_context, parallelize, token_cross_entropy
 from strategies.compression import after_step_callback
@@ -46,8 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_AUTOCAST = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ class Trainer:
         return _global_mean(loss)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        dtype = _AUTOCAST.get(self.plan.training.dtype)
+        dtype = mixed_precision_dtype(self.plan.training.dtype)
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)

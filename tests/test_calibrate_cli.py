@@ -46,6 +46,7 @@ def test_calibrate_writes_a_cpu_profile_that_plan_search_uses(tmp_path: Path) ->
     assert json.loads(plan_path.read_text())["prediction"]["step_time_s"] > 0
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_calibrate_without_collectives_or_base_says_what_to_do(tmp_path: Path) -> None:
     result = _plan("calibrate", "--quick", "-o", str(tmp_path / "p.json"))
     assert result.returncode == 2

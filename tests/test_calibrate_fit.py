@@ -220,6 +220,7 @@ def test_a_refitted_efficiency_stays_at_most_one() -> None:
     assert fitted.attention_efficiency == pytest.approx(0.075, rel=0.02)
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_failed_refit_leaves_the_profile_file_untouched(tmp_path: Path) -> None:
     path = tmp_path / "cpu.json"
     save_profile(_cpu_profile(), path)

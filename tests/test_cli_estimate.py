@@ -81,7 +81,7 @@ def test_sequence_not_divisible_by_cp(tmp_path, capsys):
     config = _with("strategy", dp=2, cp=4)
     config["training"]["seq_len"] = 2050
     code, _, err = _run(tmp_path, capsys, config, "--json")
-    assert code == 2 and "seq_len (2050) is not divisible by cp (4)" in err
+    assert code == 2 and "seq_len 2050 is not divisible by 2 * cp(4) = 8" in err
 
 
 def test_not_fitting_says_how_much_and_why(tmp_path, capsys):

@@ -91,6 +91,7 @@ def test_bad_numbers_are_argparse_errors(capsys, argv):
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_untraceable_model_in_a_real_process_prints_no_traceback(tmp_path):
     """torch logs kernel failures with tracebacks from its own handlers: they must stay muted."""
     import os

@@ -122,6 +122,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_cli_compare_with_a_trace_and_a_mismatched_profile(
     trace_path: Path, tmp_path: Path
 ) -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from planner.cost import CostModel, CostOptions, graph_from_spec
-from planner.cost.communication import Collective, LinkModel, collective_time
+from planner.cost.communication import Collective, LinkModel, collective_time, link_for_axis
 from planner.cost.compression import (
     GradientShapes,
     all_gather_break_even_ranks,
@@ -37,6 +37,11 @@ def _estimate(model, compression=None, **fields):
     return model.estimate(Strategy(dp=2, micro_batch_size=2, **extra, **fields))
 
 
+def _dp_link(model):
+    """The link of the two data-parallel ranks (adjacent GPUs: tp = cp = 1)."""
+    return link_for_axis(2, 1, model.cluster, model.profile)
+
+
 def _params(model):
     return sum(c.param_count for c in model.segment_costs(Strategy(dp=2, micro_batch_size=2)))
 
@@ -47,7 +52,7 @@ def test_half_precision_halves_the_bytes_on_the_wire():
     plain = _estimate(model).breakdown_s["comm_dp"]
     for kind in ("fp16", "bf16"):
         half = _estimate(model, {"kind": kind}).breakdown_s
-        bandwidth = model._axis_link(2, 1).busbw_Bps
+        bandwidth = _dp_link(model).busbw_Bps
         # all-reduce over 2 ranks: bus factor 1, same latency; 4 -> 2 bytes per element
         assert plain - half["comm_dp"] == pytest.approx(2 * _params(model) / bandwidth)
         assert half["compression"] > 0  # casts down and back up
@@ -118,7 +123,7 @@ def test_powersgd_wins_on_a_slow_link_and_loses_on_a_fast_one():
 
 def test_powersgd_sends_three_all_reduces_per_bucket():
     model = _model(overlap_grad_reduce=False, dp_bucket_mib=0.25)
-    link = model._axis_link(2, 1)
+    link = _dp_link(model)
     params = _params(model)
     buckets = bucket_count(4 * params, 0.25 * 2**20)
     assert buckets > 1
@@ -132,6 +137,21 @@ def test_powersgd_sends_three_all_reduces_per_bucket():
 def test_powersgd_outside_ddp_is_refused():
     with pytest.raises(SpecError, match="powersgd"):
         _estimate(_model(), POWERSGD, zero=1)
+
+
+def test_compression_follows_the_meshes_the_runtime_runs():
+    """The cost model refuses what ParallelDims refuses: a DDP hook under a pipeline,
+    int8 without FSDP, any compression without a gradient reduction."""
+    model = _model()
+    with pytest.raises(SpecError, match="DDP cannot run under a pipeline"):
+        _estimate(model, {"kind": "bf16"}, pp=2)
+    with pytest.raises(SpecError, match="int8"):
+        _estimate(model, {"kind": "int8"})
+    with pytest.raises(SpecError, match="no gradient reduction"):
+        model.estimate(Strategy(micro_batch_size=4, compression=POWERSGD))
+    local = {"kind": "local_sgd", "local_group": 2, "period": 4}
+    with pytest.raises(SpecError, match="local_group = 2 with dp"):
+        _estimate(model, local)
 
 
 @pytest.mark.parametrize("ratio", [2, 4, 16])

@@ -5,7 +5,8 @@ import pytest
 from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import SpecError
-from planner.spec import Cluster, Family, ModelSpec, RecomputeMode, Strategy, Training
+from planner.parallel_dims import ParallelDims
+from planner.spec import Axis, Cluster, Family, ModelSpec, RecomputeMode, Strategy, Training
 
 GPT = ModelSpec(
     family=Family.GPT, num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128
@@ -101,6 +102,12 @@ def test_recompute_trades_memory_for_time():
     full = _model().estimate(_strategy(recompute=RecomputeMode.FULL))
     assert full.memory_gib["activations"] < none.memory_gib["activations"]
     assert full.step_time_s > none.step_time_s
+
+
+def test_mesh_strides_put_tensor_parallelism_innermost():
+    dims = ParallelDims.of(Strategy(dp=4, dp_shard=2, zero=1, tp=2, cp=2, pp=2))
+    strides = {axis: dims.stride(axis) for axis in Axis}
+    assert strides == {Axis.TP: 1, Axis.CP: 2, Axis.DP_SHARD: 4, Axis.DP_REPLICATE: 8, Axis.PP: 16}
 
 
 def test_batch_mismatch_and_seq_mismatch_are_errors():

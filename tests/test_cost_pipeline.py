@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.cost.pipeline import balanced_chunks, pipeline_time, rank_chunks
+from planner.cost.pipeline import balanced_chunks, even_split, pipeline_time, rank_chunks
 from planner.spec import Schedule
 
 
@@ -32,3 +32,13 @@ def test_balanced_chunks_and_rank_assignment():
     assert balanced_chunks(8, 4) == [2, 2, 2, 2]
     assert sum(balanced_chunks(126, 8)) == 126
     assert rank_chunks(2, 2) == [[0, 2], [1, 3]]
+
+
+def test_even_split_gives_the_middle_the_extra_blocks_and_the_ends_the_rest():
+    blocks = [f"layers.{i}" for i in range(4)]
+    assert even_split(blocks, 3, ["embed"], ["norm", "head"]) == [
+        ["embed", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "norm", "head"],
+    ]
+    assert even_split(range(10), 4) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]

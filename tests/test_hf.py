@@ -53,7 +53,20 @@ def _counted(module: torch.nn.Module) -> tuple[int, int]:
     return forward, counter.get_total_flops() - forward
 
 
-@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+# The fast lane runs one family per architecture kind (a Llama-style decoder, GPT-2's
+# Conv1D, Mixtral's experts); the other families run in the slow lane.
+FAST_FAMILIES = ("gpt2", "llama", "mixtral")
+
+
+def by_family(families) -> list:
+    """``families`` as parameters, those outside :data:`FAST_FAMILIES` marked slow."""
+    return [
+        pytest.param(family, marks=() if family in FAST_FAMILIES else pytest.mark.slow)
+        for family in sorted(families)
+    ]
+
+
+@pytest.mark.parametrize("model_type", by_family(CONFIGS))
 def test_tiny_hf_models_trace_with_export(tmp_path, model_type):
     path = _write(tmp_path, model_type, **CONFIGS[model_type])
     handle = resolve_hf_config(path)

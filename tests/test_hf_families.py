@@ -25,8 +25,8 @@ from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.hf import resolve_hf_config
 from planner.layouts import ModelLayouts
-from planner.make_plan import trace_for_training
 from planner.modules import check_model_against_plan
+from planner.planning import trace_for_training
 from planner.solve.layout import Roofline
 from planner.spec import Cluster, Plan, Strategy, TPStyle, Training, load_document
 from planner.tracing import trace
@@ -35,7 +35,7 @@ from strategies.apply import parallelize
 from strategies.runner import Trainer, local_slice, synthetic_batch
 from tests.devices import write_tp_pays
 from tests.ranks import run_on_ranks
-from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write
+from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write, by_family
 from tests.test_runtime_numerics import BATCH, CLIP, EXACT, LR, STEPS, VOCAB
 
 _WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.VOCAB_PARALLEL)
@@ -69,7 +69,7 @@ def graphs(config_dirs) -> dict[str, OpGraph]:
 # --- planning through the CLI ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", by_family(FAMILIES))
 def test_cli_plans_each_family_with_tensor_parallelism(config_dirs, family, tmp_path, capsys):
     """On a device where sharding pays (on H100s these tiny layers would not be split:
     tp 2 would shard nothing and is refused)."""
@@ -123,7 +123,7 @@ def _first_block(model: CostModel, strategy: Strategy) -> SegmentCost:
     return next(c for c in model.segment_costs(strategy) if c.kind == "block")
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", by_family(FAMILIES))
 def test_tensor_parallel_splits_attention_and_mlp_weights(config_dirs, graphs, family):
     """Where sharding pays, the ILP splits attention and dense MLP weights (not GPT-2's
     Conv1D ones), and the cost model prices exactly that layout."""

@@ -18,8 +18,8 @@ from planner.cli import main
 from planner.compare import compare_measured
 from planner.errors import SpecError
 from planner.hardware import load_profile
-from planner.make_plan import PlanSearch, search_plan
 from planner.models import resolve_model
+from planner.planning import PlanSearch, search_plan
 from planner.plots import check_plot_path, pareto_front, plot_comparison, plot_plan, term_name
 from planner.spec import Cluster, Training
 from tests.test_measure import fake_measured, make_plan

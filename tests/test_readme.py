@@ -176,6 +176,7 @@ def test_quick_start_is_two_commands_and_the_second_is_what_ci_runs() -> None:
     assert plan_line.startswith(install.replace('".[test]"', ".") + " && .venv/bin/plan ")
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_quick_start_plan_prints_the_readme_example(tmp_path: Path) -> None:
     command = _quick_start()[0].rsplit(" && ", 1)[1].replace(".venv/bin/plan", "plan", 1)
     result = _shell(command, tmp_path)

@@ -18,8 +18,8 @@ from planner.errors import PlannerError, SpecError
 from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout
-from planner.make_plan import make_plan
 from planner.models import get_preset, resolve_model
+from planner.planning import make_plan
 from planner.solve.layout import Roofline
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training

@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from planner.cost import CostModel
 from planner.errors import PlannerError
 from planner.layouts import FIXED_STYLE_PRICER, plan_layout
-from planner.make_plan import make_plan
 from planner.models import ModelHandle, resolve_model
 from planner.modules import shares_parameters
 from planner.parallel_dims import ParallelDims
+from planner.planning import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.tracing import trace_for_training

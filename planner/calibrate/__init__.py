@@ -10,9 +10,24 @@
 
 from __future__ import annotations
 
-from planner.calibrate.fit import CalibrationError, FitResult, fit_alpha_beta, fit_matmul
-from planner.calibrate.options import measured_run_options
-from planner.calibrate.refit import RefitReport, predict_plan, refit_profile
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_attributes
+
+_LAZY = {
+    "CalibrationError": "planner.calibrate.fit",
+    "FitResult": "planner.calibrate.fit",
+    "fit_alpha_beta": "planner.calibrate.fit",
+    "fit_matmul": "planner.calibrate.fit",
+    "measured_run_options": "planner.calibrate.options",
+    "RefitReport": "planner.calibrate.refit",
+    "predict_plan": "planner.calibrate.refit",
+    "refit_profile": "planner.calibrate.refit",
+}
+if TYPE_CHECKING:
+    from planner.calibrate.fit import CalibrationError, FitResult, fit_alpha_beta, fit_matmul
+    from planner.calibrate.options import measured_run_options
+    from planner.calibrate.refit import RefitReport, predict_plan, refit_profile
 
 __all__ = [
     "CalibrationError",
@@ -24,3 +39,5 @@ __all__ = [
     "predict_plan",
     "refit_profile",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -29,6 +29,7 @@ from planner.errors import PlannerError
 from planner.hardware import MAX_FACTOR
 
 __all__ = [
+    "Sample",
     "CalibrationError",
     "Bound",
     "FitResult",
@@ -45,6 +46,15 @@ Array = NDArray[np.float64]
 # A fit is "converged" when scipy says so and the RMS log error is this small (within a
 # factor e on typical samples: shared machines are noisy, a wrong model is off by far more).
 MAX_RMS_LOG_ERROR = 1.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed problem: its work (FLOPs or bytes), median seconds and a label."""
+
+    label: str
+    work: float
+    seconds: float
 
 
 class CalibrationError(PlannerError):

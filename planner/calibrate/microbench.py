@@ -14,11 +14,12 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from planner.calibrate.fit import Sample
 
 __all__ = [
     "Sample",
@@ -52,15 +53,6 @@ DEFAULT_ATTENTION_SHAPES: tuple[tuple[int, int, int], ...] = (
     (4, 512, 64),
     (8, 512, 64),
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One timed problem: its work (FLOPs or bytes), median seconds and a label."""
-
-    label: str
-    work: float
-    seconds: float
 
 
 def _synchronize(device: torch.device) -> None:

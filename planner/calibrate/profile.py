@@ -21,13 +21,13 @@ from planner.calibrate.fit import (
     Bound,
     CalibrationError,
     FitResult,
+    Sample,
     fit_alpha_beta,
     fit_matmul,
     fit_memory,
     fit_parameters,
     fit_streaming,
 )
-from planner.calibrate.microbench import Sample
 from planner.cost.communication import Collective
 from planner.hardware import HardwareProfile
 from planner.spec import DType

@@ -33,20 +33,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 from scipy.optimize import least_squares
-from torch import nn
 
 from planner.calibrate.fit import MAX_RMS_LOG_ERROR, CalibrationError
-from planner.cost import CostModel, CostOptions
+from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.tp import ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind
 from planner.hardware import HardwareProfile
-from planner.make_plan import cost_graph
 from planner.measured import MeasuredProfile
-from planner.models import ModelHandle, build
 from planner.spec import Plan, Prediction
 
 __all__ = [
@@ -174,19 +170,14 @@ def with_parameters(
     return HardwareProfile.model_validate(data)
 
 
-def _handle(plan: Plan) -> ModelHandle:
+def _graph(plan: Plan) -> OpGraph:
+    """The formula graph the search priced ``plan`` on (zoo and spec-file models)."""
     if plan.model is None:
         raise SpecError(
             f"plan for {plan.model_name!r} has no model spec: calibration re-prices zoo or "
             "spec-file transformers only"
         )
-    spec = plan.model
-    module: nn.Module = build(spec)
-
-    def tokens(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-        return (torch.empty(batch_size, seq_len, dtype=torch.long, device="meta"),)
-
-    return ModelHandle(spec.name, plan.model_source, module, tokens, spec)
+    return graph_from_spec(plan.model, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
 
 
 def stage_indices(graph: OpGraph, plan: Plan) -> list[list[int]] | None:
@@ -212,7 +203,7 @@ class _Pricer:
     def __init__(self, plans: Sequence[Plan], options: CostOptions) -> None:
         self.plans = list(plans)
         self.options = options
-        self.graphs = [cost_graph(_handle(p), p.training) for p in self.plans]
+        self.graphs = [_graph(p) for p in self.plans]
 
     def predict(self, profile: HardwareProfile) -> list[Prediction]:
         return [
@@ -231,7 +222,7 @@ def _estimate(
 
 def predict_plan(plan: Plan, profile: HardwareProfile, options: CostOptions) -> Prediction:
     """The cost model's prediction for ``plan`` (its own stages) under ``profile``."""
-    graph = cost_graph(_handle(plan), plan.training)
+    graph = _graph(plan)
     return _estimate(plan, graph, profile, options)
 
 
@@ -244,7 +235,7 @@ def predict_op_classes(
     forward plus backward of every micro-batch, the model's work divided evenly over the
     pipeline ranks; recomputation is not included.
     """
-    graph = cost_graph(_handle(plan), plan.training)
+    graph = _graph(plan)
     training = plan.training.model_copy(update={"seq_len": None})
     model = CostModel(graph, plan.cluster, training, profile=profile, options=options)
     s = plan.strategy

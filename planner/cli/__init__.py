@@ -9,32 +9,35 @@ print one message and exit with status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 
-from planner import __version__
+from planner.cli import (
+    calibrate,
+    compare,
+    estimate,
+    explain,
+    export,
+    measure,
+    models,
+    profiles,
+    run,
+    schema,
+    search,
+    trace,
+)
 from planner.errors import PlannerError
+from planner.version import __version__
 
 __all__ = ["main", "build_parser"]
 
-# Subcommand modules in help order; each registers one subcommand.
-SUBCOMMANDS = (
-    "search",
-    "explain",
-    "export",
-    "estimate",
-    "trace",
-    "run",
-    "calibrate",
-    "measure",
-    "compare",
-    "models",
-    "profiles",
-    "schema",
-)
+# Subcommand modules in help order; each registers one subcommand named after it and
+# imports what its work needs (torch, the runtime) when it runs, so the parser is light.
+_MODULES = (search, explain, export, estimate, trace, run, calibrate, measure, compare, models,
+            profiles, schema)  # fmt: skip
+SUBCOMMANDS = tuple(module.__name__.rpartition(".")[2] for module in _MODULES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     subparsers = parser.add_subparsers(title="subcommands", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        module = importlib.import_module(f"planner.cli.{name}")
+    for module in _MODULES:
         module.add_parser(subparsers)
     return parser
 

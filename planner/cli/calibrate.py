@@ -17,34 +17,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
 import os
 import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 
-from planner.calibrate import microbench
-from planner.calibrate.fit import CalibrationError
-from planner.calibrate.options import measured_run_options
-from planner.calibrate.profile import (
-    CalibrationReport,
-    Measurements,
-    build_profile,
-    cpu_peak_tflops,
-    ram_gib,
-)
-from planner.calibrate.refit import RefitReport, RunError, refit_profile
-from planner.cost.communication import Collective
+from planner.dtypes import RUNTIME_DTYPES
 from planner.errors import SpecError
 from planner.hardware import HardwareProfile, load_profile, save_profile
 from planner.measured import MeasuredProfile
 from planner.spec import DType, load_document
 
-_TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+if TYPE_CHECKING:  # the measuring and fitting machinery loads torch: imported on use
+    import torch
+
+    from planner.calibrate.profile import CalibrationReport, Measurements
+    from planner.calibrate.refit import RefitReport, RunError
+    from planner.cost.communication import Collective
+
 _GPU_MATMUL = tuple((n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192))
 _GPU_MEMORY = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
 _GPU_ATTENTION = ((16, 1024, 128), (32, 2048, 128), (32, 4096, 128))
@@ -68,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(GPUs: e.g. h100-sxm-80gb); CPUs need none",
     )  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, help="override the peak per rank (TFLOP/s)")
-    parser.add_argument("--dtype", choices=[d.value for d in _TORCH_DTYPES],
+    parser.add_argument("--dtype", choices=RUNTIME_DTYPES,
                         help="GEMM dtype (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     refit = parser.add_argument_group("refit to measured runs")
@@ -89,11 +83,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stamp() -> str:
+    import torch
+
     today = datetime.datetime.now(datetime.UTC).date().isoformat()
     return f"measured {today} on {platform.node()} (torch {torch.__version__})"
 
 
 def _refit(args: argparse.Namespace) -> int:
+    from planner.calibrate.options import measured_run_options
+    from planner.calibrate.refit import refit_profile
+
     if not args.profile:
         raise SpecError("--from needs --profile PROFILE: the profile whose parameters to refit")
     profile = load_profile(args.profile)
@@ -131,8 +130,12 @@ def _mean_abs(errors: list[RunError]) -> float:
 
 
 def _microbenchmark(args: argparse.Namespace) -> int:
-    runner = importlib.import_module("strategies.runner")  # torch.distributed only there
-    collectives = importlib.import_module("strategies.microbench")
+    import torch
+
+    from planner.calibrate.profile import build_profile
+    from strategies import microbench as collectives
+    from strategies import runner  # the runtime: torch.distributed only there
+
     gpu = torch.cuda.is_available()
     dtype = DType(args.dtype or ("bf16" if gpu else "fp32"))
     base = load_profile(args.base) if args.base else None
@@ -157,6 +160,11 @@ def _microbenchmark(args: argparse.Namespace) -> int:
 def _peak(
     args: argparse.Namespace, base: HardwareProfile | None, gpu: bool, dtype: DType
 ) -> tuple[float | None, str]:
+    import torch
+
+    from planner.calibrate.fit import CalibrationError
+    from planner.calibrate.profile import cpu_peak_tflops
+
     if args.peak_tflops is not None:
         return args.peak_tflops, "given on the command line (--peak-tflops)"
     if base is not None:
@@ -174,6 +182,10 @@ def _peak(
 
 
 def _capacity(gpu: bool, ranks_per_node: int) -> float:
+    import torch
+
+    from planner.calibrate.profile import ram_gib
+
     if gpu:
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     return ram_gib(ranks_per_node)
@@ -197,9 +209,13 @@ def _measure(
     collectives: ModuleType,
     announce: Callable[[str], None],
 ) -> Measurements:
+    from planner.calibrate import microbench
+    from planner.calibrate.profile import Measurements
+    from planner.torch_dtypes import TORCH_DTYPES
+
     gpu = device.type == "cuda"
     repeats = 5 if args.quick else 15
-    torch_dtype = _TORCH_DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     cpu_shapes = microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1]
     announce(f"{dtype.value} matmul sweep")
     matmul = microbench.matmul_sweep(

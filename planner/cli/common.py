@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from planner.errors import SpecError
-from planner.models import ModelHandle, resolve_model
+
+if TYPE_CHECKING:
+    from planner.models import ModelHandle
 
 __all__ = ["positive_int", "add_model_args", "resolve_model_args"]
 
@@ -42,6 +45,8 @@ def resolve_model_args(args: argparse.Namespace) -> ModelHandle:
     """The model ``--model`` or ``--hf-config`` names, on the meta device."""
     if args.model and args.hf_config:
         raise SpecError("give either --model or --hf-config, not both")
+    from planner.models import resolve_model  # torch: loaded when a model is named
+
     if args.hf_config:
         from planner.hf import resolve_hf_config
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from planner.calibrate.options import measured_run_options
-from planner.calibrate.refit import predict_op_classes, predict_plan
 from planner.compare import (
     TraceSummary,
     compare_measured,
@@ -54,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.calibrate.options import measured_run_options
+    from planner.calibrate.refit import predict_op_classes, predict_plan  # torch
+
     plan = load_document(Plan, args.plan)
     measured = load_measured_side(args.measured)
     png = args.plot or args.measured.with_name(f"{args.measured.stem}-compare.png")
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prediction(plan: Plan, profile_name: str | None) -> Prediction:
+    from planner.calibrate.options import measured_run_options
+    from planner.calibrate.refit import predict_plan  # torch
+
     if profile_name is not None:
         profile = load_profile(profile_name)
         return predict_plan(plan, profile, measured_run_options(profile))

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
 from planner.errors import SpecError
 from planner.spec import Prediction
+
+if TYPE_CHECKING:
+    from planner.cost.run import RunConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +65,8 @@ def _table(run: RunConfig, prediction: Prediction) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
+
     objects, is_list = _read_runs(args.config)
     results = []
     for index, data in enumerate(objects):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import shlex
 import sys
 from pathlib import Path
@@ -47,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
     if not args.output.parent.is_dir():
         raise SpecError(f"--output {args.output}: directory {args.output.parent} does not exist")
-    runner = importlib.import_module("strategies.runner")  # torch.distributed only there
-    measure = importlib.import_module("strategies.measure")
+    from strategies import measure, runner  # the runtime: torch.distributed only there
+
     command = "plan " + shlex.join(sys.argv[1:])
     steps = f"measuring {args.plan}: {args.warmup} warm-up and {args.steps} timed steps"
     with runner.process_group_from_env() as rank:

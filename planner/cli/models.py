@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from planner.models import ALIASES, PRESETS, SMALL_MODELS
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -18,6 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.models import ALIASES, PRESETS, SMALL_MODELS
+
     header = f"{'name':<16}{'family':<9}{'params':>10}{'layers':>8}{'hidden':>8}{'heads':>7}{'kv':>5}{'seq':>7}"
     print(header)
     for name, spec in PRESETS.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from planner.parallel_dims import ParallelDims
 from planner.spec import Plan, Prediction, Strategy
 
 __all__ = ["render_plan"]
@@ -13,7 +14,7 @@ __all__ = ["render_plan"]
 def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
     s = strategy
     sharding = "none" if s.zero == 0 else f"ZeRO-{s.zero} over {s.shard_degree} ranks"
-    if s.zero and 1 < s.shard_degree < s.dp:
+    if ParallelDims.of(s).hybrid_sharding:
         sharding += f" (hybrid: {s.replicate_degree} replicas)"
     rows = [
         ("mesh", " x ".join(f"{a.name.value}={a.size}" for a in s.mesh_axes()) or "single GPU"),

@@ -10,7 +10,6 @@ A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
-    runner = importlib.import_module("strategies.runner")  # torch.distributed only here
+    from strategies import runner  # the runtime: torch.distributed only there
+
     with runner.process_group_from_env() as rank:
         records = runner.run_plan(plan, steps=args.steps, seed=args.seed, lr=args.lr)
         steps = [_report(record, show=rank == 0 and not args.json) for record in records]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -13,10 +14,7 @@ from planner.cli.common import add_model_args, positive_int, resolve_model_args
 from planner.cli.render import render_plan
 from planner.clusters import resolve_cluster
 from planner.io import write_text_atomic
-from planner.make_plan import search_plan
 from planner.plots import check_plot_path, plot_plan
-from planner.solve.lossy import LossyCompression
-from planner.solve.search import Pins
 from planner.spec import (
     Cluster,
     DType,
@@ -26,6 +24,10 @@ from planner.spec import (
     Training,
     load_document,
 )
+
+if TYPE_CHECKING:
+    from planner.solve.lossy import LossyCompression
+    from planner.solve.search import Pins
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -95,6 +97,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 
 def _pins(args: argparse.Namespace) -> Pins:
+    from planner.solve.search import Pins
+
     return Pins(
         dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, zero=args.zero, dp_shard=args.dp_shard,
         sequence_parallel=args.sequence_parallel,
@@ -105,6 +109,8 @@ def _pins(args: argparse.Namespace) -> Pins:
 
 
 def _lossy(args: argparse.Namespace) -> LossyCompression | None:
+    from planner.solve.lossy import LossyCompression
+
     allowed = args.allow_lossy_compression
     return None if allowed is None else LossyCompression.parse(allowed)
 
@@ -136,6 +142,8 @@ class _LazyProgress:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.planning import search_plan  # torch: the model is traced
+
     handle = resolve_model_args(args)
     cluster = _cluster(args)
     training = load_document(

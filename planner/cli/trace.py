@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.cli.common import add_model_args, positive_int, resolve_model_args
-from planner.tracing import DTYPES, summarize, trace
+from planner.dtypes import RUNTIME_DTYPES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--batch", type=positive_int, default=1, metavar="B", help="micro-batch size (default 1)"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bf16", help="training dtype (default bf16)"
+        "--dtype",
+        choices=sorted(RUNTIME_DTYPES),
+        default="bf16",
+        help="training dtype (default bf16)",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
@@ -71,6 +74,8 @@ def _table(summary: dict[str, Any]) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
+    from planner.tracing import summarize, trace  # torch: loaded when tracing
+
     handle = resolve_model_args(args)
     graph = trace(handle, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype)
     summary = summarize(graph)

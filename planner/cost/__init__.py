@@ -2,12 +2,16 @@
 
 Modules, each named for what it prices: :mod:`~planner.cost.compute` (operators,
 roofline), :mod:`~planner.cost.communication` (collectives, link tiers),
-:mod:`~planner.cost.memory` (model states, activations, in-flight micro-batches),
-:mod:`~planner.cost.pipeline` (schedules, stage splits), :mod:`~planner.cost.flops`
-(MFU/HFU conventions), :mod:`~planner.cost.tp` (what a tensor-parallel layout splits),
-:mod:`~planner.cost.compression` (fp16/bf16 and PowerSGD gradient compression),
-:mod:`~planner.cost.model` (:class:`CostModel`), :mod:`~planner.cost.run` (the
-``plan estimate`` contract).
+:mod:`~planner.cost.memory` (model states, activations, in-flight micro-batches, a
+rank's peak), :mod:`~planner.cost.pipeline` (schedules, the even stage split),
+:mod:`~planner.cost.flops` (MFU/HFU conventions), :mod:`~planner.cost.tp` (what a
+tensor-parallel layout splits), :mod:`~planner.cost.segment` (one segment type's
+cost), :mod:`~planner.cost.ranks` (per-pipeline-rank sums),
+:mod:`~planner.cost.compression` (fp16/bf16, int8 and PowerSGD gradient compression),
+:mod:`~planner.cost.data_parallel` (gradient reduction, compression and optimizer
+seconds per step), :mod:`~planner.cost.throughput` (FLOPs, MFU/HFU, the prediction),
+:mod:`~planner.cost.model` (:class:`CostModel`, the facade), :mod:`~planner.cost.run`
+(the ``plan estimate`` contract).
 """
 
 from __future__ import annotations

@@ -27,9 +27,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from planner.hardware import HardwareProfile, Link
 from planner.spec import Cluster
+
+if TYPE_CHECKING:
+    from planner.parallel_dims import ParallelDims
+    from planner.spec import Axis
 
 __all__ = [
     "Collective",
@@ -38,6 +43,7 @@ __all__ = [
     "LinkModel",
     "collective_time",
     "link_for_axis",
+    "MeshLinks",
 ]
 
 
@@ -146,3 +152,16 @@ def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwarePro
             latency = max(link.latency_s, tier.latency_us * 1e-6)
             link = LinkModel(tier.name, share, latency, link.factors, link.call_s)
     return link
+
+
+@dataclass(frozen=True)
+class MeshLinks:
+    """The links a strategy's mesh groups use on ``cluster``; where a group's ranks lie
+    is :meth:`~planner.parallel_dims.ParallelDims.stride`'s to say."""
+
+    cluster: Cluster
+    profile: HardwareProfile
+
+    def group(self, size: int, dims: ParallelDims, innermost: Axis) -> LinkModel:
+        """The link of ``size`` ranks of ``dims``'s mesh whose innermost axis is ``innermost``."""
+        return link_for_axis(size, dims.stride(innermost), self.cluster, self.profile)

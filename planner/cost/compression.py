@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from planner.cost.communication import Collective, LinkModel, collective_time
 from planner.cost.compute import ComputeModel
 from planner.cost.tp import TPAssignment
+from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
     "half_cast_time",
 ]
 
-_HALF_BYTES = 2
 # torch's PowerSGDState default: compress a matrix only if it shrinks more than 2x
 _MIN_COMPRESSION_RATE = 2
 # torch's _orthogonalize_gram_schmidt per column: norm, add epsilon, divide; then
@@ -71,7 +71,7 @@ _GRAM_SCHMIDT_KERNELS_PER_COLUMN = 7
 _ERROR_FEEDBACK_PASSES = 8
 _ERROR_FEEDBACK_KERNELS = 3
 _INT8_BLOCK = 256  # elements per fp32 scale (strategies.int8_reduce_scatter.BLOCK)
-INT8_WIRE_BYTES = 1 + 4 / _INT8_BLOCK  # per gradient element
+INT8_WIRE_BYTES = ELEMENT_BYTES["int8"] + FP32_BYTES / _INT8_BLOCK  # per gradient element
 # absmax, scale, round, clamp and cast read or write the fp32 chunks; dequantize and sum
 _INT8_FP32_PASSES = 6
 _INT8_KERNELS = 8
@@ -210,16 +210,16 @@ def powersgd_memory_bytes(
 
 def half_wire_bytes(reduce_bytes: int) -> int:
     """Bytes per gradient element on the wire with fp16/bf16 compression."""
-    return min(reduce_bytes, _HALF_BYTES)
+    return min(reduce_bytes, HALF_BYTES)
 
 
 def half_cast_time(
     gradient_elements: float, buckets: int, reduce_bytes: int, compute: ComputeModel
 ) -> float:
     """Seconds of casting every bucket to 2 bytes and back (0 if already 2 bytes)."""
-    if reduce_bytes <= _HALF_BYTES:
+    if reduce_bytes <= HALF_BYTES:
         return 0.0
-    per_cast = gradient_elements * (reduce_bytes + _HALF_BYTES)
+    per_cast = gradient_elements * (reduce_bytes + HALF_BYTES)
     return 2 * (compute.memory_time(per_cast) + (buckets - 1) * compute.kernel_s)
 
 
@@ -241,11 +241,11 @@ def all_gather_break_even_ranks(compression_ratio: float) -> int:
 
 def int8_quantize_time(gradient_elements: float, compute: ComputeModel) -> float:
     """Seconds of quantizing to int8 and summing the dequantized chunks in fp32, per step."""
-    passes = _INT8_FP32_PASSES * gradient_elements * 4
+    passes = _INT8_FP32_PASSES * gradient_elements * FP32_BYTES
     return compute.memory_time(passes) + _INT8_KERNELS * compute.kernel_s
 
 
 def int8_buffer_bytes(module_params: float) -> float:
     """Transient bytes of one module's int8 reduce-scatter: the int8 copy and the
     dequantized fp32 chunks of its gradients."""
-    return module_params * (INT8_WIRE_BYTES + 4)
+    return module_params * (INT8_WIRE_BYTES + FP32_BYTES)

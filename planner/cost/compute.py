@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost.options import AttentionKernel, CostOptions
+from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
 from planner.spec import DType
@@ -44,7 +45,7 @@ def unfused_score_bytes(node: OpNode, element_bytes: int, dropout: bool) -> floa
     if node.gemm is None:
         return 0.0
     batch_heads, seq_q, seq_k, _ = node.gemm
-    per_score = element_bytes + ((1 + element_bytes) if dropout else 0)
+    per_score = element_bytes + ((ELEMENT_BYTES["bool"] + element_bytes) if dropout else 0)
     return float(batch_heads * seq_q * seq_k * per_score)
 
 
@@ -105,7 +106,7 @@ class ComputeModel:
         inputs = node.input_bytes / e * scale
         outputs = node.bytes_written / e * scale
         elements = inputs + weight if forward else outputs + inputs + weight
-        return elements * (2 * e + 1)
+        return elements * (2 * e + ELEMENT_BYTES["fp8"])
 
     def _attention_time(self, node: OpNode, scale: float) -> OpTime:
         flops = node.flops_fwd * scale

@@ -3,22 +3,45 @@
 Model states in mixed precision (Megatron's accounting, 18 bytes per parameter with
 Adam): half-precision weights 2, fp32 gradients 4, fp32 master weights 4, optimizer
 moments 8 (SGD momentum 4). ZeRO-1 shards the optimizer states (master + moments)
-over the ``dp_shard`` axis, ZeRO-2 the gradients too. ZeRO-3 is FSDP2 as torchtitan
-runs it: fp32 sharded parameters (no separate master), fp32 sharded gradients and
-moments, plus unsharded half-precision copies of the blocks being computed. fp32
-training has no master copy.
+over the ZeRO shard ranks (``dp_shard x cp``), ZeRO-2 the gradients too. ZeRO-3 is
+FSDP2 as torchtitan runs it: fp32 sharded parameters (no separate master), fp32
+sharded gradients and moments, plus unsharded half-precision copies of the blocks
+being computed. fp32 training has no master copy.
 
 Activations per micro-batch follow the graph's saved bytes (Korthikanti et al. 2022
 for the built-in blocks); full recompute keeps only each block's input.
+:class:`MemoryModel` adds a rank's peak terms in bytes: logits, communication buffers
+and workspaces, compression buffers and the caching allocator's margin.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
-from planner.spec import DType, Optimizer, Schedule
+from planner.cost.options import CostOptions
+from planner.dtypes import FP32_BYTES, HALF_BYTES
+from planner.graph import OpGraph, OpKind
+from planner.parallel_dims import ParallelDims
+from planner.spec import DType, Optimizer, Schedule, Strategy, Training
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "in_flight_microbatches"]
+if TYPE_CHECKING:
+    from planner.cost.ranks import RankSums
+
+__all__ = [
+    "GIB",
+    "MemoryModel",
+    "ModelStateBytes",
+    "boundary_bytes",
+    "head_in_flight",
+    "in_flight_microbatches",
+    "model_state_bytes",
+]
+
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -39,14 +62,13 @@ def model_state_bytes(
 ) -> ModelStateBytes:
     """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``."""
     moments = optimizer.state_bytes_per_param
+    fp32 = FP32_BYTES * params
     if zero >= 3:
-        return ModelStateBytes(4 * params / shard, 4 * params / shard, moments * params / shard)
-    mixed = dtype is not DType.FP32
-    weight_bytes = 2 if mixed else 4
-    master = 4 if mixed else 0
+        return ModelStateBytes(fp32 / shard, fp32 / shard, moments * params / shard)
+    master = FP32_BYTES if dtype is not DType.FP32 else 0
     optimizer_bytes = (master + moments) * params / (shard if zero >= 1 else 1)
-    gradient_bytes = 4 * params / (shard if zero >= 2 else 1)
-    return ModelStateBytes(weight_bytes * params, gradient_bytes, optimizer_bytes)
+    gradient_bytes = fp32 / (shard if zero >= 2 else 1)
+    return ModelStateBytes(dtype.activation_bytes * params, gradient_bytes, optimizer_bytes)
 
 
 def in_flight_microbatches(
@@ -67,3 +89,107 @@ def in_flight_microbatches(
         chunk_mbs = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
         return chunk_mbs / v
     return float(min(m, pp - rank))
+
+
+def head_in_flight(schedule: Schedule, num_microbatches: int) -> int:
+    """Micro-batches whose head activations (logits) a rank holds at once: the head's
+    backward follows its forward at once, so one (GPipe: all)."""
+    return num_microbatches if schedule is Schedule.GPIPE else 1
+
+
+def boundary_bytes(graph: OpGraph) -> float:
+    """Bytes of the activation passed between blocks, per sequence (batch 1); for a
+    model without repeated blocks, the largest segment output."""
+    types = list(graph.types.values())
+    blocks = [t for t in types if t.kind == "block"] or types
+    return max(t.nodes[-1].bytes_written for t in blocks if t.nodes)
+
+
+@dataclass(eq=False)
+class MemoryModel:
+    """Bytes per GPU by term at a pipeline rank's peak, for ``graph`` trained as ``training``."""
+
+    graph: OpGraph
+    training: Training
+    options: CostOptions
+
+    def states(self, strategy: Strategy, params: float) -> ModelStateBytes:
+        """Weights, gradients and optimizer bytes of ``params`` under the strategy's ZeRO."""
+        return self._states(strategy, ParallelDims.of(strategy), params)
+
+    def _states(self, strategy: Strategy, dims: ParallelDims, params: float) -> ModelStateBytes:
+        return model_state_bytes(
+            params, zero=strategy.zero, shard=dims.zero_shard_ranks,
+            optimizer=self.training.optimizer, dtype=self.training.dtype,
+        )  # fmt: skip
+
+    def peak(
+        self, strategy: Strategy, ranks: Sequence[RankSums], *, logits_bytes: float,
+        compression: Callable[[RankSums], float | None],
+    ) -> dict[str, float]:  # fmt: skip
+        """The terms of the rank with the largest peak. ``logits_bytes``: the head's logits
+        per micro-batch (held by the last rank); ``compression(rank)``: the compression
+        buffers' bytes, or ``None`` without compression."""
+        dims = ParallelDims.of(strategy)
+        worst: dict[str, float] = {}
+        for index, rank in enumerate(ranks):
+            logits = 0.0
+            if index == len(ranks) - 1:
+                logits = logits_bytes * head_in_flight(strategy.schedule, strategy.num_microbatches)
+            parts = self._rank_memory(strategy, dims, rank, logits, compression(rank))
+            if sum(parts.values()) > sum(worst.values()):
+                worst = parts
+        return worst
+
+    def _rank_memory(
+        self, strategy: Strategy, dims: ParallelDims, rank: RankSums, logits: float,
+        compression: float | None,
+    ) -> dict[str, float]:  # fmt: skip
+        states = self._states(strategy, dims, rank.params)
+        weights, grads = states.weights, states.gradients
+        if strategy.zero >= 3:
+            unsharded = rank.params if strategy.pp > 1 else sum(rank.largest_params)
+            weights += HALF_BYTES * unsharded
+            grads += FP32_BYTES * unsharded  # FSDP2 reduces (and, with pp > 1, accumulates) in fp32
+        parts = {
+            "weights": weights,
+            "gradients": grads,
+            "optimizer": states.optimizer,
+            "activations": rank.activation_bytes - logits + rank.recompute_peak_bytes,
+            "logits": logits,
+            "buffers": self._buffer_bytes(strategy),
+        }
+        if compression is not None:
+            parts["compression"] = compression
+        parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
+        return parts
+
+    def _buffer_bytes(self, strategy: Strategy) -> float:
+        """Communication buffers and library workspaces."""
+        buffers = self.options.workspace_gib * GIB
+        if strategy.dp > 1 and strategy.zero < 3:
+            buffers += 2 * self.options.dp_bucket_bytes
+        if strategy.sequence_parallel:
+            buffers += self._boundary_bytes * strategy.micro_batch_size / strategy.cp
+        return buffers + self._cp_buffer_bytes(strategy)
+
+    def _cp_buffer_bytes(self, strategy: Strategy) -> float:
+        """Context parallelism's gathered whole-sequence K and V, and their gradients."""
+        if strategy.cp == 1:
+            return 0.0
+        return 2 * self._largest_kv_bytes * strategy.micro_batch_size / strategy.tp
+
+    @cached_property
+    def _boundary_bytes(self) -> float:
+        return boundary_bytes(self.graph)
+
+    @cached_property
+    def _largest_kv_bytes(self) -> float:
+        """The largest attention's K and V per sequence (bytes)."""
+        largest = 0.0
+        for seg_type in self.graph.types.values():
+            for node in seg_type.nodes:
+                if node.kind is OpKind.ATTENTION and len(node.input_shapes) >= 3:
+                    kv = sum(math.prod(shape) for shape in node.input_shapes[1:3])
+                    largest = max(largest, kv * self.training.dtype.activation_bytes)
+        return largest

@@ -47,3 +47,8 @@ class CostOptions(BaseModel):
     # PyTorch caching allocator: reserved exceeds allocated by ~5-15% in LLM training
     allocator_margin: float = Field(default=0.10, ge=0, lt=1)
     workspace_gib: float = Field(default=0.5, ge=0)  # cuBLAS/NCCL workspaces, CUDA graphs
+
+    @property
+    def dp_bucket_bytes(self) -> float:
+        """Bytes of one gradient bucket."""
+        return self.dp_bucket_mib * 2**20

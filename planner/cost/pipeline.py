@@ -1,4 +1,4 @@
-"""Pipeline schedules: step time from per-rank micro-batch times, and stage splits.
+"""Pipeline schedules: step time from per-rank micro-batch times, and the even stage split.
 
 With per-micro-batch times ``t_r`` on pipeline rank ``r`` (forward + backward +
 recompute + exposed in-stage communication) and ``m`` micro-batches:
@@ -14,10 +14,13 @@ recompute + exposed in-stage communication) and ``m`` micro-batches:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from planner.spec import Schedule
 
-__all__ = ["pipeline_time", "balanced_chunks", "rank_chunks"]
+__all__ = ["pipeline_time", "balanced_chunks", "even_split", "rank_chunks"]
+
+T = TypeVar("T")
 
 
 def pipeline_time(
@@ -46,6 +49,22 @@ def balanced_chunks(num_blocks: int, num_chunks: int) -> list[int]:
     for index in order[:extra]:
         counts[index] += 1
     return counts
+
+
+def even_split(
+    blocks: Sequence[T], num_chunks: int, before: Sequence[T] = (), after: Sequence[T] = ()
+) -> list[list[T]]:
+    """The even stage split: ``blocks`` in ``num_chunks`` consecutive runs sized by
+    :func:`balanced_chunks`, with ``before`` (the embeddings) joining the first run and
+    ``after`` (the final norm and head) the last. Needs ``num_chunks <= len(blocks)``."""
+    chunks: list[list[T]] = []
+    start = 0
+    for count in balanced_chunks(len(blocks), num_chunks):
+        chunks.append(list(blocks[start : start + count]))
+        start += count
+    chunks[0] = [*before, *chunks[0]]
+    chunks[-1] = [*chunks[-1], *after]
+    return chunks
 
 
 def rank_chunks(pp: int, virtual_stages: int) -> list[list[int]]:

@@ -23,6 +23,7 @@ from planner.cost.options import CostOptions
 from planner.cost.spec_graph import graph_from_spec
 from planner.errors import SpecError
 from planner.hardware import load_profile
+from planner.parallel_dims import ParallelDims
 from planner.presets import get_preset
 from planner.spec import Cluster, ModelSpec, Prediction, Strategy, Training, load_document
 
@@ -120,15 +121,12 @@ def check_run(model: ModelSpec, cluster: Cluster, training: Training, strategy: 
                 f"model.{name} ({heads}) is not divisible by tp ({s.tp}): "
                 "choose a tp that divides the head counts"
             )
-    per_step = s.dp * s.micro_batch_size * s.num_microbatches
-    if per_step != training.global_batch_size:
-        raise SpecError(
-            f"dp({s.dp}) * micro_batch_size({s.micro_batch_size}) * num_microbatches("
-            f"{s.num_microbatches}) = {per_step} != training.global_batch_size("
-            f"{training.global_batch_size}): make them agree"
-        )
-    if model.seq_len % s.cp:
-        raise SpecError(f"seq_len ({model.seq_len}) is not divisible by cp ({s.cp}): change cp")
+    dims = ParallelDims.of(s)
+    blocker = dims.batch_blocker(
+        training.global_batch_size, s.micro_batch_size, s.num_microbatches
+    ) or dims.sequence_blocker(model.seq_len)
+    if blocker is not None:
+        raise SpecError(blocker)
     if s.num_stages > model.num_layers:
         raise SpecError(
             f"pp({s.pp}) * virtual_stages({s.virtual_stages}) = {s.num_stages} model chunks "

@@ -11,15 +11,16 @@ re-runs its forward (with its communication); ``selective`` follows
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost.communication import Collective, LinkModel, collective_time
+from planner.cost.communication import Collective, MeshLinks, collective_time
 from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
 from planner.cost.options import AttentionKernel, CostOptions, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
+from planner.dtypes import FP32_BYTES
 from planner.graph import OpKind, OpNode, SegmentType
-from planner.spec import RecomputeMode
+from planner.spec import Axis, RecomputeMode
 
 __all__ = ["TypeCost", "SegmentPricer"]
 
@@ -40,16 +41,16 @@ class TypeCost:
 
 
 class SegmentPricer:
-    """Prices segment types; ``axis_link(size, stride)`` gives a mesh axis's link and
+    """Prices segment types; ``links`` gives the mesh groups' links and
     ``assignment(tp, sequence_parallel)`` the tensor-parallel layout to price."""
 
     def __init__(
-        self, compute: ComputeModel, options: CostOptions,
-        axis_link: Callable[[int, int], LinkModel], assignment: AssignmentSource,
+        self, compute: ComputeModel, options: CostOptions, links: MeshLinks,
+        assignment: AssignmentSource,
     ) -> None:  # fmt: skip
         self.compute = compute
         self.options = options
-        self.axis_link = axis_link
+        self.links = links
         self.assignment = assignment
         self.element_bytes = compute.element_bytes
 
@@ -117,7 +118,7 @@ class SegmentPricer:
             kept += scaled
             if node.kind is OpKind.LOSS:  # logits and their fp32 gradient live alongside
                 elements = math.prod(node.input_shapes[0]) if node.input_shapes else 0
-                transient = elements * (self.element_bytes + 4) * scale
+                transient = elements * (self.element_bytes + FP32_BYTES) * scale
                 logits += scaled + transient
                 kept += transient
         return kept, logits
@@ -138,7 +139,7 @@ class SegmentPricer:
         """
         if key.tp == 1 or not split.comms:
             return 0.0, 0.0
-        link = self.axis_link(key.tp, 1)
+        link = self.links.group(key.tp, key.dims, Axis.TP)
         fwd = bwd = 0.0
         for comm in split.comms:
             seconds = collective_time(comm.kind, comm.bytes_for(key), key.tp, link)
@@ -158,7 +159,7 @@ class SegmentPricer:
         """Exposed context-parallel (forward, backward) seconds: K/V exchange under attention."""
         if key.cp == 1:
             return 0.0, 0.0
-        link = self.axis_link(key.cp, key.tp)
+        link = self.links.group(key.cp, key.dims, Axis.CP)
         fwd = bwd = 0.0
         for node, time in zip(nodes, times, strict=True):
             if node.kind is not OpKind.ATTENTION or len(node.input_shapes) < 3:

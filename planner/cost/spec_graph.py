@@ -18,6 +18,7 @@ it keeps follows the norm's rule.
 
 from __future__ import annotations
 
+from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
 from planner.spec import Activation, DType, Family, ModelSpec
 
@@ -36,7 +37,7 @@ class _Builder:
         inputs = (self.nodes[-1].name,) if self.nodes else ()
         self.nodes.append(
             OpNode(name=name, kind=kind, target=target, module=module, inputs=inputs,
-                   dtype="bf16" if self.e == 2 else "fp32", **fields)  # type: ignore[arg-type]
+                   dtype="bf16" if self.e == HALF_BYTES else "fp32", **fields)  # type: ignore[arg-type]
         )  # fmt: skip
 
     def linear(self, module: str, out_f: int, in_f: int, bias: bool, saved_input: bool) -> None:
@@ -104,18 +105,25 @@ class _Builder:
 # Eager operator sequences as (name, bytes read, bytes written) per element, for 2-byte
 # activations. RMSNorm follows planner.models.transformer (fp32 upcast); rotary is the
 # fp32 complex multiply of torchtitan/Llama (the zoo's cat-based form moves more bytes).
-_RMSNORM = (("to_fp32", 2, 4), ("pow", 4, 4), ("mean", 4, 0), ("mul_rsqrt", 4, 4),
-            ("to_bf16", 4, 2), ("mul_weight", 2, 2))  # fmt: skip
-_ROTARY = (("to_fp32", 2, 4), ("complex_mul", 4, 4), ("to_bf16", 4, 2))  # fp32 complex multiply
+_RMSNORM = (
+    ("to_fp32", HALF_BYTES, FP32_BYTES), ("pow", FP32_BYTES, FP32_BYTES), ("mean", FP32_BYTES, 0),
+    ("mul_rsqrt", FP32_BYTES, FP32_BYTES), ("to_bf16", FP32_BYTES, HALF_BYTES),
+    ("mul_weight", HALF_BYTES, HALF_BYTES),
+)  # fmt: skip
+_ROTARY = (
+    ("to_fp32", HALF_BYTES, FP32_BYTES), ("complex_mul", FP32_BYTES, FP32_BYTES),
+    ("to_bf16", FP32_BYTES, HALF_BYTES),
+)  # fmt: skip
 
 
 def _norm(b: _Builder, module: str, spec: ModelSpec, h: int) -> None:
     """LayerNorm is one fused kernel keeping input and output (Korthikanti: 2+2 bytes per
     element); eager RMSNorm also keeps its fp32 upcast and normalised value (4+2+2)."""
-    scale = b.e / 2
+    scale = b.e / HALF_BYTES
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
-        b.chain(module, OpKind.NORM, h, steps, saved_per_element=8.0 * scale, params=h)
+        kept = FP32_BYTES + 2 * HALF_BYTES  # fp32 upcast, normalised value, output
+        b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=h)
     else:
         b.chain(module, OpKind.NORM, h, (("layer_norm", b.e, b.e),), 2.0 * b.e, params=2 * h)
 
@@ -133,7 +141,7 @@ def _block(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
     b.linear("attention.wk", kv, h, bias, saved_input=False)
     b.linear("attention.wv", kv, h, bias, saved_input=False)
     if spec.family is Family.LLAMA:
-        steps = tuple((n, r * e / 2, w * e / 2) for n, r, w in _ROTARY)
+        steps = tuple((n, r * e / HALF_BYTES, w * e / HALF_BYTES) for n, r, w in _ROTARY)
         b.chain("attention", OpKind.ELEMENTWISE, h + kv, steps, saved_per_element=0.0)
     if kv < h:  # grouped-query attention: K and V repeated to every query head
         b.chain("attention", OpKind.ELEMENTWISE, 2 * h, (("repeat_kv", e * kv / h, e),), 0.0)
@@ -160,7 +168,8 @@ def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
     b = _Builder(e, seq)
     h, v = spec.hidden_size, spec.vocab_size
     b.pointwise("tok_embeddings", "tok_embeddings", OpKind.EMBEDDING, h, 0,
-                saved=float(seq * 8), params=v * h, flops_per_element=0.0)  # fmt: skip
+                saved=float(seq * ELEMENT_BYTES["int64"]), params=v * h,
+                flops_per_element=0.0)  # fmt: skip
     if spec.family is not Family.LLAMA:
         b.pointwise("pos_embeddings", "pos_embeddings", OpKind.ELEMENTWISE, h, 1,
                     saved=float(seq * h) if dropout else 0.0, params=seq * h)  # fmt: skip
@@ -176,7 +185,8 @@ def _head(spec: ModelSpec, seq: int, e: int) -> SegmentType:
         last = b.nodes[-1]
         b.nodes[-1] = OpNode(**{**last.__dict__, "param_count": 0, "param_bytes": 0.0})
     # logits.float(), log_softmax (its fp32 output kept for backward), nll_loss
-    b.chain("loss", OpKind.LOSS, v, (("cross_entropy", e + 8, 8),), saved_per_element=4.0)
+    steps = (("cross_entropy", e + 2 * FP32_BYTES, 2 * FP32_BYTES),)
+    b.chain("loss", OpKind.LOSS, v, steps, saved_per_element=float(FP32_BYTES))
     return SegmentType(type_id="head", kind="head", nodes=tuple(b.nodes))
 
 

@@ -46,7 +46,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.cost.communication import Collective
+from planner.dtypes import FP32_BYTES
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
+from planner.parallel_dims import ParallelDims
 
 __all__ = [
     "ShardKey",
@@ -83,6 +85,11 @@ class ShardKey:
     def token_scale(self) -> float:
         """Tokens per GPU per micro-batch relative to the traced batch-1 graph."""
         return self.micro_batch_size / self.cp
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The tensor- and context-parallel part of the mesh."""
+        return ParallelDims(tp=self.tp, cp=self.cp, sp=self.sequence_parallel)
 
 
 Scaling = Literal["tokens", "sequence", "fixed"]
@@ -150,7 +157,8 @@ def unsharded(graph: OpGraph) -> TPAssignment:
 def loss_parallel_comms(tokens: int) -> tuple[Comm, ...]:
     """A vocabulary-parallel cross entropy's forward all-reduces: the max, the sum of
     exponentials and the target logit, one fp32 value per token each."""
-    return (Comm(Collective.ALL_REDUCE, 4.0 * tokens, backward=False),) * _LOSS_REDUCTIONS
+    reduction = Comm(Collective.ALL_REDUCE, float(FP32_BYTES * tokens), backward=False)
+    return (reduction,) * _LOSS_REDUCTIONS
 
 
 def replicated_grad_comm(node: OpNode) -> Comm:

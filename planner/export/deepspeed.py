@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 
 from planner.export.common import check_hook_compression, refuse, uniform_recompute
+from planner.parallel_dims import ParallelDims
 from planner.spec import CompressionKind, DType, Plan, RecomputeMode
 
 __all__ = ["to_deepspeed"]
@@ -96,7 +97,7 @@ def _check_recompute(plan: Plan) -> None:
 def _zero(plan: Plan) -> dict[str, int]:
     strategy = plan.strategy
     section: dict[str, int] = {"stage": strategy.zero}
-    if not 1 < strategy.shard_degree < strategy.dp:
+    if not ParallelDims.of(strategy).hybrid_sharding:
         return section
     if strategy.zero < 3:
         raise refuse(

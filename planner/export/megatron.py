@@ -34,6 +34,7 @@ from planner.export.common import (
     uniform_recompute,
     zoo_layers_per_chunk,
 )
+from planner.parallel_dims import ParallelDims
 from planner.spec import (
     Activation,
     CompressionKind,
@@ -227,7 +228,7 @@ def _data_parallel_args(plan: Plan) -> list[Arg]:
     strategy = plan.strategy
     if strategy.zero == 0:
         return []
-    hybrid = 1 < strategy.shard_degree < strategy.dp
+    hybrid = ParallelDims.of(strategy).hybrid_sharding
     if strategy.zero == 1:
         args: list[Arg] = [("--use-distributed-optimizer",)]
         if hybrid:

@@ -5,7 +5,7 @@ user allows it (``plan --allow-lossy-compression``). The search then prices each
 allowed option on every mesh the runtime can run it on and keeps it only where the
 step gets faster:
 
-- ``bf16``/``fp16``: DDP hook (ZeRO 0, no pipeline or context parallelism), or the
+- ``bf16``/``fp16``: DDP hook (ZeRO 0, no pipeline), or the
   FSDP2 reduce dtype with ZeRO >= 1 on any mesh;
 - ``int8``: FSDP2's reduce-scatter as int8 blocks with fp32 scales, ZeRO >= 1;
 - ``powersgd:R``: DDP hook (ZeRO 0, no pipeline or context parallelism; over
@@ -33,6 +33,7 @@ __all__ = [
     "LOSSY_WARMUP_STEPS",
     "CompressionKey",
     "LossyCompression",
+    "compression_blocker",
     "crossover_bandwidth",
     "decode",
     "encode",
@@ -146,12 +147,15 @@ class LossyCompression:
         pp: int,
         cp: int,
         zero: int,
+        dp_shard: int | None = None,
         ddp_over_tp: bool = True,
     ) -> Iterator[CompressionKey]:
-        """The options (``none`` first) the runtime can run on this mesh and ZeRO stage;
-        ``ddp_over_tp`` is false for models whose tied weights keep DDP off TP shards."""
+        """The options (``none`` first) the runtime can run on this mesh and ZeRO stage
+        (:meth:`ParallelDims.compression_blocker`); ``dp_shard`` defaults to dp under
+        ZeRO; ``ddp_over_tp`` is false for models whose tied weights keep DDP off TP shards."""
         yield _NONE
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp if zero else 1)
+        shard = dp_shard if dp_shard is not None else (dp if zero else 1)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
 
         def runs(kind: CompressionKind) -> bool:
             return dims.compression_blocker(kind, tied=not ddp_over_tp) is None
@@ -167,6 +171,18 @@ class LossyCompression:
             for local in _local_groups(cluster, dp, tp):
                 for period in self.local_sgd_periods:
                     yield (CompressionKind.LOCAL_SGD.value, 0, period, local)
+
+
+def compression_blocker(
+    compression: Compression, dims: ParallelDims, *, tied: bool = False
+) -> str | None:
+    """Why ``compression`` cannot run on the mesh ``dims``, or ``None``: what validation
+    asks :class:`ParallelDims` (:meth:`~ParallelDims.compression_blocker`, and
+    :meth:`~ParallelDims.local_sgd_blocker` for local SGD's group)."""
+    blocker = dims.compression_blocker(compression.kind, tied=tied)
+    if blocker is None and compression.kind is CompressionKind.LOCAL_SGD:
+        blocker = dims.local_sgd_blocker(compression.local_group)
+    return blocker
 
 
 def option_name(compression: Compression) -> str:

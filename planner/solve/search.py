@@ -8,13 +8,21 @@ Every candidate is a point of the space
     virtual stages, and the lossy gradient compression the user allows
     (:mod:`planner.solve.lossy`: on the meshes the runtime can run it on)
 
-restricted by the model (heads divisible by tp, blocks for every pipeline chunk,
-sequence divisible by 2 cp and at least 256 tokens per context-parallel rank unless
-pinned; interleaving with more than 4 virtual stages only when
-they divide the blocks evenly) and the user's pins. ZeRO-1 is searched only when
-pinned: ZeRO-2 sends the same bytes and keeps fewer, so it dominates. Candidates are plain tuples until
-they are costed. Two bounds, both computed from per-(tp, cp, sp, micro-batch,
-recompute) segment costs that :class:`~planner.cost.CostModel` caches:
+restricted by the model (heads divisible by tp, blocks for every pipeline chunk) and
+by the mesh rules of :class:`~planner.parallel_dims.ParallelDims`, which validation
+asks too: the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
+``2 cp`` equal chunks, and ``seq / cp`` divisible by tp under sequence parallelism),
+plain data parallelism only where DDP runs (:meth:`~ParallelDims.ddp_blocker`), and
+compression, pinned or allowed, only where it runs
+(:meth:`~ParallelDims.compression_blocker`). Heuristic restrictions on top: at least
+256 tokens per context-parallel rank unless cp is pinned; micro-batches of at most 16;
+interleaving only with micro-batches a multiple of pp, and with more than 4 virtual
+stages only when they divide the blocks evenly; ZeRO only with more than one replica,
+over all of dp or one node's share of it. ZeRO-1 is searched only when pinned: ZeRO-2
+sends the same bytes and keeps fewer, so it dominates. Candidates are small frozen
+dataclasses compared field by field until they are costed. Two bounds, both computed
+from per-(tp, cp, sp, micro-batch, recompute) segment costs that
+:class:`~planner.cost.CostModel` caches:
 
 - memory: model states plus kept activations of the evenest split, a lower bound of
   the cost model's peak; a candidate over the GPU's memory is dropped uncosted;
@@ -26,7 +34,8 @@ Candidates are costed in order of the time bound; a group whose pipelined comput
 (:meth:`~planner.cost.CostModel.pipeline_floor_s`, a tighter bound priced once for all
 its ZeRO variants) already exceeds the ``top_k``-th best step time is skipped, and the
 search stops when the first bound does, so the answer is the cost model's
-optimum over the space (branch and bound), deterministic (ties break on the tuple).
+optimum over the space (branch and bound), deterministic (ties break on the group's
+fields, in the order :class:`_Group` declares them).
 """
 
 from __future__ import annotations
@@ -37,15 +46,22 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
 from planner.parallel_dims import ParallelDims
-from planner.solve.lossy import CompressionKey, LossyCompression, decode, encode, option_name
+from planner.solve.lossy import (
+    CompressionKey,
+    LossyCompression,
+    compression_blocker,
+    decode,
+    encode,
+    option_name,
+)
 from planner.spec import (
     Compression,
     Prediction,
@@ -145,6 +161,14 @@ class ModelLimits:
             )
         return None
 
+    def sequence_blocker(self, tp: int, cp: int, sp: bool) -> str | None:
+        """Why the mesh cannot split this model's sequences
+        (:meth:`ParallelDims.sequence_blocker`), or ``None``. A ``seq_len`` of 1 is a
+        traced model's placeholder (no sequence length known: validation checks the
+        plan's once it names one), so only context parallelism is refused there."""
+        dims = ParallelDims(tp=tp, cp=cp, sp=sp and self.seq_len > 1)
+        return dims.sequence_blocker(self.seq_len)
+
     def layout_blocker(self, tp: int, sp: bool) -> str | None:
         """Why tensor parallelism ``tp`` (with ``sp``) cannot run the model, if it cannot."""
         if tp == 1 or self.layout_problem is None:
@@ -176,8 +200,22 @@ class SearchResult:
         return self.ranked[0]
 
 
-class _Group(NamedTuple):
-    """Candidates alike but for ZeRO: one time bound, several (zero, dp_shard) that fit."""
+@dataclass(frozen=True, order=True)
+class _Sharding:
+    """How a group's candidate shards model states and compresses gradients, with the
+    model-state bytes it keeps per parameter (the same for every group of a mesh)."""
+
+    zero: int
+    shard: int  # dp_shard: 1 under ZeRO-0
+    state_bytes_per_param: float
+    compression: CompressionKey
+
+
+@dataclass(frozen=True, order=True)
+class _Group:
+    """Candidates alike but for ZeRO and compression: one time bound, the shardings that
+    fit. Groups sort field by field in declaration order, the bound first; the search
+    sorts thousands, so it compares :data:`_GROUP_ORDER` keys (the same order)."""
 
     bound_s: float
     dp: int
@@ -189,18 +227,29 @@ class _Group(NamedTuple):
     recompute_rank: int
     schedule: str
     virtual: int
-    # (zero, dp_shard, memory floor in bytes, compression)
-    shardings: tuple[tuple[int, int, float, CompressionKey], ...]
+    shardings: tuple[_Sharding, ...]
+    floors: tuple[float, ...] = field(compare=False)  # each sharding's memory floor, bytes
 
     def points(self) -> Iterator[tuple[_Point, float]]:
         """Each ZeRO and compression variant's point and its memory floor (bytes)."""
-        head, tail = self[:5], self[5:10]
-        for zero, shard, floor, compression in self.shardings:
-            yield _Point(*head, zero, shard, *tail, compression), floor
+        for sharding, floor in zip(self.shardings, self.floors, strict=True):
+            yield self.point(sharding), floor
+
+    def point(self, sharding: _Sharding) -> _Point:
+        return _Point(
+            bound_s=self.bound_s, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+            zero=sharding.zero, shard=sharding.shard, sp=self.sp, mbs=self.mbs,
+            recompute_rank=self.recompute_rank, schedule=self.schedule, virtual=self.virtual,
+            compression=sharding.compression,
+        )  # fmt: skip
 
 
-class _Point(NamedTuple):
-    """A candidate before costing: a tuple, so sorting is cheap and deterministic."""
+_GROUP_ORDER = attrgetter(*(f.name for f in fields(_Group) if f.compare))
+
+
+@dataclass(frozen=True, order=True)
+class _Point:
+    """A candidate before costing: plain fields, so it orders deterministically."""
 
     bound_s: float
     dp: int
@@ -248,6 +297,7 @@ class _Space:
         self.enumerated = 0  # candidates that passed it
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
+        self.compression_blocked: str | None = None  # why a pinned compression was dropped
         self._work: dict[tuple[int, int, bool, int, int], WholeModelCost] = {}
 
     def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> WholeModelCost:
@@ -266,9 +316,9 @@ class _Space:
             if not (pins.allows("tp", tp) and limits.allows_tp(tp)):
                 continue
             for cp in _divisors(n // tp):
-                if not pins.allows("cp", cp) or (cp > 1 and limits.seq_len % (2 * cp)):
+                if not pins.allows("cp", cp) or (cp > 1 and not limits.context_parallel):
                     continue
-                if cp > 1 and not limits.context_parallel:
+                if limits.sequence_blocker(tp, cp, sp=False) is not None:
                     continue
                 if cp > 1 and limits.seq_len // cp < _MIN_CP_TOKENS and pins.cp is None:
                     continue
@@ -286,14 +336,15 @@ class _Space:
         """(zero, dp_shard) pairs: plain DP, ZeRO 1-3 over all of dp, hybrid over a node.
 
         ZeRO shards over dp x cp (context-parallel ranks hold the same weights), so it
-        applies with dp = 1 when cp > 1. Plain DP only where DDP runs (:func:`ddp_blocker`).
+        applies with dp = 1 when cp > 1. Plain DP only where DDP runs
+        (:meth:`ParallelDims.ddp_blocker`).
         """
-        if dp * cp == 1:
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+        if dims.replicas == 1:
             if self.pins.allows("zero", 0):
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
         ddp = dims.ddp_blocker(tied=not self.limits.ddp_over_tp) is None
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
@@ -310,12 +361,16 @@ class _Space:
             if self.pins.allows("schedule", Schedule.ONE_F_ONE_B) or self.pins.schedule is None:
                 yield Schedule.ONE_F_ONE_B.value, 1
             return
+        dims = ParallelDims(pp=pp)
         for schedule in (Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ZERO_BUBBLE):
-            if schedule is Schedule.ONE_F_ONE_B and microbatches < pp:
-                continue  # 1F1B needs a micro-batch per stage
+            if dims.schedule_blocker(schedule, microbatches) is not None:
+                continue
             if self.pins.allows("schedule", schedule) and self.pins.allows("virtual_stages", 1):
                 yield schedule.value, 1
-        if not self.pins.allows("schedule", Schedule.INTERLEAVED_1F1B) or microbatches % pp:
+        interleaved = Schedule.INTERLEAVED_1F1B
+        if not self.pins.allows("schedule", interleaved) or dims.schedule_blocker(
+            interleaved, microbatches
+        ):
             return
         for virtual in range(2, self.limits.num_blocks // pp + 1):
             even = self.limits.num_blocks % (pp * virtual) == 0
@@ -334,30 +389,55 @@ class _Space:
     def groups(self) -> Iterator[_Group]:
         """Candidates that differ only in ZeRO sharding, with the shardings that fit."""
         for dp, tp, pp, cp in self.meshes():
-            for mbs in self.micro_batches(dp):
+            sizes = self.micro_batches(dp)
+            if not sizes:
+                continue
+            sps = [sp for sp in ((False, True) if tp > 1 else (False,)) if self._runs(tp, cp, sp)]
+            if not sps:
+                continue
+            variants = self.variants(dp, tp, pp, cp)
+            for mbs in sizes:
                 microbatches = self.training.global_batch_size // (dp * mbs)
-                for sp in (False, True) if tp > 1 else (False,):
-                    if not self.pins.allows("sequence_parallel", sp):
-                        continue
-                    if self.limits.layout_blocker(tp, sp) is not None:
-                        continue
-                    yield from self._groups(dp, tp, pp, cp, mbs, microbatches, sp)
+                for sp in sps:
+                    yield from self._groups(dp, tp, pp, cp, mbs, microbatches, sp, variants)
+
+    def _runs(self, tp: int, cp: int, sp: bool) -> bool:
+        """Whether sequence parallelism ``sp`` is searched at tensor parallelism ``tp``:
+        pinned so or free, the sequence splits (:meth:`ModelLimits.sequence_blocker`)
+        and a layout runs the model."""
+        if not self.pins.allows("sequence_parallel", sp):
+            return False
+        if sp and self.limits.sequence_blocker(tp, cp, sp) is not None:
+            return False
+        return self.limits.layout_blocker(tp, sp) is None
+
+    def variants(self, dp: int, tp: int, pp: int, cp: int) -> tuple[_Sharding, ...]:
+        """Every (zero, dp_shard) of the mesh with each compression that runs there."""
+        variants = []
+        for zero, shard in self.shardings(dp, tp, pp, cp):
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
+            per_param = self._state_bytes_per_param(zero, dims.zero_shard_ranks)
+            for key in self.compressions(dp, tp, pp, cp, zero, shard):
+                sharding = _Sharding(
+                    zero=zero, shard=shard, state_bytes_per_param=per_param, compression=key
+                )
+                variants.append(sharding)
+        return tuple(variants)
 
     def _groups(
-        self, dp: int, tp: int, pp: int, cp: int, mbs: int, microbatches: int, sp: bool
+        self,
+        dp: int,
+        tp: int,
+        pp: int,
+        cp: int,
+        mbs: int,
+        microbatches: int,
+        sp: bool,
+        variants: tuple[_Sharding, ...],
     ) -> Iterator[_Group]:
-        shardings = [
-            (z, d, self._state_bytes_per_param(z, d * cp))
-            for z, d in self.shardings(dp, tp, pp, cp)
-        ]
         schedules = [
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
             for s, v in self.schedules(pp, microbatches)
-        ]
-        variants = [
-            (zero, shard, per_param, key)
-            for zero, shard, per_param in shardings
-            for key in self.compressions(dp, tp, pp, cp, zero)
         ]
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
@@ -366,33 +446,50 @@ class _Space:
             params = work.param_count / pp
             kept = (self.limits.num_blocks // pp) * work.least_block_activation_bytes
             for schedule, virtual, fill, in_flight in schedules:
-                bound = work.time_s / pp * (microbatches + fill)
-                group = (bound, dp, tp, pp, cp, sp, mbs, rank, schedule, virtual)
-                fitting = []
-                for zero, shard, per_param, key in variants:
-                    needed = params * per_param + kept * in_flight
+                activations = kept * in_flight
+                fitting: list[_Sharding] = []
+                floors: list[float] = []
+                lean: _Sharding | None = None
+                for variant in variants:
+                    needed = params * variant.state_bytes_per_param + activations
                     if needed <= self.capacity:
-                        fitting.append((zero, shard, needed, key))
+                        fitting.append(variant)
+                        floors.append(needed)
                         continue
                     self.over_memory += 1
                     if needed < self._leanest_bytes:
-                        self.leanest = _Point(*group[:5], zero, shard, *group[5:], key)
-                        self._leanest_bytes = needed
+                        lean, self._leanest_bytes = variant, needed
+                if not fitting and lean is None:
+                    continue
+                group = _Group(
+                    bound_s=work.time_s / pp * (microbatches + fill), dp=dp, tp=tp, pp=pp,
+                    cp=cp, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
+                    virtual=virtual, shardings=tuple(fitting), floors=tuple(floors),
+                )  # fmt: skip
+                if lean is not None:
+                    self.leanest = group.point(lean)
                 if fitting:
                     self.enumerated += len(fitting)
-                    yield _Group(*group, tuple(fitting))
+                    yield group
 
     def compressions(
-        self, dp: int, tp: int, pp: int, cp: int, zero: int
+        self, dp: int, tp: int, pp: int, cp: int, zero: int, shard: int
     ) -> Iterator[CompressionKey]:
-        """The pinned compression, or ``none`` and the allowed lossy options that run here."""
+        """The pinned compression where it runs, or ``none`` and the allowed lossy options
+        that run here."""
         pinned = self.pins.compression
+        tied = not self.limits.ddp_over_tp
         if pinned is not None:
-            yield encode(pinned)
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
+            blocker = compression_blocker(pinned, dims, tied=tied)
+            if blocker is None:
+                yield encode(pinned)
+            elif self.compression_blocked is None:  # the first: ZeRO-0 (DDP hooks) comes first
+                self.compression_blocked = blocker
             return
         yield from self.lossy.keys(
             self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
-            ddp_over_tp=self.limits.ddp_over_tp,
+            dp_shard=shard, ddp_over_tp=not tied,
         )  # fmt: skip
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
@@ -425,7 +522,14 @@ def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
 
 
 def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
-    """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up."""
+    """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up:
+    its fields pinned, and the micro-batch count the one the search derives from the
+    global batch (:meth:`ParallelDims.batch_blocker`)."""
+    batch = ParallelDims.of(strategy).batch_blocker(
+        model.training.global_batch_size, strategy.micro_batch_size, strategy.num_microbatches
+    )
+    if batch is not None:
+        return False
     lossy = LossyCompression.allowing(strategy.compression)
     space = _Space(model, limits, Pins.of(strategy), lossy)
     return any(True for _ in space.groups()) or space.over_memory > 0
@@ -459,9 +563,9 @@ def search(
     lossy = lossy or LossyCompression()
     _check_pinned_compression(pins, lossy)
     space = _Space(model, limits, pins, lossy)
-    groups = sorted(space.groups())
+    groups = sorted(space.groups(), key=_GROUP_ORDER)
     if not groups and not space.over_memory:
-        raise _no_candidates(model, limits, pins)
+        raise _no_candidates(model, limits, pins, space.compression_blocked)
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
     costed: list[Scored] = []
     front = _FrontFloor()
@@ -537,7 +641,9 @@ def _check_pinned_compression(pins: Pins, lossy: LossyCompression) -> None:
         )
 
 
-def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecError:
+def _no_candidates(
+    model: CostModel, limits: ModelLimits, pins: Pins, compression_blocked: str | None
+) -> SpecError:
     """Why the pins leave nothing to search, naming the factors."""
     gpus, batch = model.cluster.num_gpus, model.training.global_batch_size
     degrees = {name: getattr(pins, name) for name in ("dp", "tp", "pp", "cp")}
@@ -570,6 +676,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins) -> SpecErr
         blocker = dims.ddp_blocker(tied=not limits.ddp_over_tp)
         if blocker is not None:
             reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
+    if compression_blocked is not None:
+        reasons.append(compression_blocked)
     detail = "; ".join(reasons) or (
         "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
         "with the other pins"

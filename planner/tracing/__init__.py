@@ -9,20 +9,5 @@
 The package is ``tracing`` because ``planner.trace`` is the public function.
 """
 
-from planner.tracing.tracer import (
-    DTYPES,
-    prepare_traced_module,
-    summarize,
-    trace,
-    trace_for_training,
-    trace_model,
-)
-
-__all__ = [
-    "DTYPES",
-    "trace",
-    "trace_model",
-    "trace_for_training",
-    "summarize",
-    "prepare_traced_module",
-]
+from planner.tracing.tracer import *  # noqa: F403  (its __all__: the public names)
+from planner.tracing.tracer import __all__ as __all__

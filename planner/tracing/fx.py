@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from planner.torch_dtypes import dtype_name
 from planner.tracing.ops import RawOp, TensorRef
 
 __all__ = [
@@ -64,13 +65,6 @@ _LEAF_MODULES: dict[type[nn.Module], str] = {
     nn.MaxPool2d: "max_pool2d",
     nn.AvgPool2d: "avg_pool2d",
     nn.AdaptiveAvgPool2d: "adaptive_avg_pool2d",
-}
-_DTYPE_NAMES = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "fp8",
 }
 _NOISY_TORCH_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._export")
 # Per-layer counters such as HF's ``layer_idx`` differ between identical blocks.
@@ -122,10 +116,6 @@ def structural_hash(module: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
 def _tensor_meta(node: torch.fx.Node) -> tuple[tuple[int, ...], torch.dtype] | None:
     """Shape and dtype of a node's (first) tensor result, from ShapeProp or export."""
     meta: Any = node.meta.get("tensor_meta", node.meta.get("val"))
@@ -145,7 +135,7 @@ def _ref(
     batched: bool = False,
 ) -> TensorRef:
     return TensorRef(
-        shape=shape, dtype=_dtype_name(dtype), itemsize=dtype.itemsize,
+        shape=shape, dtype=dtype_name(dtype), itemsize=dtype.itemsize,
         requires_grad=requires_grad, producer=producer,
         param=id(param) if param is not None else None, batched=batched,
     )  # fmt: skip

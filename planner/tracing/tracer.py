@@ -34,6 +34,7 @@ from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.modules import find_blocks
 from planner.spec import DType, Family, Training
+from planner.torch_dtypes import TORCH_DTYPES
 from planner.tracing.fx import (
     BlockCall,
     Traced,
@@ -54,10 +55,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# The traceable dtypes by name (from :data:`planner.torch_dtypes.TORCH_DTYPES`).
 DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
+    dtype.value: TORCH_DTYPES[dtype] for dtype in (DType.BF16, DType.FP16, DType.FP32)
 }
 _WRAPPED = "model."  # FQN prefix of the traced model inside the loss wrapper
 

@@ -1,0 +1,262 @@
+"""Per-step costs of the data-parallel axis: gradient reduction, compression, optimizer.
+
+DDP all-reduces the gradients over ``dp x cp`` (context-parallel ranks hold the same
+weights); ZeRO/FSDP2 reduce-scatters them over the ZeRO shard ranks and all-gathers
+the half-precision weights, with an exact all-reduce over the hybrid-sharding replicas;
+gradient compression (:mod:`~planner.cost.compression`) changes the bytes on the wire
+and adds its compute. Every time is the exposed part, in seconds per optimizer step on
+the slowest pipeline rank: with the options' overlap a reduction hides under the
+backward and a gather under the forward, all but the last bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from planner.cost.communication import Collective, LinkModel, MeshLinks, collective_time
+from planner.cost.compression import (
+    INT8_WIRE_BYTES,
+    GradientShapes,
+    PowerSGDWork,
+    bucket_count,
+    gradient_shapes,
+    half_cast_time,
+    half_wire_bytes,
+    int8_buffer_bytes,
+    int8_quantize_time,
+    max_useful_rank,
+    powersgd_comm_time,
+    powersgd_compute_time,
+    powersgd_memory_bytes,
+    powersgd_work,
+)
+from planner.cost.compute import ComputeModel
+from planner.cost.options import CostOptions
+from planner.cost.ranks import RankSums
+from planner.cost.tp import TPAssignment
+from planner.dtypes import FP32_BYTES, HALF_BYTES
+from planner.errors import SpecError
+from planner.graph import OpGraph
+from planner.parallel_dims import ParallelDims
+from planner.spec import Axis, CompressionKind, Strategy, Training
+
+__all__ = ["DataParallelCost", "exposed"]
+
+
+def exposed(comm: float, window: float, tail: float, overlapped: bool) -> float:
+    """Seconds of ``comm`` left exposed when it runs under ``window`` seconds of compute
+    (if ``overlapped``); ``tail`` seconds of it (the last bucket) are never hidden."""
+    if not overlapped:
+        return comm
+    return max(comm - window, min(tail, comm))
+
+
+def _refuse(blocker: str | None) -> None:
+    if blocker is not None:
+        raise SpecError(blocker)
+
+
+@dataclass(eq=False)
+class DataParallelCost:
+    """Data-parallel, FSDP and compression seconds and bytes of ``graph`` trained as
+    ``training``; ``tp_layout(tp, sequence_parallel)`` gives the tensor-parallel shards
+    whose gradient matrices PowerSGD compresses."""
+
+    graph: OpGraph
+    training: Training
+    options: CostOptions
+    compute: ComputeModel
+    links: MeshLinks
+    tp_layout: Callable[[int, bool], TPAssignment]
+    _gradient_shapes: dict[tuple[int, bool], GradientShapes] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
+        """Exposed data-parallel ('comm_dp'), ZeRO-3/FSDP ('comm_fsdp') and gradient
+        compression ('compression', only when compressed) seconds per step."""
+        kind = strategy.compression.kind
+        _refuse(ParallelDims.of(strategy).compression_blocker(kind))
+        if kind is CompressionKind.POWERSGD:
+            return self._powersgd_times(strategy, slowest)
+        if kind is CompressionKind.LOCAL_SGD:
+            return self._local_sgd_times(strategy, slowest)
+        reduce_bytes = self.options.grad_reduce_bytes
+        if kind is CompressionKind.NONE:
+            return self._reduction_times(strategy, slowest, reduce_bytes)
+        if kind is CompressionKind.INT8:
+            times = self._reduction_times(strategy, slowest, reduce_bytes, INT8_WIRE_BYTES)
+            times["compression"] = int8_quantize_time(slowest.params, self.compute)
+            return times
+        times = self._reduction_times(strategy, slowest, half_wire_bytes(reduce_bytes))
+        buckets = bucket_count(reduce_bytes * slowest.params, self.options.dp_bucket_bytes)
+        times["compression"] = half_cast_time(slowest.params, buckets, reduce_bytes, self.compute)
+        return times
+
+    def payload_bytes(self, strategy: Strategy, params: float) -> float:
+        """Bytes per rank per step that enter reductions over the whole data-parallel
+        group for ``params`` parameters per rank (the arrays' sizes, not bus bytes).
+        Local SGD counts its parameter average amortised over ``period`` steps."""
+        if ParallelDims.of(strategy).replicas == 1:
+            return 0.0
+        kind = strategy.compression.kind
+        _refuse(ParallelDims.of(strategy).compression_blocker(kind))
+        element = self.options.grad_reduce_bytes
+        if kind is CompressionKind.POWERSGD:
+            work = self.powersgd_work(strategy)
+            moved = work.uncompressed_elements + work.p_elements + work.q_elements
+            return moved * element
+        if kind is CompressionKind.LOCAL_SGD:
+            return element * params / self._local_sgd_group(strategy)[1]
+        if kind in (CompressionKind.FP16, CompressionKind.BF16):
+            return half_wire_bytes(element) * params
+        if kind is CompressionKind.INT8:  # an HSDP replica all-reduce of the shard stays exact
+            shard = ParallelDims.of(strategy).zero_shard_ranks
+            replica = element / shard if strategy.replicate_degree > 1 else 0.0
+            return params * (INT8_WIRE_BYTES + replica)
+        return element * params
+
+    def compression_bytes(self, strategy: Strategy, rank: RankSums) -> float | None:
+        """Bytes the gradient compression keeps on ``rank`` (PowerSGD's error feedback and
+        ``P``, ``Q``; int8's transient copies of one module), ``None`` for other kinds."""
+        kind = strategy.compression.kind
+        if kind is CompressionKind.POWERSGD:
+            work = self.powersgd_work(strategy)
+            return powersgd_memory_bytes(work, rank.params, self.options.grad_reduce_bytes)
+        if kind is CompressionKind.INT8:
+            return int8_buffer_bytes(max(rank.largest_params, default=0.0))
+        return None
+
+    def powersgd_work(self, strategy: Strategy) -> PowerSGDWork:
+        """PowerSGD's elements and FLOPs; refuses a rank that compresses no matrix."""
+        rank = strategy.compression.rank
+        assert rank is not None  # Compression gives powersgd a rank
+        shapes = self._shapes(strategy)
+        work = powersgd_work(shapes, rank)
+        if not work.compressed:
+            m, n = max(shapes.matrices, key=lambda mn: mn[0] * mn[1], default=(0, 0))
+            useful = max_useful_rank(m, n) if m * n else 0
+            raise SpecError(
+                f"strategy.compression.rank = {rank} compresses none of the model's gradient "
+                f"matrices (largest {m} x {n}; PowerSGD pays only when rank * (m + n) * 2 < "
+                f"m * n): use a rank <= {useful}, or compression 'bf16'"
+            )
+        return work
+
+    def optimizer_time(self, strategy: Strategy, params: float) -> float:
+        """Seconds of the Adam/SGD step, gradient norm and zeroing on this rank's shard of
+        ``params`` parameters: memory-bound.
+
+        Per sharded parameter: fp32 master read+write, fp32 gradient read, moments
+        read+write, half-precision weight write; per gradient element held, a read for
+        the norm (with clipping) and a write to zero it.
+        """
+        moments = self.training.optimizer.state_bytes_per_param
+        shard = ParallelDims.of(strategy).zero_shard_ranks
+        grad_shard = shard if strategy.zero >= 2 else 1
+        sharded = 2 * FP32_BYTES + FP32_BYTES + 2 * moments + HALF_BYTES
+        per_gradient = (2 if self.training.grad_clip else 1) * FP32_BYTES
+        per_param = sharded / shard + per_gradient / grad_shard
+        return self.compute.memory_time(per_param * params)
+
+    def _shapes(self, strategy: Strategy) -> GradientShapes:
+        """The graph's 2-D weight gradients and vector elements per tensor-parallel shard."""
+        key = (strategy.tp, strategy.sequence_parallel)
+        if key not in self._gradient_shapes:
+            self._gradient_shapes[key] = gradient_shapes(self.graph, self.tp_layout(*key))
+        return self._gradient_shapes[key]
+
+    def _data_link(self, ranks: int, dims: ParallelDims) -> LinkModel:
+        """The link of ``ranks`` data-parallel ranks (context parallelism innermost)."""
+        return self.links.group(ranks, dims, Axis.CP)
+
+    def _all_reduce(self, nbytes: float, ranks: int, dims: ParallelDims, window: float) -> float:
+        """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``."""
+        link = self._data_link(ranks, dims)
+        reduce = collective_time(Collective.ALL_REDUCE, nbytes, ranks, link)
+        bucket = min(nbytes, self.options.dp_bucket_bytes)
+        last = collective_time(Collective.ALL_REDUCE, bucket, ranks, link)
+        return exposed(reduce, window, last, self.options.overlap_grad_reduce)
+
+    def _reduction_times(
+        self,
+        strategy: Strategy,
+        slowest: RankSums,
+        reduce_bytes: float,
+        scatter_bytes: float | None = None,
+    ) -> dict[str, float]:
+        """Exposed 'comm_dp' and 'comm_fsdp' with ``reduce_bytes`` per gradient element
+        (``scatter_bytes`` in ZeRO's reduce-scatter, if it differs)."""
+        dims = ParallelDims.of(strategy)
+        params = slowest.params
+        grad = reduce_bytes * params
+        fwd, bwd = slowest.total("forward_s"), slowest.reduce_window_s
+        if strategy.zero == 0:  # DDP over dp x cp
+            return {"comm_dp": self._all_reduce(grad, dims.replicas, dims, bwd)}
+        shard, replicate = dims.zero_shard_ranks, strategy.replicate_degree
+        scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
+        half = HALF_BYTES * params
+        bucket = self.options.dp_bucket_bytes
+        shard_link = self._data_link(shard, dims)
+        rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
+        replica = collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link)
+        scatter = collective_time(Collective.REDUCE_SCATTER, scattered, shard, shard_link)
+        gather = collective_time(Collective.ALL_GATHER, half, shard, shard_link)
+        last_rs = collective_time(
+            Collective.REDUCE_SCATTER, min(scattered, bucket), shard, shard_link
+        )
+        last_ag = collective_time(Collective.ALL_GATHER, min(half, bucket), shard, shard_link)
+        prefetch, reduce = self.options.overlap_param_gather, self.options.overlap_grad_reduce
+        if strategy.zero < 3:
+            comm = exposed(scatter + replica, bwd, last_rs, reduce)
+            comm += exposed(gather, fwd, last_ag, prefetch)
+            return {"comm_dp": comm}
+        # pp == 1: gather before forward and backward, reduce-scatter per micro-batch;
+        # pp > 1 (torchtitan): parameters stay gathered and gradients reduce once per step
+        ag_fwd = exposed(gather, fwd, last_ag, prefetch)
+        if strategy.pp == 1:
+            ag_bwd = exposed(gather + scatter, bwd, last_rs, prefetch and reduce)
+            fsdp = strategy.num_microbatches * (ag_fwd + ag_bwd)
+        else:
+            fsdp = ag_fwd + exposed(scatter, bwd, last_rs, reduce)
+        return {"comm_fsdp": fsdp, "comm_dp": exposed(replica, bwd, 0.0, reduce)}
+
+    def _powersgd_times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
+        """PowerSGD's exposed all-reduces ('comm_dp') and compression compute per step."""
+        rank = strategy.compression.rank
+        assert rank is not None  # Compression gives powersgd a rank
+        work = self.powersgd_work(strategy)
+        element = self.options.grad_reduce_bytes
+        buckets = bucket_count(element * slowest.params, self.options.dp_bucket_bytes)
+        link = self._data_link(strategy.dp, ParallelDims.of(strategy))  # a DDP hook: cp = 1
+        comm, last = powersgd_comm_time(work, buckets, strategy.dp, link, element)
+        compute = powersgd_compute_time(work, rank, buckets, slowest.params, self.compute, element)
+        overlapped = self.options.overlap_grad_reduce and self.options.overlap_powersgd
+        return {
+            "comm_dp": exposed(comm, slowest.reduce_window_s, last, overlapped),
+            "compression": compute,
+        }
+
+    def _local_sgd_times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
+        """Local SGD: every step a gradient all-reduce inside the local group (overlapped
+        with backward like DDP's), every ``period`` steps an exposed all-reduce of the
+        parameters over all data-parallel ranks (amortised per step)."""
+        local, period = self._local_sgd_group(strategy)
+        dims = ParallelDims.of(strategy)  # a DDP hook: cp = 1
+        grads = self.options.grad_reduce_bytes * slowest.params
+        link = self._data_link(strategy.dp, dims)
+        average = collective_time(Collective.ALL_REDUCE, grads, strategy.dp, link)
+        return {
+            "comm_dp": self._all_reduce(grads, local, dims, slowest.reduce_window_s)
+            + average / period
+        }
+
+    @staticmethod
+    def _local_sgd_group(strategy: Strategy) -> tuple[int, int]:
+        """(local group, period) of a local-SGD strategy, checked against ``dp``."""
+        compression = strategy.compression
+        _refuse(ParallelDims.of(strategy).local_sgd_blocker(compression.local_group))
+        local, period = compression.local_group, compression.period
+        assert local is not None and period is not None  # Compression gives local_sgd both
+        return local, period

@@ -1,0 +1,101 @@
+"""What each pipeline rank spends and holds: sums of its segments' costs.
+
+:class:`SegmentTable` keeps prefix sums of per-segment costs, so a rank's totals cost
+O(chunks), not O(segments); :func:`sum_ranks` adds up each rank's chunks. Times are
+seconds per micro-batch, sizes bytes (activations at the rank's peak, over its
+in-flight micro-batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from planner.cost.memory import head_in_flight, in_flight_microbatches
+from planner.cost.pipeline import rank_chunks
+from planner.cost.segment import TypeCost
+from planner.spec import Strategy
+
+__all__ = ["TIMES", "RankSums", "SegmentTable", "sum_ranks"]
+
+TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s")
+_SUMMED = (*TIMES, "param_count", "body_activation_bytes", "head_activation_bytes")
+
+
+class SegmentTable:
+    """Per-segment costs (``kinds[i]``, ``type_costs[i]``) with prefix sums.
+
+    Model-state bytes are left out: they are linear in the parameter count, so a rank's
+    follow from its summed ``param_count`` under any ZeRO stage.
+    """
+
+    def __init__(self, kinds: list[str], costs: list[TypeCost]) -> None:
+        self.kinds = kinds
+        self.type_costs = costs
+        pairs = list(zip(kinds, costs, strict=True))
+        columns = {field: [getattr(c, field) for c in costs] for field in (*TIMES, "param_count")}
+        columns["body_activation_bytes"] = [
+            0.0 if k == "head" else c.activation_bytes for k, c in pairs
+        ]
+        columns["head_activation_bytes"] = [
+            c.activation_bytes if k == "head" else 0.0 for k, c in pairs
+        ]
+        self.prefix = {field: [0.0, *accumulate(values)] for field, values in columns.items()}
+        self.recompute_peak = [c.recompute_peak_bytes for c in costs]
+        self.params = columns["param_count"]
+
+    def span(self, field: str, start: int, stop: int) -> float:
+        """The sum of ``field`` over segments ``start`` to ``stop - 1``."""
+        prefix = self.prefix[field]
+        return prefix[stop] - prefix[start]
+
+
+@dataclass(frozen=True)
+class RankSums:
+    """What one pipeline rank holds and spends: sums over its segments."""
+
+    totals: dict[str, float]  # per micro-batch: times (s), parameters, kept bytes
+    activation_bytes: float  # at its peak, all in-flight micro-batches
+    recompute_peak_bytes: float  # the largest transient of one recomputed segment
+    largest_params: tuple[float, ...]  # parameter counts of its two largest segments
+
+    @property
+    def time_s(self) -> float:
+        """Seconds of one micro-batch's forward and backward on this rank."""
+        return sum(self.totals[field] for field in TIMES)
+
+    @property
+    def reduce_window_s(self) -> float:
+        """Seconds per micro-batch a gradient reduction can hide under: the backward
+        with its recompute."""
+        return self.totals["backward_s"] + self.totals["recompute_s"]
+
+    @property
+    def params(self) -> float:
+        return self.totals["param_count"]
+
+    def total(self, field: str) -> float:
+        return self.totals[field]
+
+
+def sum_ranks(
+    strategy: Strategy, chunks: Sequence[Sequence[int]], table: SegmentTable
+) -> list[RankSums]:
+    """Each pipeline rank's sums over its model chunks (segment indices per chunk)."""
+    heads = head_in_flight(strategy.schedule, strategy.num_microbatches)
+    ranks = []
+    for rank, chunk_ids in enumerate(rank_chunks(strategy.pp, strategy.virtual_stages)):
+        spans = [(chunks[c][0], chunks[c][-1] + 1) for c in chunk_ids if chunks[c]]
+        totals = {field: sum(table.span(field, a, b) for a, b in spans) for field in _SUMMED}
+        in_flight = in_flight_microbatches(
+            strategy.schedule, pp=strategy.pp, rank=rank,
+            num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
+        )  # fmt: skip
+        activations = (
+            totals["body_activation_bytes"] * in_flight + totals["head_activation_bytes"] * heads
+        )
+        peak = max((max(table.recompute_peak[a:b]) for a, b in spans), default=0.0)
+        params = sorted((p for a, b in spans for p in table.params[a:b]), reverse=True)
+        ranks.append(RankSums(totals, activations, peak, tuple(params[:2])))
+    return ranks
