@@ -10,7 +10,6 @@ model's time for each class. Times are seconds per optimizer step per rank.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import SpecError
+from planner.io import read_json
 from planner.measured import MeasuredProfile, check_same_plan
 from planner.spec import Plan, Prediction, load_document
 
@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 _GIB = 2**30
+
+MAX_TRACE_BYTES = 2**30  # torch.profiler traces of a few steps run to hundreds of MiB
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,7 @@ def _classify(name: str) -> str:
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise SpecError(f"cannot read trace {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(
-            f"trace {path} is not valid JSON ({exc.msg} at line {exc.lineno}): the file is "
-            "truncated or not a torch.profiler trace; export it again with export_chrome_trace"
-        ) from None
+    data = read_json(path, what="torch.profiler trace", max_bytes=MAX_TRACE_BYTES)
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise SpecError(
@@ -224,10 +218,7 @@ def load_measured_side(path: Path) -> MeasuredProfile | TraceSummary:
     """A measured profile or a trace, told apart by their contents."""
     if path.suffix == ".gz":
         raise SpecError(f"{path}: decompress the trace first (gunzip)")
-    try:
-        head = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return read_trace(path)  # raises the trace's own clear error
+    head = read_json(path, what="measured profile or trace", max_bytes=MAX_TRACE_BYTES)
     if isinstance(head, dict) and "traceEvents" in head:
         return read_trace(path)
     if isinstance(head, dict) and "plan_fingerprint" in head:

@@ -12,20 +12,20 @@ direction, ``_us`` microseconds, ``_gib`` 2^30 bytes; efficiencies are fractions
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import SpecError, UnknownNameError
-from planner.io import write_text_atomic
-from planner.spec import DType, load_document
+from planner.io import dumps_json, write_text_atomic
+from planner.spec import Bandwidth, DType, Floor, Latency, Limit, NodeSize, load_document
 
 __all__ = [
     "PROFILE_SCHEMA_VERSION",
     "MAX_FACTOR",
+    "PEAK_LIMIT",
     "CollectiveName",
     "Link",
     "HardwareProfile",
@@ -36,12 +36,22 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA_VERSION: Literal[1] = 1
-Fraction = float
 MAX_FACTOR = 10.0  # largest collective bus-bandwidth factor against all-reduce
+
+# Every number is finite and in a range whose products and quotients stay finite: a peak
+# of 0 would divide by zero, a negative one gives a negative MFU.
+_PEAK_FLOOR = Floor(1e-6, "a peak must be positive (1e-06 TFLOP/s is a megaFLOP/s)")
+PEAK_LIMIT = Limit(1e6, "more than an exaFLOP/s per device: no accelerator is that fast")
+_FRACTION_FLOOR = Floor(1e-6, "an efficiency is a fraction of the peak, in (0, 1]")
+_CAPACITY_FLOOR = Floor(1e-3, "a memory capacity must be positive (1e-03 GiB is 1 MiB)")
+_CAPACITY_LIMIT = Limit(1e9, "more than an exbibyte per device")
+PeakTflops = Annotated[float, AfterValidator(_PEAK_FLOOR), AfterValidator(PEAK_LIMIT)]
+Fraction = Annotated[float, Field(le=1), AfterValidator(_FRACTION_FLOOR)]
+Capacity = Annotated[float, AfterValidator(_CAPACITY_FLOOR), AfterValidator(_CAPACITY_LIMIT)]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 # Collectives a link can carry (the values of planner.cost.communication.Collective)
@@ -65,11 +75,11 @@ class Link(_Frozen):
     ``plan calibrate --from`` fits it to measured runs).
     """
 
-    bandwidth_GBps: float = Field(gt=0)
-    latency_us: float = Field(ge=0)
-    busbw_efficiency: Fraction = Field(gt=0, le=1)
+    bandwidth_GBps: Bandwidth
+    latency_us: Latency
+    busbw_efficiency: Fraction
     collective_factors: dict[CollectiveName, float] = {}
-    call_overhead_us: float | None = Field(default=None, ge=0)
+    call_overhead_us: Latency | None = None
 
     @model_validator(mode="after")
     def _positive_factors(self) -> Self:
@@ -101,15 +111,15 @@ class HardwareProfile(_Frozen):
     name: str
     description: str = ""
     device_kind: Literal["gpu", "cpu"] = "gpu"
-    peak_tflops: dict[DType, float]  # dense matrix throughput per dtype
-    matmul_efficiency: Fraction = Field(gt=0, le=1)  # large GEMMs in training, fraction of peak
-    matmul_overhead_us: float = Field(ge=0)  # fixed cost per GEMM (launch, tail waves)
-    attention_efficiency: Fraction = Field(gt=0, le=1)  # fused (flash) attention, of peak
-    memory_capacity_gib: float = Field(gt=0)  # usable by the framework
-    memory_bandwidth_GBps: float = Field(gt=0)
-    memory_efficiency: Fraction = Field(gt=0, le=1)  # achieved fraction for streaming ops
-    kernel_overhead_us: float = Field(ge=0)  # fixed cost per memory-bound kernel
-    gpus_per_node: int = Field(ge=1)
+    peak_tflops: dict[DType, PeakTflops]  # dense matrix throughput per dtype
+    matmul_efficiency: Fraction  # large GEMMs in training, fraction of peak
+    matmul_overhead_us: Latency  # fixed cost per GEMM (launch, tail waves)
+    attention_efficiency: Fraction  # fused (flash) attention, of peak
+    memory_capacity_gib: Capacity  # usable by the framework
+    memory_bandwidth_GBps: Bandwidth
+    memory_efficiency: Fraction  # achieved fraction for streaming ops
+    kernel_overhead_us: Latency  # fixed cost per memory-bound kernel
+    gpus_per_node: NodeSize
     links: Links
     sources: dict[str, str]
 
@@ -169,9 +179,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     """
     path = Path(name_or_path)
     if name_or_path.endswith(".json") or path.is_file():
-        if not path.is_file():
-            raise SpecError(f"hardware profile file {name_or_path!r} does not exist")
-        return load_document(HardwareProfile, path)
+        return load_document(HardwareProfile, path)  # the message names a missing file
     shipped = profile_dir() / f"{name_or_path}.json"
     if not shipped.is_file():
         raise UnknownNameError("GPU profile", name_or_path, list_profiles())
@@ -180,4 +188,5 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 def save_profile(profile: HardwareProfile, path: Path) -> None:
     """Write ``profile`` as JSON atomically (temporary file, then rename)."""
-    write_text_atomic(path, json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
+    text = dumps_json(profile.model_dump(mode="json"), what=f"hardware profile {path}")
+    write_text_atomic(path, text + "\n")

@@ -19,7 +19,6 @@ never changes a result; a model built on another device keeps transformers' kern
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import SpecError, UnknownNameError
+from planner.io import read_json
 from planner.models import ModelHandle
 
 __all__ = ["resolve_hf_config", "expected_load_experts"]
@@ -63,10 +63,8 @@ def _config_file(path: str | Path) -> Path:
 
 
 def _read_config(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecError(f"hf-config {str(file)!r} is not readable JSON: {exc}") from None
+    # Hugging Face writes Infinity in some configs (e.g. clamp values): allowed here
+    data = read_json(file, what="hf-config", finite=False)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise SpecError(
             f"hf-config {str(file)!r} has no 'model_type' field; "

@@ -12,12 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.errors import PlanMismatchError
-from planner.spec import Plan
+from planner.spec import GpuCount, Plan
 
 __all__ = [
     "MEASURED_SCHEMA_VERSION",
@@ -32,12 +32,14 @@ __all__ = [
 MEASURED_SCHEMA_VERSION: Literal[1] = 1
 # Phases of one step; communication phases are "comm" or "comm_<mesh axis>".
 PHASES = ("forward", "backward", "optimizer", "other")
+_Seconds = Annotated[float, Field(ge=0)]
+_GiB = Annotated[float, Field(ge=0)]
 
 
 class Provenance(BaseModel):
     """Where and how a measurement was taken."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     host: str
     date: str  # ISO 8601, UTC
@@ -49,21 +51,21 @@ class Provenance(BaseModel):
 class MeasuredProfile(BaseModel):
     """Step time, phases and peak memory of ``steps`` timed steps of ``plan``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     schema_version: Literal[1] = MEASURED_SCHEMA_VERSION
     model_name: str
     model_fingerprint: str
     plan_fingerprint: str
     plan: Plan
-    world_size: int = Field(ge=1)
+    world_size: GpuCount
     warmup_steps: int = Field(ge=0)
-    step_times_s: tuple[float, ...] = Field(min_length=1)
+    step_times_s: tuple[_Seconds, ...] = Field(min_length=1)
     step_time_median_s: float = Field(gt=0)
     step_time_p10_s: float = Field(gt=0)
     step_time_p90_s: float = Field(gt=0)
     phases_s: dict[str, float] = {}  # one profiled step, exclusive seconds per phase
-    peak_memory_gib: tuple[float, ...] = ()  # per rank, in rank order
+    peak_memory_gib: tuple[_GiB, ...] = ()  # per rank, in rank order
     memory_method: str = ""
     provenance: Provenance
 

@@ -18,12 +18,12 @@ from planner.fqn import match_fqns
 from planner.models import fingerprint
 from planner.models.transformer import Transformer
 from planner.spec import ModuleTP, Plan, shard_dim
-from planner.validate import check_replication
+from planner.validate import check_heads, check_replication
 
 __all__ = [
     "find_blocks",
     "shares_parameters",
-    "pipeline_splittable",
+    "pipeline_blocker",
     "expand_layout",
     "check_model_against_plan",
 ]
@@ -67,14 +67,26 @@ def shares_parameters(module: nn.Module) -> bool:
     return len({id(param) for param in every}) < len(every)
 
 
-def pipeline_splittable(module: nn.Module) -> bool:
-    """Whether the runtime can split ``module`` into pipeline stages: its blocks sit in an
-    ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it shares no parameters."""
+def pipeline_blocker(module: nn.Module) -> str | None:
+    """Why the runtime cannot split ``module`` into pipeline stages, or ``None``: its
+    blocks must sit in an ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it must share
+    no parameters (tied weights would span the first and last stage)."""
     blocks = find_blocks(module)
     if not blocks:
-        return False
-    container = module.get_submodule(blocks[0][0].rpartition(".")[0])
-    return isinstance(container, nn.ModuleDict) and not shares_parameters(module)
+        return "the model has no repeated blocks to split into stages"
+    holder = blocks[0][0].rpartition(".")[0]
+    container = module.get_submodule(holder)
+    if not isinstance(container, nn.ModuleDict):
+        return (
+            f"its blocks sit in an nn.{type(container).__name__} ({holder!r}); the pipeline "
+            "runtime cuts stages from an nn.ModuleDict only"
+        )
+    if shares_parameters(module):
+        return (
+            "it has tied weights (shared parameters), which would span the first and the last "
+            "stage; untie them (tied_embeddings = false) or use pp = 1"
+        )
+    return None
 
 
 def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleTP]:
@@ -93,7 +105,7 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleT
         )
     tp = plan.strategy.tp
     if plan.model is not None and tp > 1:
-        _check_heads(plan, tp)
+        check_heads(plan)
     expanded = expand_layout(module, plan.tp_layout) if tp > 1 else {}
     _check_tp_divides(expanded, module, tp)
     if plan.strategy.pp > 1:
@@ -194,16 +206,6 @@ def _chunk_of(plan: Plan, fqn: str) -> int:
         if any(fqn == kept or fqn.startswith(kept + ".") for kept in chunk):
             return index
     return -1
-
-
-def _check_heads(plan: Plan, tp: int) -> None:
-    assert plan.model is not None
-    for field, heads in (("num_heads", plan.model.num_heads), ("kv_heads", plan.model.kv_heads)):
-        if heads % tp:
-            raise SpecError(
-                f"model {field} = {heads} is not divisible by tp({tp}): each tensor-parallel "
-                f"rank needs whole heads; choose tp dividing {heads}"
-            )
 
 
 def _check_stages(plan: Plan, module: nn.Module) -> None:

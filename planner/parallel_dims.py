@@ -60,6 +60,14 @@ class ParallelDims:
         return self.dp_shard * self.cp if self.zero >= 1 else 1
 
     @property
+    def gathered_under_pipeline(self) -> bool:
+        """Whether FSDP2 runs under a pipeline schedule: torch's pipelining then turns off
+        FSDP2's resharding after backward and its gradient sync until the step's last
+        micro-batch, so every ZeRO stage keeps the stage's weights gathered and its
+        gradients unsharded for the step: ZeRO-3 is ZeRO-2 there."""
+        return self.pp > 1 and self.shards_parameters
+
+    @property
     def hybrid_sharding(self) -> bool:
         """ZeRO shards within groups of ``dp_shard`` and replicates across them (HSDP)."""
         return self.zero >= 1 and 1 < self.dp_shard < self.dp

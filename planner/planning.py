@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.assemble import assemble_plan
-from planner.cost import CostModel, CostOptions, graph_from_spec
+from planner.cost import CostModel, CostOptions
+from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError
 from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, Transformer
-from planner.modules import check_model_against_plan, pipeline_splittable, shares_parameters
+from planner.modules import check_model_against_plan, pipeline_blocker, shares_parameters
 from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
@@ -49,13 +50,16 @@ log = logging.getLogger(__name__)
 _POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
 
 
-def cost_graph(handle: ModelHandle, training: Training) -> OpGraph:
+def cost_graph(
+    handle: ModelHandle, training: Training, options: CostOptions | None = None
+) -> OpGraph:
     """The graph the cost model prices: for transformers with a spec the formula graph
-    that ``plan estimate`` and the accuracy benchmark use (same FLOPs, parameters and
-    module paths as the trace, tested), for other models the trace."""
+    that ``plan estimate`` and the accuracy benchmark use
+    (:func:`~planner.cost.build.spec_graph`: same FLOPs, parameters and module paths as
+    the trace, tested), for other models the trace."""
     if handle.spec is None:
         return trace_for_training(handle, training)
-    return graph_from_spec(handle.spec, seq_len=training.seq_len, dtype=training.dtype)
+    return spec_graph(handle.spec, training, options)
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def search_plan(
     """:func:`make_plan` that also returns the priced candidates; with ``pareto`` they
     include the whole Pareto front of step time against peak memory."""
     started = time.perf_counter()
-    graph = cost_graph(handle, training)
+    graph = cost_graph(handle, training, options)
     model, layouts = priced_model(handle, graph, cluster, training, options, ilp_time_limit_s)
     result = search(
         model, model_limits(handle, graph, cluster, layouts), pins=pins,
@@ -146,11 +150,15 @@ def priced_model(
     A zoo transformer is priced on its formula graph with Megatron-LM's layout (the
     layouts object traces it only to write the winner's ``tp_layout``); any other model
     on its trace, with the layouts the sharding ILP finds and the rehearsal accepts.
+    The model is built as ``plan estimate`` builds it
+    (:func:`~planner.cost.build.build_cost_model`): attention causality follows the
+    spec (a traced model keeps the options' value, a decoder by default).
     """
     traced = handle.spec is None
     holder: list[ModelLayouts] = []
-    model = CostModel(
-        graph, cluster, training, options=options,
+    model = build_cost_model(
+        graph, cluster, training, causal=handle.spec.causal if handle.spec else None,
+        options=options,
         tp_layouts=(lambda tp, sp: holder[0].assignment(tp, sp)) if traced else None,
     )  # fmt: skip
     layouts = ModelLayouts(
@@ -174,8 +182,10 @@ def model_limits(
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
-        pipeline=pipeline_splittable(handle.module),
-        context_parallel=isinstance(handle.module, Transformer),
+        pipeline_problem=pipeline_blocker(handle.module),
+        context_parallel_problem=None
+        if isinstance(handle.module, Transformer)
+        else "the runtime shards the sequences of zoo transformers only",
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,

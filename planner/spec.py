@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from planner.dtypes import FP32_BYTES, HALF_BYTES
 from planner.errors import SpecError
+from planner.io import document_json, parse_json, read_json
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -45,10 +54,109 @@ __all__ = [
     "Plan",
     "load_document",
     "format_validation_error",
+    "Limit",
+    "Floor",
+    "MAX_LAYERS",
+    "MAX_HIDDEN",
+    "MAX_HEADS",
+    "MAX_FFN",
+    "MAX_VOCAB",
+    "MAX_SEQ",
+    "MAX_BATCH",
+    "MAX_GPUS",
+    "MAX_GPUS_PER_NODE",
+    "MAX_VIRTUAL_STAGES",
 ]
 
 SCHEMA_VERSION: Literal[1] = 1
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+# ----- bounds on absurd values ---------------------------------------------------------------
+# Generous limits that no real use reaches: each keeps the search, the cost model and the
+# runtime in seconds and in range (the search enumerates divisors of the batch and of the
+# GPU count; the stage DP is quadratic in the layers). A value past one is refused with the
+# limit and why, as "num_layers = 100000 > 10000: ...".
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The largest value a number may take (inclusive), and why; a pydantic
+    ``AfterValidator`` and the check of the matching command-line option."""
+
+    most: int | float
+    why: str
+
+    def __call__(self, value: Any) -> Any:
+        if value > self.most:
+            raise ValueError(f"> {_number(self.most)}: {self.why}")
+        return value
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The smallest value a positive number may take (inclusive), and why."""
+
+    least: float
+    why: str
+
+    def __call__(self, value: Any) -> Any:
+        if value < self.least:
+            raise ValueError(f"< {_number(self.least)}: {self.why}")
+        return value
+
+
+def _number(value: float) -> str:
+    """``10000``, ``1e-06``: integers in full, other numbers short."""
+    if isinstance(value, int) or (value.is_integer() and abs(value) < 1e16):
+        return str(int(value))
+    return f"{value:g}"
+
+
+_SECONDS = "this bound keeps planning in seconds"
+MAX_LAYERS = Limit(1000, f"no published model has more than ~200 layers; {_SECONDS}")
+MAX_HIDDEN = Limit(1_048_576, "published models are at most ~25,600 wide (hidden size)")
+MAX_HEADS = Limit(65_536, "published models have at most ~128 attention heads")
+MAX_FFN = Limit(4_194_304, "published feed-forward layers are at most ~75,000 wide")
+MAX_VOCAB = Limit(16_777_216, "published vocabularies have at most ~260,000 tokens")
+MAX_SEQ = Limit(10_000_000, "the longest published contexts are ~10 million tokens")
+MAX_BATCH = Limit(
+    100_000_000, f"the largest published runs take a few thousand sequences per step; {_SECONDS}"
+)
+MAX_GPUS = Limit(1_048_576, f"the largest clusters have ~100,000 GPUs; {_SECONDS}")
+MAX_GPUS_PER_NODE = Limit(4096, "the largest scale-up (NVLink) domains have 576 GPUs")
+MAX_VIRTUAL_STAGES = Limit(
+    MAX_LAYERS.most, "a pipeline rank cannot hold more model chunks than a model has layers"
+)
+_MAX_RANK = Limit(1_048_576, "a PowerSGD rank above the hidden size compresses nothing")
+
+
+def _maximum(limit: Limit) -> Any:
+    return Field(json_schema_extra={"maximum": limit.most})
+
+
+Layers = Annotated[int, Field(ge=1), _maximum(MAX_LAYERS), AfterValidator(MAX_LAYERS)]
+Hidden = Annotated[int, Field(ge=1), _maximum(MAX_HIDDEN), AfterValidator(MAX_HIDDEN)]
+Heads = Annotated[int, Field(ge=1), _maximum(MAX_HEADS), AfterValidator(MAX_HEADS)]
+FfnSize = Annotated[int, Field(ge=1), _maximum(MAX_FFN), AfterValidator(MAX_FFN)]
+Vocab = Annotated[int, Field(ge=1), _maximum(MAX_VOCAB), AfterValidator(MAX_VOCAB)]
+SeqLen = Annotated[int, Field(ge=1), _maximum(MAX_SEQ), AfterValidator(MAX_SEQ)]
+BatchSize = Annotated[int, Field(ge=1), _maximum(MAX_BATCH), AfterValidator(MAX_BATCH)]
+GpuCount = Annotated[int, Field(ge=1), _maximum(MAX_GPUS), AfterValidator(MAX_GPUS)]
+NodeSize = Annotated[
+    int, Field(ge=1), _maximum(MAX_GPUS_PER_NODE), AfterValidator(MAX_GPUS_PER_NODE)
+]
+ChunkCount = Annotated[
+    int, Field(ge=1), _maximum(MAX_VIRTUAL_STAGES), AfterValidator(MAX_VIRTUAL_STAGES)
+]
+Rank = Annotated[int, Field(ge=1), _maximum(_MAX_RANK), AfterValidator(_MAX_RANK)]
+# Rates and sizes of links: positive, and in a range whose products and quotients stay
+# finite (a bandwidth of 1e-320 GB/s would make an infinite step time).
+_RATE_FLOOR = Floor(1e-6, "must be positive (1e-06 is 1 kB/s, slower than any link)")
+_RATE_LIMIT = Limit(1e9, "faster than any link or memory (1e9 GB/s is an exabyte per second)")
+_DELAY_LIMIT = Limit(1e9, "more than 1000 s: no link or kernel is that slow")
+Bandwidth = Annotated[float, AfterValidator(_RATE_FLOOR), AfterValidator(_RATE_LIMIT)]
+Latency = Annotated[float, Field(ge=0), AfterValidator(_DELAY_LIMIT)]
 
 
 class Axis(StrEnum):
@@ -163,14 +271,20 @@ def shard_dim(placement: str) -> int | None:
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+    # Non-finite floats (NaN, Infinity) are refused in every document, on input; they are
+    # never written either (to_json checks).
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_enum_values=False, allow_inf_nan=False
+    )
 
     @classmethod
-    def from_json(cls, text: str) -> Self:
-        return cls.model_validate_json(text)
+    def from_json(cls, text: str, source: str = "") -> Self:
+        """Validate JSON ``text`` (parsed strictly, see :func:`planner.io.parse_json`)."""
+        data = parse_json(text, source or "(text)", what=cls.__name__)
+        return load_document(cls, data, source or cls.__name__)
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+        return document_json(self)
 
 
 class ModuleTP(_Doc):
@@ -238,13 +352,13 @@ class ModelSpec(_Doc):
     schema_version: Literal[1] = SCHEMA_VERSION
     name: str = "custom"
     family: Family
-    num_layers: PositiveInt
-    hidden_size: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt | None = None  # None: same as num_heads (no GQA)
-    ffn_hidden_size: PositiveInt | None = None  # None: 4 * hidden (gelu), Llama rule (swiglu)
-    vocab_size: PositiveInt
-    seq_len: PositiveInt
+    num_layers: Layers
+    hidden_size: Hidden
+    num_heads: Heads
+    num_kv_heads: Heads | None = None  # None: same as num_heads (no GQA)
+    ffn_hidden_size: FfnSize | None = None  # None: 4 * hidden (gelu), Llama rule (swiglu)
+    vocab_size: Vocab
+    seq_len: SeqLen
     activation: Activation | None = None  # None: swiglu for llama, gelu otherwise
     tied_embeddings: bool = False
     norm_eps: float = Field(default=1e-5, gt=0)
@@ -319,9 +433,9 @@ class LinkTier(_Doc):
     """
 
     name: str
-    domain_size: PositiveInt  # GPUs inside one domain (256 for a site of 32 DGX nodes)
-    uplink_GBps: float = Field(gt=0)  # per domain, one direction, shared
-    latency_us: float = Field(ge=0)
+    domain_size: GpuCount  # GPUs inside one domain (256 for a site of 32 DGX nodes)
+    uplink_GBps: Bandwidth  # per domain, one direction, shared
+    latency_us: Latency
 
 
 class Cluster(_Doc):
@@ -335,12 +449,12 @@ class Cluster(_Doc):
     name: str = ""  # a shipped cluster profile's name
     description: str = ""
     gpu: str
-    num_gpus: PositiveInt
-    gpus_per_node: PositiveInt = 8
-    intra_node_GBps: float | None = Field(default=None, gt=0)
-    inter_node_GBps: float | None = Field(default=None, gt=0)
-    intra_node_latency_us: float | None = Field(default=None, ge=0)
-    inter_node_latency_us: float | None = Field(default=None, ge=0)
+    num_gpus: GpuCount
+    gpus_per_node: NodeSize = 8
+    intra_node_GBps: Bandwidth | None = None
+    inter_node_GBps: Bandwidth | None = None
+    intra_node_latency_us: Latency | None = None
+    inter_node_latency_us: Latency | None = None
     extra_tiers: tuple[LinkTier, ...] = ()  # slower tiers above the node network (sites)
 
     @model_validator(mode="after")
@@ -361,9 +475,9 @@ class Training(_Doc):
     """What is trained per optimizer step and in which precision."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
-    global_batch_size: PositiveInt  # sequences per optimizer step
-    micro_batch_size: PositiveInt | None = None  # None: the search chooses
-    seq_len: PositiveInt | None = None  # None: the model's seq_len
+    global_batch_size: BatchSize  # sequences per optimizer step
+    micro_batch_size: BatchSize | None = None  # None: the search chooses
+    seq_len: SeqLen | None = None  # None: the model's seq_len
     dtype: DType = DType.BF16
     optimizer: Optimizer = Optimizer.ADAMW
     grad_clip: bool = True
@@ -384,10 +498,10 @@ class Compression(_Doc):
     """
 
     kind: CompressionKind = CompressionKind.NONE
-    rank: PositiveInt | None = None  # powersgd: matrix rank
+    rank: Rank | None = None  # powersgd: matrix rank
     warmup_steps: int = Field(default=0, ge=0)  # powersgd, local_sgd: uncompressed steps first
     period: int | None = Field(default=None, ge=2)  # local_sgd: steps between averages
-    local_group: PositiveInt | None = None  # local_sgd: data-parallel ranks reducing each step
+    local_group: GpuCount | None = None  # local_sgd: data-parallel ranks reducing each step
 
     @model_validator(mode="after")
     def _check_fields(self) -> Self:
@@ -424,20 +538,20 @@ class Strategy(_Doc):
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION
-    dp: PositiveInt = 1
-    dp_shard: PositiveInt | None = None  # None: dp when zero >= 1, else 1
-    tp: PositiveInt = 1
-    pp: PositiveInt = 1
-    cp: PositiveInt = 1
+    dp: GpuCount = 1
+    dp_shard: GpuCount | None = None  # None: dp when zero >= 1, else 1
+    tp: GpuCount = 1
+    pp: GpuCount = 1
+    cp: GpuCount = 1
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
     recompute: RecomputeMode = RecomputeMode.NONE
     recompute_per_stage: tuple[RecomputeMode, ...] | None = None  # overrides per pp stage
     recompute_blocks: int | None = Field(default=None, ge=0)  # recompute first k blocks per stage
-    micro_batch_size: PositiveInt = 1
-    num_microbatches: PositiveInt = 1  # per optimizer step per data-parallel rank
+    micro_batch_size: BatchSize = 1
+    num_microbatches: BatchSize = 1  # per optimizer step per data-parallel rank
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    virtual_stages: PositiveInt = 1  # model chunks per pp rank (interleaved 1F1B)
+    virtual_stages: ChunkCount = 1  # model chunks per pp rank (interleaved 1F1B)
     compression: Compression = Compression()
 
     @model_validator(mode="after")
@@ -520,7 +634,7 @@ class Strategy(_Doc):
 
 class MeshAxis(_Doc):
     name: Axis
-    size: PositiveInt
+    size: GpuCount
 
 
 class Prediction(_Doc):
@@ -599,34 +713,48 @@ DocT = TypeVar("DocT", bound=BaseModel)
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:
-    """One line per invalid field: where, the value given, and what is allowed."""
+    """One line per invalid field: where, the value given, and what is allowed (a bound
+    reads ``num_layers = 100000 > 10000: why``)."""
     lines = [f"invalid {error.title} in {source}:"]
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(document)"
-        value = item.get("input")
-        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        shown = _shown(item.get("input"))
         message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where} = {shown[:80]}: {message}")
+        separator = " " if message.startswith(("> ", "< ")) else ": "
+        lines.append(f"  {where} = {shown}{separator}{message}")
     return "\n".join(lines)
+
+
+def _shown(value: Any) -> str:
+    """A field's value as JSON, cut to 80 characters (``{...}`` for an object)."""
+    if isinstance(value, dict):
+        return "{...}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**80:
+        return f"a {int(math.log10(abs(value))) + 1}-digit number"
+    try:
+        shown = json.dumps(value, default=str)
+    except (ValueError, RecursionError):
+        shown = repr(value)
+    return shown[:80]
 
 
 def load_document(cls: type[DocT], data: str | Path | dict[str, Any], source: str = "") -> DocT:
     """Validate ``data`` (a dict, JSON text, or the path of a JSON file: a ``Path``, or
     a string that does not start with ``{``) as ``cls``.
 
-    Raises :class:`SpecError` with one line per invalid field.
+    Files and text go through :mod:`planner.io` (UTF-8, strict JSON: bounded size and
+    depth, finite numbers). Raises :class:`SpecError` with one line per invalid field.
     """
     if isinstance(data, str) and not data.lstrip().startswith("{"):
         data = Path(data)
+    what = f"{cls.__name__} file"
+    if isinstance(data, Path):
+        source = source or str(data)
+        data = read_json(data, what=what)
+    elif isinstance(data, str):
+        source = source or cls.__name__
+        data = parse_json(data, source, what=what)
     try:
-        if isinstance(data, Path):
-            source = source or str(data)
-            try:
-                data = data.read_text()
-            except OSError as exc:
-                raise SpecError(f"cannot read {cls.__name__} file {data}: {exc.strerror}") from exc
-        if isinstance(data, str):
-            return cls.model_validate_json(data)
         return cls.model_validate(data)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc, source or cls.__name__)) from None

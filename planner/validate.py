@@ -2,13 +2,17 @@
 
 :func:`validate_plan_for_world` needs only the plan and the world size, so every rank
 fails the same way at the same point and none waits in a collective for a rank that
-raised. The checks that inspect the ``nn.Module`` live in :mod:`planner.modules`.
+raised; :func:`check_plan` checks a plan read from a file (perhaps edited by hand)
+against itself before ``plan explain``, ``export`` or ``run`` use it. The rules are the
+search's (:class:`~planner.parallel_dims.ParallelDims`). The checks that inspect the
+``nn.Module`` live in :mod:`planner.modules`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from planner.cost import graph_from_spec
 from planner.cost.compression import max_useful_rank, should_compress
 from planner.errors import PlanMismatchError, SpecError
 from planner.parallel_dims import ParallelDims
@@ -21,7 +25,71 @@ from planner.spec import (
     RecomputeMode,
 )
 
-__all__ = ["validate_plan_for_world", "check_replication", "check_powersgd_rank"]
+__all__ = [
+    "validate_plan_for_world",
+    "check_plan",
+    "check_heads",
+    "check_replication",
+    "check_powersgd_rank",
+]
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise if ``plan`` disagrees with itself: its cluster's GPU count, the batch
+    arithmetic, sequence, compression, schedule and stages (the search's rules), and for
+    zoo and spec models the heads and the stage FQNs."""
+    strategy = plan.strategy
+    if plan.cluster.num_gpus != strategy.world_size:
+        raise PlanMismatchError(
+            f"cluster.num_gpus = {plan.cluster.num_gpus} but dp({strategy.dp}) * tp({strategy.tp}) "
+            f"* pp({strategy.pp}) * cp({strategy.cp}) = {strategy.world_size}: the plan was "
+            "edited inconsistently; make a new plan with 'plan' (or fix both)"
+        )
+    validate_plan_for_world(plan, strategy.world_size)
+    if plan.model is not None:
+        check_heads(plan)
+        if strategy.pp > 1:
+            _check_spec_stages(plan, plan.model)
+
+
+def check_heads(plan: Plan) -> None:
+    """Every tensor-parallel rank holds whole query and key/value heads of a spec model."""
+    tp = plan.strategy.tp
+    if plan.model is None or tp == 1:
+        return
+    for field, heads in (("num_heads", plan.model.num_heads), ("kv_heads", plan.model.kv_heads)):
+        if heads % tp:
+            raise SpecError(
+                f"model {field} = {heads} is not divisible by tp({tp}): each tensor-parallel "
+                f"rank needs whole heads; choose tp dividing {heads}"
+            )
+
+
+def _check_spec_stages(plan: Plan, spec: ModelSpec) -> None:
+    """The stages place each of the spec model's modules once, tied ones in one chunk."""
+    graph = graph_from_spec(spec, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    known = [fqn for segment in graph.segments for fqn in segment.modules]
+    placed = [fqn for chunk in plan.stages for fqn in chunk]
+    unknown = sorted(set(placed) - set(known))
+    missing = [fqn for fqn in known if fqn not in placed]
+    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
+    for what, names in (("names unknown modules", unknown), ("leaves out", missing),
+                        ("places twice", twice)):  # fmt: skip
+        if names:
+            raise SpecError(
+                f"plan.stages {what} {', '.join(names[:6])} of model {spec.name!r} "
+                f"(modules: {known[0]} ... {known[-1]}): make a new plan, or give every "
+                "module exactly one chunk"
+            )
+    if spec.tied_embeddings:
+        chunks = {i for i, chunk in enumerate(plan.stages) for fqn in chunk if fqn in known[:1]}
+        chunks |= {i for i, chunk in enumerate(plan.stages) for fqn in chunk if fqn == known[-1]}
+        if len(chunks) > 1:
+            raise SpecError(
+                f"model {spec.name!r} ties its embedding and output head, but plan.stages puts "
+                f"them in chunks {sorted(chunks)}: the runtime does not all-reduce tied "
+                "gradients across pipeline stages; use pp = 1 or untie them"
+            )
 
 
 def validate_plan_for_world(plan: Plan, world_size: int) -> None:

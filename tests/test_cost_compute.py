@@ -48,15 +48,35 @@ def test_fp8_uses_the_fp8_peak_for_matmuls():
     assert fp8 < 0.6 * bf16
 
 
-def test_flash_causal_halves_attention_and_unfused_is_slower():
+def _attention_node():
     flops = 4.0 * 32 * 2048 * 2048 * 128  # QK^T and PV for 32 heads
-    node = _node(kind=OpKind.ATTENTION, module="attention", flops=flops, gemm=(32, 2048, 2048, 128))
-    causal = ComputeModel(A100, DType.BF16, CostOptions()).node_time(node, ONE)
-    full = ComputeModel(A100, DType.BF16, CostOptions(causal=False)).node_time(node, ONE)
-    unfused = ComputeModel(A100, DType.BF16, CostOptions(attention="unfused")).node_time(node, ONE)
-    overhead = A100.matmul_overhead_us * 1e-6
+    return _node(kind=OpKind.ATTENTION, module="attention", flops=flops, gemm=(32, 2048, 2048, 128))
+
+
+def test_flash_causal_halves_attention_and_unfused_is_slower():
+    node = _attention_node()
+    causal = ComputeModel(H100, DType.BF16, CostOptions()).node_time(node, ONE)
+    full = ComputeModel(H100, DType.BF16, CostOptions(causal=False)).node_time(node, ONE)
+    unfused = ComputeModel(H100, DType.BF16, CostOptions(attention="unfused")).node_time(node, ONE)
+    overhead = H100.matmul_overhead_us * 1e-6
     assert full.forward_s - overhead == pytest.approx(2 * (causal.forward_s - overhead))
     assert unfused.forward_s > full.forward_s
+
+
+def test_causal_flash_never_counts_more_than_the_peak():
+    """The convention counts causal attention whole (forward + 2x backward) where the
+    kernel runs half of it (forward + 2.5x backward): the efficiency is held at 7/12, so
+    counted FLOPs per second stay at the peak at most (A100's profile says 0.6)."""
+    node = _attention_node()
+    assert A100.attention_efficiency > 7 / 12 > H100.attention_efficiency
+    for profile in (A100, H100):
+        time = ComputeModel(profile, DType.BF16, CostOptions()).node_time(node, ONE)
+        counted = node.flops_fwd + node.flops_bwd
+        assert counted / (time.forward_s + time.backward_s) <= profile.peak_flops(DType.BF16)
+    full = ComputeModel(A100, DType.BF16, CostOptions(causal=False)).node_time(node, ONE)
+    overhead = A100.matmul_overhead_us * 1e-6
+    rate = full.forward_s - overhead  # bidirectional: the profile's own efficiency
+    assert rate == pytest.approx(node.flops_fwd / (312e12 * A100.attention_efficiency))
 
 
 def test_fused_pointwise_reads_first_input_and_writes_last_output():

@@ -6,7 +6,7 @@ from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import SpecError
 from planner.parallel_dims import ParallelDims
-from planner.spec import Axis, Cluster, Family, ModelSpec, RecomputeMode, Strategy, Training
+from planner.spec import Axis, Cluster, DType, Family, ModelSpec, RecomputeMode, Strategy, Training
 
 GPT = ModelSpec(
     family=Family.GPT, num_layers=8, hidden_size=256, num_heads=8, vocab_size=1024, seq_len=128
@@ -148,3 +148,40 @@ def test_traced_graph_prices_like_the_formula_graph():
     assert flops[0] == pytest.approx(flops[1])
     assert 0.5 < results[0].step_time_s / results[1].step_time_s < 2
     assert results[0].peak_memory_gib == pytest.approx(results[1].peak_memory_gib, rel=0.2)
+
+
+def _preset(name, gpus, batch, seq=None, dtype="bf16", **options):
+    from planner.cost.build import build_cost_model, spec_graph
+    from planner.presets import get_preset
+
+    spec = get_preset(name).with_seq_len(seq or get_preset(name).seq_len)
+    training = Training(global_batch_size=batch, dtype=dtype)
+    cluster = Cluster(gpu=options.pop("gpu", "h100-sxm-80gb"), num_gpus=gpus)
+    graph = spec_graph(spec, training)
+    return build_cost_model(
+        graph, cluster, training, causal=spec.causal, options=CostOptions(**options)
+    )
+
+
+def test_recompute_never_speeds_up_hybrid_sharding():
+    """gpt3-6.7b, ZeRO-3 sharded over 4 x cp2 and replicated over 4: the replica
+    all-reduce and FSDP's gathers and reduce-scatters hid under one backward each, so a
+    longer backward (recompute) hid more than it added. They share it now."""
+    model = _preset("gpt3-6.7b", 32, 128)
+    base = {"dp": 16, "dp_shard": 4, "cp": 2, "zero": 3, "num_microbatches": 8}
+    steps = [
+        model.estimate(Strategy(recompute=mode, **base)).step_time_s
+        for mode in ("none", "selective", "full")
+    ]
+    assert steps == sorted(steps)
+
+
+def test_fp8_mfu_is_against_the_fp8_peak_and_never_above_one():
+    """Llama 3.1 405B in fp8 on H200s was reported at 119% MFU (against the bf16 peak)."""
+    model = _preset("llama3.1-405b", 1, 16, seq=4096, dtype="fp8", gpu="h200-sxm-141gb",
+                    fused_pointwise=True)  # fmt: skip
+    prediction = model.estimate(Strategy(micro_batch_size=16))
+    assert 0.4 < prediction.mfu <= 1
+    fp8_peak = model.profile.peak_flops(DType.FP8)
+    assert prediction.mfu == pytest.approx(prediction.model_tflops_per_gpu * 1e12 / fp8_peak)
+    assert "fp8 peak" in prediction.flop_convention

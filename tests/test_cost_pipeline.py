@@ -1,5 +1,7 @@
 """Pipeline bubble per schedule and stage splits."""
 
+import itertools
+
 import pytest
 
 from planner.cost.pipeline import balanced_chunks, even_split, pipeline_time, rank_chunks
@@ -42,3 +44,24 @@ def test_even_split_gives_the_middle_the_extra_blocks_and_the_ends_the_rest():
         ["layers.3", "norm", "head"],
     ]
     assert even_split(range(10), 4) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+
+
+def test_zero_bubble_never_speeds_up_when_a_rank_slows_down():
+    """The bubble once took the forward share of whichever rank was slowest: recompute
+    making another rank the slowest could shorten the step. Now it is the other ranks'
+    forwards, and a slower rank never makes a faster step."""
+    forwards = [0.33, 0.5]
+    before = pipeline_time(Schedule.ZERO_BUBBLE, [1.0, 1.01], 2, forward_times=forwards)
+    after = pipeline_time(Schedule.ZERO_BUBBLE, [1.02, 1.01], 2, forward_times=forwards)
+    assert after >= before
+    balanced = pipeline_time(Schedule.ZERO_BUBBLE, [3.0] * 4, 8, forward_times=[1.0] * 4)
+    assert balanced == pytest.approx(8 * 3 + 3 * 1.0)  # (p - 1) forwards of fill and drain
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_the_bubble_never_grows_with_more_microbatches(schedule):
+    times, forwards = [1.0, 1.3, 0.9, 1.1], [0.3, 0.45, 0.3, 0.35]
+    kw = {"virtual_stages": 2, "forward_times": forwards}
+    bubbles = [pipeline_time(schedule, times, m, **kw) - m * max(times) for m in (1, 4, 8, 64)]
+    pairs = itertools.pairwise(bubbles)
+    assert all(later <= earlier + 1e-12 for earlier, later in pairs), bubbles

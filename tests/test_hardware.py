@@ -60,3 +60,56 @@ def test_path_round_trip_and_cpu_profile(tmp_path):
 def test_missing_profile_file_is_a_clear_error(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         load_profile(str(tmp_path / "nope.json"))
+
+
+def test_a_profile_file_that_is_not_json_is_named(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_bytes(b"\xff\xd8\xff\xe0 JFIF")
+    with pytest.raises(SpecError, match=r"HardwareProfile file .*gpu\.json is not UTF-8 text"):
+        load_profile(str(path))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"peak_tflops": {"bf16": 0}}, r"peak_tflops\.bf16 = 0 < 1e-06: a peak must be positive"),
+        ({"peak_tflops": {"bf16": -989}}, r"peak_tflops\.bf16 = -989 < 1e-06"),
+        (
+            {"peak_tflops": {"bf16": 1e300}},
+            r"peak_tflops\.bf16 = 1e\+300 > 1000000: more than an exa",
+        ),
+        ({"matmul_efficiency": 0}, r"matmul_efficiency = 0 < 1e-06: an efficiency is a fraction"),
+        ({"memory_efficiency": 1.5}, r"memory_efficiency = 1\.5: Input should be less than or"),
+        ({"memory_capacity_gib": 0}, r"memory_capacity_gib = 0 < 0\.001: a memory capacity"),
+        ({"memory_bandwidth_GBps": -1}, r"memory_bandwidth_GBps = -1 < 1e-06"),
+        (
+            {"kernel_overhead_us": 1e12},
+            r"kernel_overhead_us = 1000000000000\.0 > 1000000000: more than 1000 s",
+        ),
+        ({"gpus_per_node": 0}, r"gpus_per_node = 0: Input should be greater than or equal to 1"),
+    ],
+)
+def test_absurd_profile_numbers_are_refused(tmp_path, change, message):
+    data = load_profile("h100-sxm-80gb").model_dump(mode="json")
+    data.update(change)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(SpecError, match=message):
+        load_profile(str(path))
+
+
+def test_links_refuse_absurd_numbers():
+    data = load_profile("h100-sxm-80gb").model_dump(mode="json")
+    data["links"]["inter_node"]["busbw_efficiency"] = 0.0
+    data["links"]["intra_node"]["bandwidth_GBps"] = 0.0
+    with pytest.raises(ValueError) as info:
+        HardwareProfile.model_validate(data)
+    assert "links.inter_node.busbw_efficiency" in str(info.value)
+    assert "links.intra_node.bandwidth_GBps" in str(info.value)
+
+
+def test_saved_profiles_never_hold_non_finite_numbers(tmp_path):
+    profile = load_profile("h100-sxm-80gb").model_copy(update={"matmul_overhead_us": float("nan")})
+    with pytest.raises(SpecError, match="matmul_overhead_us is not a finite number"):
+        save_profile(profile, tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()

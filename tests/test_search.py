@@ -18,6 +18,7 @@ from planner.solve.search import (
     _GROUP_ORDER,
     ModelLimits,
     Pins,
+    _divisors,
     _Group,
     _Point,
     _Space,
@@ -150,6 +151,46 @@ def test_pins_that_cannot_hold_name_the_factors():
         search(model, limits, pins=Pins(tp=4, pp=8))
     with pytest.raises(SpecError, match=r"zero\(0\): pp\(2\) > 1: DDP cannot run under a pipeline"):
         search(model, limits, pins=Pins(zero=0, pp=2, dp=8))
+
+
+def test_pins_that_do_not_apply_are_errors_not_ignored():
+    """Virtual stages (or a pipeline schedule) pinned: only pipelined candidates remain,
+    and with pp pinned to 1 the error names the conflict."""
+    model, limits = _setup(gpus=16)
+    chosen = search(model, limits, pins=Pins(virtual_stages=2), top_k=3).ranked
+    assert all(s.strategy.pp > 1 and s.strategy.virtual_stages == 2 for s in chosen)
+    with pytest.raises(SpecError, match=r"virtual_stages 2 needs a pipeline .* pp is pinned to 1"):
+        search(model, limits, pins=Pins(virtual_stages=2, pp=1))
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("gpt2", r"pp\(2\): it has tied weights"),
+        (
+            "tests.user_models:gpt",
+            r"pp\(2\): its blocks sit in an nn.ModuleList \('transformer.h'\)",
+        ),
+    ],
+)
+def test_a_pipeline_refusal_names_the_rule(model, reason):
+    handle = resolve_model(model)
+    training = Training(global_batch_size=8, dtype="fp32")
+    with pytest.raises(SpecError, match=reason):
+        make_plan(handle, Cluster(gpu="h100-sxm-80gb", num_gpus=2), training, pins=Pins(pp=2))
+
+
+@given(st.integers(min_value=1, max_value=10**6))
+@settings(max_examples=200, deadline=None)
+def test_divisors_are_every_divisor_in_order(n):
+    expected = [d for d in range(1, min(n, 2000) + 1) if n % d == 0]
+    assert _divisors(n)[: len(expected)] == expected
+    assert all(n % d == 0 for d in _divisors(n)) and _divisors(n)[-1] == n
+
+
+def test_a_huge_global_batch_is_searched_without_enumerating_its_divisors():
+    model, limits = _setup(preset="tiny-gpt", gpus=8, batch=10**8)
+    assert search(model, limits, top_k=1).best.prediction.fits
 
 
 def test_no_fit_says_how_much_memory_and_what_to_change():
@@ -291,3 +332,14 @@ def test_models_without_transformer_blocks_get_runnable_plans(model, pins, tmp_p
     assert plan.strategy.world_size == 4 and plan.strategy.pp == 1 and plan.strategy.cp == 1
     if plan.strategy.sequence_parallel:
         assert "sequence_parallel" in {m.style.value for m in plan.tp_layout.values()}
+
+
+def test_tied_gpt2_large_at_tp2_plans_with_the_vocabulary_parallel_tie():
+    """Once refused with a request to change layouts no option allows (issue #16)."""
+    handle = resolve_model("gpt2-large")
+    plan = make_plan(
+        handle, Cluster(gpu="h100-sxm-80gb", num_gpus=2), Training(global_batch_size=1),
+        pins=Pins(tp=2),
+    )  # fmt: skip
+    assert plan.strategy.tp == 2
+    assert plan.tp_layout["tok_embeddings"].params == {"weight": "Shard(0)"}

@@ -212,3 +212,85 @@ def test_a_document_loads_from_json_text_a_path_or_a_path_string(tmp_path):
         assert load_document(ModelSpec, data) == _llama()
     with pytest.raises(SpecError, match=r"cannot read ModelSpec file .*missing\.json"):
         load_document(ModelSpec, str(tmp_path / "missing.json"))
+
+
+# ----- bounds on absurd values -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "line"),
+    [
+        ({"num_layers": 100_000}, "  num_layers = 100000 > 1000: no published model has more "
+         "than ~200 layers; this bound keeps planning in seconds"),
+        ({"hidden_size": 2**21, "num_heads": 1}, "  hidden_size = 2097152 > 1048576: "),
+        ({"num_heads": 2**17}, "  num_heads = 131072 > 65536: "),
+        ({"vocab_size": 10**9}, "  vocab_size = 1000000000 > 16777216: "),
+        ({"seq_len": 10**8}, "  seq_len = 100000000 > 10000000: "),
+        ({"ffn_hidden_size": 10**8}, "  ffn_hidden_size = 100000000 > 4194304: "),
+        ({"num_layers": 10**100}, "  num_layers = a 101-digit number > 1000: "),
+    ],
+)  # fmt: skip
+def test_model_bounds_name_the_value_the_limit_and_why(fields, line):
+    with pytest.raises(SpecError) as info:
+        load_document(ModelSpec, {**_llama().model_dump(), **fields}, source="model.json")
+    assert any(text.startswith(line) for text in str(info.value).splitlines()), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("document", "fields", "where"),
+    [
+        (Training, {"global_batch_size": 10**18}, "global_batch_size = 1000000000000000000 > "
+         "100000000: the largest published runs take a few thousand sequences per step"),
+        (Training, {"global_batch_size": 8, "micro_batch_size": 10**9}, "micro_batch_size = "),
+        (Cluster, {"gpu": "x", "num_gpus": 2**21}, "num_gpus = 2097152 > 1048576: the largest "
+         "clusters have ~100,000 GPUs"),
+        (Cluster, {"gpu": "x", "num_gpus": 8, "gpus_per_node": 10**4}, "gpus_per_node = 10000 "
+         "> 4096"),
+        (Cluster, {"gpu": "x", "num_gpus": 8, "inter_node_GBps": 0}, "inter_node_GBps = 0 < "
+         "1e-06: must be positive"),
+        (Strategy, {"tp": 2**21}, "tp = 2097152 > 1048576"),
+        (Strategy, {"num_microbatches": 10**9}, "num_microbatches = 1000000000 > 100000000"),
+        (Strategy, {"pp": 2, "schedule": "interleaved-1f1b", "virtual_stages": 5000},
+         "virtual_stages = 5000 > 1000: a pipeline rank cannot hold more model chunks"),
+    ],
+)  # fmt: skip
+def test_training_cluster_and_strategy_bounds(document, fields, where):
+    with pytest.raises(SpecError, match="invalid") as info:
+        load_document(document, fields)
+    assert where in str(info.value)
+
+
+def test_bounds_accept_the_largest_allowed_values():
+    spec = {**_llama().model_dump(), "num_layers": 1000, "seq_len": 10_000_000}
+    assert load_document(ModelSpec, spec).num_layers == 1000
+    assert Cluster(gpu="x", num_gpus=2**20, gpus_per_node=4096).num_gpus == 2**20
+    assert Training(global_batch_size=100_000_000).global_batch_size == 100_000_000
+
+
+def test_the_schema_shows_the_bounds():
+    properties = ModelSpec.model_json_schema()["properties"]
+    assert properties["num_layers"]["maximum"] == 1000
+    assert properties["num_layers"]["minimum"] == 1
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_documents_refuse_non_finite_numbers(value):
+    with pytest.raises(SpecError, match="finite number"):
+        load_document(ModelSpec, {**_llama().model_dump(), "norm_eps": value})
+    with pytest.raises(SpecError, match="finite"):
+        load_document(Cluster, {"gpu": "x", "num_gpus": 8, "inter_node_latency_us": value})
+
+
+def test_documents_in_files_refuse_nan_and_bad_bytes(tmp_path: Path):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**_llama().model_dump(), "norm_eps": float("nan")}))
+    with pytest.raises(SpecError, match=r"ModelSpec file .*model\.json holds the number NaN"):
+        load_document(ModelSpec, path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(SpecError, match="is not UTF-8 text"):
+        load_document(ModelSpec, path)
+    path.write_text("[" * 1000 + "]" * 1000)
+    with pytest.raises(SpecError, match="more than 64 levels deep"):
+        load_document(ModelSpec, path)
+    with pytest.raises(SpecError, match="it is a directory"):
+        load_document(ModelSpec, tmp_path)

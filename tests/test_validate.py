@@ -8,13 +8,13 @@ import pytest
 from torch import nn
 
 from planner.assemble import assemble_plan
-from planner.errors import PlanMismatchError, SpecError
+from planner.errors import PlanMismatchError, PlannerError, SpecError
 from planner.fqn import match_fqns
 from planner.layouts import check_plan_layout
 from planner.models import ModelHandle, build, fingerprint, get_preset, resolve_model
 from planner.modules import check_model_against_plan, expand_layout, find_blocks
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
-from planner.validate import validate_plan_for_world
+from planner.validate import check_plan, validate_plan_for_world
 
 
 def _plan(
@@ -223,3 +223,57 @@ def test_sequence_parallel_without_sharded_norms_is_refused_by_the_layout_rules(
     edited = plan.model_copy(update={"tp_layout": layout})
     with pytest.raises(SpecError, match=r"plan\.tp_layout"):
         check_plan_layout(edited, resolve_model("tiny-llama", device="cpu").module)
+
+
+def _edited(plan: Plan, **changes: Any) -> Plan:
+    """``plan`` as a user might hand-edit its JSON (no validation of the combination)."""
+    document = plan.model_dump(mode="json")
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        target = document
+        for key in parents:
+            target = target[key]
+        target[leaf] = value
+    return Plan.model_validate(document)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"cluster__num_gpus": 4}, r"cluster.num_gpus = 4 but dp\(1\) \* tp\(1\) \* pp\(2\)"),
+        ({"training__global_batch_size": 63}, r"global_batch_size = 63 != dp\(1\)"),
+        ({"stages": []}, r"strategy.pp = 2 but plan.stages is empty"),
+        ({"stages": [["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "norm", "output"]]},
+         r"plan.stages leaves out layers.3"),
+        ({"stages": [["tok_embeddings", "layers.0", "layers.9"], ["layers.1", "layers.2",
+          "layers.3", "norm", "output"]]}, r"plan.stages names unknown modules layers.9"),
+        ({"strategy__tp": 4, "mesh": [{"name": "pp", "size": 2}, {"name": "tp", "size": 4}],
+          "cluster__num_gpus": 8}, r"model kv_heads = 2 is not divisible by tp\(4\)"),
+    ],
+    ids=["gpus", "batch", "no stages", "missing", "unknown", "heads"],
+)  # fmt: skip
+def test_a_hand_edited_plan_that_disagrees_with_itself_is_refused(changes, message) -> None:
+    plan = _plan(batch=8, pp=2, micro_batch_size=4, num_microbatches=2)
+    check_plan(plan)
+    with pytest.raises(PlannerError, match=message):
+        check_plan(_edited(plan, **changes))
+
+
+def test_tied_embedding_and_head_in_different_chunks_are_refused() -> None:
+    spec = get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True})
+    handle = ModelHandle("tied", "tied", build(spec), lambda b, s: (), spec)
+    strategy = Strategy(pp=2, num_microbatches=2, micro_batch_size=4, zero=1)
+    plan = assemble_plan(handle, Cluster(gpu="h100", num_gpus=2), Training(global_batch_size=8),
+                         strategy)  # fmt: skip
+    with pytest.raises(SpecError, match=r"ties its embedding and output head.*chunks \[0, 1\]"):
+        check_plan(plan)
+
+
+def test_export_of_a_hand_edited_plan_exits_2_with_the_reason(tmp_path, capsys) -> None:
+    from planner.cli import main
+
+    path = tmp_path / "plan.json"
+    edited = _edited(_plan(batch=8, pp=2, micro_batch_size=4, num_microbatches=2), stages=[])
+    path.write_text(edited.to_json())
+    assert main(["export", str(path), "--to", "megatron"]) == 2
+    assert "plan.stages is empty" in capsys.readouterr().err

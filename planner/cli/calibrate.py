@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from planner.cli.common import output, positive_float
 from planner.dtypes import RUNTIME_DTYPES
 from planner.errors import SpecError
-from planner.hardware import HardwareProfile, load_profile, save_profile
+from planner.hardware import PEAK_LIMIT, HardwareProfile, load_profile, save_profile
 from planner.measured import MeasuredProfile
 from planner.spec import DType, load_document
 
@@ -53,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(under torchrun), fitted into a hardware profile. With --from: refit --profile's "
         "efficiencies, overheads and bandwidths to measured profiles.",
     )
-    parser.add_argument("-o", "--output", type=Path, required=True, metavar="profile.json",
+    parser.add_argument("-o", "--output", required=True, metavar="profile.json",
                         help="hardware profile to write (JSON)")  # fmt: skip
     parser.add_argument("--name", help="profile name (default: the output file's stem)")
     parser.add_argument(
@@ -61,7 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="datasheet profile for peak FLOP/s, memory bandwidth and the inter-node link "
         "(GPUs: e.g. h100-sxm-80gb); CPUs need none",
     )  # fmt: skip
-    parser.add_argument("--peak-tflops", type=float, help="override the peak per rank (TFLOP/s)")
+    parser.add_argument("--peak-tflops", type=positive_float(PEAK_LIMIT),
+                        help="override the peak per rank (TFLOP/s)")  # fmt: skip
     parser.add_argument("--dtype", choices=RUNTIME_DTYPES,
                         help="GEMM dtype (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
@@ -73,8 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.output.parent.is_dir():
-        raise SpecError(f"--output {args.output}: directory {args.output.parent} does not exist")
+    args.output = output(args.output, "--output")  # before any measuring or fitting
     if args.runs:
         return _refit(args)
     if args.profile:

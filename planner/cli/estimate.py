@@ -1,7 +1,9 @@
 """``plan estimate``: predict step time, MFU/HFU and peak memory for given runs.
 
 ``--config run.json`` holds one run object or a list of them (see
-:mod:`planner.cost.run`); ``--json`` prints one JSON object per run (a list for a
+:mod:`planner.cost.run`); ``--plan plan.json`` prices a saved plan (model spec,
+cluster, training, strategy and its pipeline stages) as the search did, so it prints
+the plan's own prediction. ``--json`` prints one JSON object per run (a list for a
 list), otherwise a readable table per run.
 """
 
@@ -12,8 +14,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.errors import SpecError
-from planner.spec import Prediction
+from planner.io import read_json
+from planner.spec import Plan, Prediction, load_document
 
 if TYPE_CHECKING:
     from planner.cost.run import RunConfig
@@ -26,37 +28,50 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Predict step time, tokens/s per GPU, MFU/HFU and peak memory per GPU "
         "for fully specified runs (model, cluster, training, strategy) without searching.",
     )
-    parser.add_argument("--config", required=True, type=Path, help="run JSON (object or list)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", type=Path, help="run JSON (object or list)")
+    source.add_argument(
+        "--plan", type=Path, metavar="plan.json",
+        help="a plan written by 'plan -o' (zoo or spec model): price its strategy and stages",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
 
 def _read_runs(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    """The run objects in ``path`` and whether the file held a list."""
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise SpecError(f"cannot read --config {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"--config {path} is not valid JSON: {exc}") from None
+    """The run objects in ``path`` (read through :mod:`planner.io`: UTF-8, strict JSON)
+    and whether the file held a list."""
+    data = read_json(path, what="--config")
     if isinstance(data, list):
         return data, True
     return [data], False
 
 
-def _table(run: RunConfig, prediction: Prediction) -> str:
+def _table(run: RunConfig, prediction: Prediction, stored: Prediction | None = None) -> str:
+    from planner.cost.flops import bf16_peak_mfu
+
     p = prediction
+    bf16 = bf16_peak_mfu(p, dtype=run.training.dtype, gpu=run.cluster.gpu)
+    peak = f" (of the {run.training.dtype.value} peak)" if bf16 is not None else ""
     lines = [
         f"{run.model.name} on {run.cluster.num_gpus} x {run.cluster.gpu}: {run.strategy.describe()}",
         f"  step time        {p.step_time_s:10.3f} s",
         f"  tokens/s/GPU     {p.tokens_per_s_per_gpu:10.1f}",
         f"  model TFLOP/s    {p.model_tflops_per_gpu:10.1f} per GPU",
-        f"  MFU / HFU        {p.mfu:10.1%} / {p.hfu:.1%}",
-        f"  peak memory      {p.peak_memory_gib:10.1f} GiB of {p.memory_limit_gib:.1f}"
-        f" ({'fits' if p.fits else 'does NOT fit'})",
+        f"  MFU / HFU        {p.mfu:10.1%} / {p.hfu:.1%}{peak}",
     ]
+    if bf16 is not None:
+        lines.append(f"  MFU (bf16 peak)  {bf16:10.1%}")
+    lines.append(
+        f"  peak memory      {p.peak_memory_gib:10.1f} GiB of {p.memory_limit_gib:.1f}"
+        f" ({'fits' if p.fits else 'does NOT fit'})"
+    )
+    if stored is not None:
+        same = "the same" if stored == p else f"{stored.step_time_s:.3f} s: differs"
+        lines.append(f"  plan's own       {same}")
     if p.reason:
-        lines.append(f"  reason           {p.reason}")
+        label = "reason" if not p.fits else "note"
+        lines.append(f"  {label:<17}{p.reason}")
     lines.append("  time breakdown (exposed):")
     lines += [f"    {k:<14}{v:10.3f} s" for k, v in p.breakdown_s.items() if v > 0]
     lines.append("  memory breakdown:")
@@ -64,18 +79,29 @@ def _table(run: RunConfig, prediction: Prediction) -> str:
     return "\n".join(lines)
 
 
+def _read_plan(path: Path) -> Plan:
+    """The plan in ``path`` (read through :mod:`planner.io`, validated as a :class:`Plan`)."""
+    return load_document(Plan, read_json(path, what="--plan"), str(path))
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
 
-    objects, is_list = _read_runs(args.config)
-    results = []
-    for index, data in enumerate(objects):
-        source = f"{args.config}[{index}]" if is_list else str(args.config)
-        config = RunConfig.from_dict(data, source)
-        results.append((config, estimate_run(config)))
+    stored: Prediction | None = None
+    if args.plan is not None:
+        plan = _read_plan(args.plan)
+        configs, is_list = [RunConfig.from_plan(plan, str(args.plan))], False
+        stored = plan.prediction
+    else:
+        objects, is_list = _read_runs(args.config)
+        configs = [
+            RunConfig.from_dict(data, f"{args.config}[{index}]" if is_list else str(args.config))
+            for index, data in enumerate(objects)
+        ]
+    results = [(config, estimate_run(config)) for config in configs]
     if args.json:
-        dicts = [prediction_to_dict(prediction) for _, prediction in results]
+        dicts = [prediction_to_dict(prediction, config) for config, prediction in results]
         print(json.dumps(dicts if is_list else dicts[0], indent=2))
     else:
-        print("\n\n".join(_table(config, prediction) for config, prediction in results))
+        print("\n\n".join(_table(config, prediction, stored) for config, prediction in results))
     return 0

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from planner.cli.render import render_plan
 from planner.spec import Plan, load_document
+from planner.validate import check_plan
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,5 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    render_plan(load_document(Plan, args.plan), Console())
+    plan = load_document(Plan, args.plan)
+    check_plan(plan)  # a hand-edited plan that disagrees with itself is refused
+    render_plan(plan, Console())
     return 0

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from planner.cli.common import output
 from planner.export import TARGETS, export_plan
 from planner.io import write_text_atomic
 from planner.spec import Plan, load_document
@@ -22,15 +23,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("plan", type=Path, help="a plan JSON written by 'plan -o'")
     parser.add_argument("--to", required=True, choices=sorted(TARGETS), help="target framework")
-    parser.add_argument("-o", "--output", type=Path, metavar="PATH", help="write here, not stdout")
+    parser.add_argument("-o", "--output", metavar="PATH", help="write here, not stdout")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    destination = output(args.output, "--output")  # before the export
     text = export_plan(load_document(Plan, args.plan), args.to)
-    if args.output is None:
+    if destination is None:
         sys.stdout.write(text)
     else:
-        write_text_atomic(args.output, text)
-        print(f"wrote {args.to} settings to {args.output}", file=sys.stderr)
+        write_text_atomic(destination, text, option="--output")
+        print(f"wrote {args.to} settings to {destination}", file=sys.stderr)
     return 0

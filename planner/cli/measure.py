@@ -19,11 +19,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from planner.cli.common import positive_int
-from planner.errors import SpecError
-from planner.io import write_text_atomic
+from planner.cli.common import MAX_STEPS, count, output, seed
+from planner.io import document_json, write_text_atomic
 from planner.measured import MeasuredProfile
 from planner.spec import Plan, load_document
+from planner.validate import check_plan
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,18 +34,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "one profiled step (phases) and one memory-tracked step; write a measured profile.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
-    parser.add_argument("-o", "--output", type=Path, required=True, metavar="measured.json",
+    parser.add_argument("-o", "--output", required=True, metavar="measured.json",
                         help="measured profile to write (JSON; rank 0 writes it)")  # fmt: skip
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
+    parser.add_argument("--steps", type=count(MAX_STEPS), default=10,
+                        help="timed steps (default 10)")  # fmt: skip
+    parser.add_argument("--warmup", type=count(MAX_STEPS, least=0), default=3,
+                        help="untimed steps first (default 3)")  # fmt: skip
+    parser.add_argument("--seed", type=seed, default=0, help="weights and data seed (default 0)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    destination = output(args.output, "--output")  # before the measurement
+    assert destination is not None  # a required option
     plan = load_document(Plan, args.plan)
-    if not args.output.parent.is_dir():
-        raise SpecError(f"--output {args.output}: directory {args.output.parent} does not exist")
+    check_plan(plan)  # before any process group starts
     from strategies import measure, runner  # the runtime: torch.distributed only there
 
     command = "plan " + shlex.join(sys.argv[1:])
@@ -57,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
                 plan, steps=args.steps, warmup=args.warmup, seed=args.seed, command=command
             )
         if rank == 0:
-            write_text_atomic(args.output, measured.model_dump_json(indent=2) + "\n")
+            write_text_atomic(destination, document_json(measured) + "\n", option="--output")
             print(summary(measured))
-            print(f"wrote {args.output}")
+            print(f"wrote {destination}")
     return 0
 
 

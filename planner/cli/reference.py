@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from planner.cli import build_parser
-from planner.io import write_text_atomic
+from planner.errors import SpecError
+from planner.io import read_text, write_text_atomic
 
 __all__ = ["render_reference", "subcommands", "undocumented", "main"]
 
@@ -169,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = cli.parse_args(argv)
     text = render_reference()
     if args.check is not None:
-        current = args.check.is_file() and args.check.read_text() == text
+        try:
+            current = read_text(args.check, what="--check") == text
+        except SpecError:  # missing or not text: stale
+            current = False
         if not current:
             print(f"{args.check} is stale: run {REGENERATE}", file=sys.stderr)
         return 0 if current else 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from planner.errors import PlannerError
 from planner.parallel_dims import ParallelDims
-from planner.spec import Plan, Prediction, Strategy
+from planner.spec import DType, Plan, Prediction, Strategy
 
 __all__ = ["render_plan"]
 
@@ -34,15 +35,37 @@ def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
     return rows
 
 
-def _prediction_rows(p: Prediction) -> list[tuple[str, str]]:
+def _bf16_mfu(plan: Plan, p: Prediction) -> float | None:
+    """An fp8 plan's MFU against the bf16 peak (its own MFU is against the fp8 peak)."""
+    if plan.training.dtype is not DType.FP8:
+        return None
+    from planner.cost.flops import bf16_peak_mfu  # only fp8 plans pay for the import
+
+    try:
+        return bf16_peak_mfu(p, dtype=plan.training.dtype, gpu=plan.cluster.gpu)
+    except PlannerError:  # the plan's profile file is gone: show the plan's own figures
+        return None
+
+
+def _prediction_rows(plan: Plan, p: Prediction) -> list[tuple[str, str]]:
     fit = "fits" if p.fits else "does NOT fit"
-    return [
+    convention = p.flop_convention.split(" (")[0]
+    bf16 = _bf16_mfu(plan, p)
+    peak = f" of the {plan.training.dtype.value} peak" if bf16 is not None else ""
+    rows = [
         ("step time", f"{p.step_time_s:.3f} s"),
         ("tokens/s per GPU", f"{p.tokens_per_s_per_gpu:,.0f}"),
         ("model TFLOP/s per GPU", f"{p.model_tflops_per_gpu:.1f}"),
-        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}  ({p.flop_convention.split(' (')[0]})"),
-        ("peak memory per GPU", f"{p.peak_memory_gib:.1f} of {p.memory_limit_gib:.1f} GiB ({fit})"),
+        ("MFU / HFU", f"{p.mfu:.1%} / {p.hfu:.1%}{peak}  ({convention})"),
     ]
+    if bf16 is not None:
+        rows.append(("MFU of the bf16 peak", f"{bf16:.1%}"))
+    rows.append(
+        ("peak memory per GPU", f"{p.peak_memory_gib:.1f} of {p.memory_limit_gib:.1f} GiB ({fit})")
+    )
+    if p.reason:
+        rows.append(("why it does not fit" if not p.fits else "note", p.reason))
+    return rows
 
 
 def _layout(plan: Plan) -> Table:
@@ -87,7 +110,7 @@ def _breakdown(p: Prediction) -> Table:
         table.add_row(
             t[0],
             f"{t[1]:.3f}" if t[1] is not None else "",
-            f"{t[1] / p.step_time_s:.1%}" if t[1] is not None else "",
+            f"{t[1] / p.step_time_s:.1%}" if t[1] is not None and p.step_time_s > 0 else "",
             m[0],
             f"{m[1]:.2f}" if m[1] is not None else "",
         )
@@ -118,7 +141,7 @@ def render_plan(plan: Plan, console: Console) -> None:
     )
     console.print(_two_columns(title, _strategy_rows(plan.strategy)))
     if plan.prediction is not None:
-        console.print(_two_columns("Predicted", _prediction_rows(plan.prediction)))
+        console.print(_two_columns("Predicted", _prediction_rows(plan, plan.prediction)))
         console.print(_breakdown(plan.prediction))
     if plan.stages:
         spans = "; ".join(f"{chunk[0]}..{chunk[-1]} ({len(chunk)})" for chunk in plan.stages)

@@ -10,11 +10,13 @@ A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from planner.cli.common import MAX_STEPS, count, positive_float, seed
+from planner.io import dumps_json
 from planner.spec import Plan, load_document
+from planner.validate import check_plan
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,15 +28,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "degrees are all 1 runs without torchrun.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
-    parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default: 0)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: 1e-3)")
+    parser.add_argument("--steps", type=count(MAX_STEPS), default=10,
+                        help="optimizer steps (default: 10)")  # fmt: skip
+    parser.add_argument("--seed", type=seed, default=0, help="weights and data seed (default: 0)")
+    parser.add_argument("--lr", type=positive_float(), default=1e-3,
+                        help="learning rate, a positive number (default: 1e-3)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document at the end")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
+    check_plan(plan)  # before any process group starts
     from strategies import runner  # the runtime: torch.distributed only there
 
     with runner.process_group_from_env() as rank:
@@ -47,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 "world_size": plan.strategy.world_size,
                 "steps": steps,
             }
-            print(json.dumps(summary, indent=2))
+            print(dumps_json(summary, what="the run summary"))
     return 0
 
 

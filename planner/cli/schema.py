@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from pydantic import BaseModel
 
+from planner.io import dumps_json
 from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training
 
 DOCUMENTS: dict[str, type[BaseModel]] = {
@@ -33,5 +33,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(json.dumps(DOCUMENTS[args.document].model_json_schema(), indent=2))
+    print(dumps_json(DOCUMENTS[args.document].model_json_schema(), what="the schema"))
     return 0

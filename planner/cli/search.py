@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from planner.cli.common import add_model_args, positive_int, resolve_model_args
+from planner.cli.common import MAX_TOP_K, add_model_args, count, output, resolve_model_args
 from planner.cli.render import render_plan
 from planner.clusters import resolve_cluster
 from planner.io import write_text_atomic
 from planner.plots import check_plot_path, plot_plan
 from planner.spec import (
+    MAX_BATCH,
+    MAX_GPUS,
+    MAX_GPUS_PER_NODE,
+    MAX_VIRTUAL_STAGES,
     Cluster,
     DType,
     Optimizer,
@@ -44,13 +47,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a GPU profile with --gpus, a cluster profile with its own GPUs and links (both: "
         "see 'plan profiles'), or a Cluster JSON file (default: h100-sxm-80gb)",
     )  # fmt: skip
-    cluster.add_argument("--gpus", type=positive_int, help="number of GPUs (with a GPU profile)")
-    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
+    cluster.add_argument("--gpus", type=count(MAX_GPUS),
+                         help="number of GPUs (with a GPU profile)")  # fmt: skip
+    cluster.add_argument("--gpus-per-node", type=count(MAX_GPUS_PER_NODE), default=8, metavar="N",
                          help="GPUs per node (default: 8)")  # fmt: skip
     training = parser.add_argument_group("training")
-    training.add_argument("--global-batch", type=positive_int, required=True, metavar="SEQS",
+    training.add_argument("--global-batch", type=count(MAX_BATCH), required=True, metavar="SEQS",
                           help="sequences per optimizer step")  # fmt: skip
-    training.add_argument("--micro-batch", type=positive_int, metavar="SEQS",
+    training.add_argument("--micro-batch", type=count(MAX_BATCH), metavar="SEQS",
                           help="fix the micro-batch size (default: searched)")  # fmt: skip
     training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16",
                           help="training precision")  # fmt: skip
@@ -60,17 +64,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     degrees = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context"}
     for name, what in degrees.items():
         pins.add_argument(
-            f"--{name}", type=positive_int, metavar="N", help=f"{what}-parallel degree"
+            f"--{name}", type=count(MAX_GPUS), metavar="N", help=f"{what}-parallel degree"
         )
     pins.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (3 = FSDP)")
-    pins.add_argument("--dp-shard", type=positive_int, metavar="N",
+    pins.add_argument("--dp-shard", type=count(MAX_GPUS), metavar="N",
                       help="ranks ZeRO shards over (less than dp: hybrid sharding)")  # fmt: skip
     pins.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                       help="sequence parallel with tensor parallel")  # fmt: skip
     pins.add_argument("--recompute", choices=[r.value for r in RecomputeMode],
                       help="activation recompute")  # fmt: skip
     pins.add_argument("--schedule", choices=[s.value for s in Schedule], help="pipeline schedule")
-    pins.add_argument("--virtual-stages", type=positive_int, metavar="V",
+    pins.add_argument("--virtual-stages", type=count(MAX_VIRTUAL_STAGES), metavar="V",
                       help="model chunks per pipeline rank (interleaved-1f1b)")  # fmt: skip
     lossy = parser.add_argument_group("gradient compression")
     lossy.add_argument(
@@ -81,11 +85,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "Off by default",
     )  # fmt: skip
     out = parser.add_argument_group("output")
-    out.add_argument("-o", "--output", type=Path, metavar="plan.json", help="write the plan")
-    out.add_argument("--top-k", type=positive_int, default=5, help="runners-up to keep")
+    out.add_argument("-o", "--output", metavar="plan.json", help="write the plan")
+    out.add_argument("--top-k", type=count(MAX_TOP_K), default=5, help="runners-up to keep")
     out.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
     out.add_argument(
-        "--plot", type=Path, metavar="out.png",
+        "--plot", metavar="out.png",
         help="draw the step-time breakdown of the plan and its runners-up, and the Pareto "
         "front of throughput against memory (the search then prices the whole front)",
     )  # fmt: skip
@@ -144,6 +148,10 @@ class _LazyProgress:
 def run(args: argparse.Namespace) -> int:
     from planner.planning import search_plan  # torch: the model is traced
 
+    destination = output(args.output, "--output")  # before the search
+    plot = output(args.plot, "--plot")
+    if plot is not None:
+        check_plot_path(plot)
     handle = resolve_model_args(args)
     cluster = _cluster(args)
     training = load_document(
@@ -152,26 +160,24 @@ def run(args: argparse.Namespace) -> int:
          "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer},
         "command line",
     )  # fmt: skip
-    if args.plot is not None:
-        check_plot_path(args.plot)  # before the search
     progress = _LazyProgress(Console(stderr=True))
     try:
         found = search_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
-                            progress=progress, pareto=args.plot is not None,
+                            progress=progress, pareto=plot is not None,
                             lossy=_lossy(args))  # fmt: skip
     finally:
         progress.close()
     plan = found.plan
-    if args.plot is not None:
-        plot_plan(found, args.plot)
-    if args.output is not None:
-        write_text_atomic(args.output, plan.to_json() + "\n")
+    if plot is not None:
+        plot_plan(found, plot)
+    if destination is not None:
+        write_text_atomic(destination, plan.to_json() + "\n", option="--output")
     console = Console()
     if args.json:
         print(plan.to_json())
     else:
         render_plan(plan, console)
-        for path in (args.output, args.plot):
+        for path in (destination, plot):
             if path is not None:
                 console.print(f"wrote {path}")
     return 0

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli.common import add_model_args, positive_int, resolve_model_args
+from planner.cli.common import add_model_args, count, resolve_model_args
 from planner.dtypes import RUNTIME_DTYPES
+from planner.io import dumps_json
+from planner.spec import MAX_BATCH
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,8 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_args(parser)
     parser.add_argument(
-        "--batch", type=positive_int, default=1, metavar="B", help="micro-batch size (default 1)"
-    )
+        "--batch", type=count(MAX_BATCH), default=1, metavar="B",
+        help="micro-batch size (default 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype",
         choices=sorted(RUNTIME_DTYPES),
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     graph = trace(handle, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype)
     summary = summarize(graph)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(dumps_json(summary, what="the trace summary"))
         return 0
     console = Console()
     console.print(_table(summary))

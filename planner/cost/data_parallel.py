@@ -6,7 +6,12 @@ the half-precision weights, with an exact all-reduce over the hybrid-sharding re
 gradient compression (:mod:`~planner.cost.compression`) changes the bytes on the wire
 and adds its compute. Every time is the exposed part, in seconds per optimizer step on
 the slowest pipeline rank: with the options' overlap a reduction hides under the
-backward and a gather under the forward, all but the last bucket.
+backward and a gather under the forward, all but the last bucket. Transfers that hide
+under the same backward share its seconds (one window, however many collectives), so
+a longer backward (recompute) never hides more than it adds. Under a pipeline every
+ZeRO stage is FSDP2 with the stage's weights gathered for the whole step
+(:attr:`~planner.parallel_dims.ParallelDims.gathered_under_pipeline`): one gather and one
+reduce-scatter per step, whatever the stage.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from planner.graph import OpGraph
 from planner.parallel_dims import ParallelDims
 from planner.spec import Axis, CompressionKind, Strategy, Training
 
-__all__ = ["DataParallelCost", "exposed"]
+__all__ = ["DataParallelCost", "exposed", "exposed_together"]
 
 
 def exposed(comm: float, window: float, tail: float, overlapped: bool) -> float:
@@ -50,6 +55,15 @@ def exposed(comm: float, window: float, tail: float, overlapped: bool) -> float:
     if not overlapped:
         return comm
     return max(comm - window, min(tail, comm))
+
+
+def exposed_together(window: float, tail: float, *parts: tuple[float, bool]) -> float:
+    """Exposed seconds of several transfers ``(seconds, overlapped)`` that run one after
+    another under the same ``window``: the overlapped ones share it (never hiding more
+    than ``window`` between them), ``tail`` seconds of them are never hidden."""
+    hidden = sum(comm for comm, overlapped in parts if overlapped)
+    shown = sum(comm for comm, overlapped in parts if not overlapped)
+    return shown + (exposed(hidden, window, tail, True) if hidden > 0 else 0.0)
 
 
 def _refuse(blocker: str | None) -> None:
@@ -153,8 +167,9 @@ class DataParallelCost:
         the norm (with clipping) and a write to zero it.
         """
         moments = self.training.optimizer.state_bytes_per_param
-        shard = ParallelDims.of(strategy).zero_shard_ranks
-        grad_shard = shard if strategy.zero >= 2 else 1
+        dims = ParallelDims.of(strategy)
+        shard = dims.zero_shard_ranks
+        grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
         sharded = 2 * FP32_BYTES + FP32_BYTES + 2 * moments + HALF_BYTES
         per_gradient = (2 if self.training.grad_clip else 1) * FP32_BYTES
         per_param = sharded / shard + per_gradient / grad_shard
@@ -208,19 +223,23 @@ class DataParallelCost:
         )
         last_ag = collective_time(Collective.ALL_GATHER, min(half, bucket), shard, shard_link)
         prefetch, reduce = self.options.overlap_param_gather, self.options.overlap_grad_reduce
+        ag_fwd = exposed(gather, fwd, last_ag, prefetch)
+        if dims.gathered_under_pipeline:
+            # FSDP2 under a pipeline (any ZeRO stage): weights gathered once, gradients
+            # reduce-scattered (and all-reduced over HSDP replicas) once per step
+            rs = exposed(scatter, bwd, last_rs, reduce)
+            both = exposed_together(bwd, last_rs, (scatter, reduce), (replica, reduce))
+            return {"comm_fsdp": ag_fwd + rs, "comm_dp": both - rs}
         if strategy.zero < 3:
             comm = exposed(scatter + replica, bwd, last_rs, reduce)
-            comm += exposed(gather, fwd, last_ag, prefetch)
-            return {"comm_dp": comm}
-        # pp == 1: gather before forward and backward, reduce-scatter per micro-batch;
-        # pp > 1 (torchtitan): parameters stay gathered and gradients reduce once per step
-        ag_fwd = exposed(gather, fwd, last_ag, prefetch)
-        if strategy.pp == 1:
-            ag_bwd = exposed(gather + scatter, bwd, last_rs, prefetch and reduce)
-            fsdp = strategy.num_microbatches * (ag_fwd + ag_bwd)
-        else:
-            fsdp = ag_fwd + exposed(scatter, bwd, last_rs, reduce)
-        return {"comm_fsdp": fsdp, "comm_dp": exposed(replica, bwd, 0.0, reduce)}
+            return {"comm_dp": comm + ag_fwd}
+        # gather before forward and backward, reduce-scatter per micro-batch; the HSDP
+        # replica all-reduce shares the last micro-batch's backward with its transfers
+        ag_bwd = exposed(gather + scatter, bwd, last_rs, prefetch and reduce)
+        last = exposed_together(bwd, last_rs, (gather + scatter, prefetch and reduce),
+                                (replica, reduce))  # fmt: skip
+        fsdp = strategy.num_microbatches * (ag_fwd + ag_bwd)
+        return {"comm_fsdp": fsdp, "comm_dp": last - ag_bwd}
 
     def _powersgd_times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
         """PowerSGD's exposed all-reduces ('comm_dp') and compression compute per step."""

@@ -10,8 +10,12 @@ recompute).
 
 from __future__ import annotations
 
+from planner.hardware import load_profile
+from planner.spec import DType, Prediction
+
 __all__ = [
     "FLOP_CONVENTION",
+    "bf16_peak_mfu",
     "megatron_model_flops",
     "megatron_hardware_flops",
     "titan_model_flops",
@@ -20,7 +24,7 @@ __all__ = [
 FLOP_CONVENTION = (
     "model FLOPs = 6*(N - N_embedding) + 12*l*h*s per token (Megatron 72Bslh^2(1+s/6h+V/12lh) "
     "for GPT; causal attention counted whole; recompute excluded); HFU adds recomputed "
-    "forward FLOPs; peak = dense bf16/fp16 (bf16 for fp8 runs)"
+    "forward FLOPs; peak = the training dtype's dense peak (fp8 runs: the fp8 peak)"
 )
 
 
@@ -52,3 +56,15 @@ def titan_model_flops(
 ) -> float:
     """torchtitan model FLOPs for ``tokens``: ``6 (N - N_emb) + 12 l h s`` per token."""
     return tokens * (6 * params_non_embedding + 12 * layers * hidden * seq)
+
+
+def bf16_peak_mfu(prediction: Prediction, *, dtype: DType, gpu: str) -> float | None:
+    """MFU of an fp8 run against the dense bf16 peak of ``gpu`` (a profile name or path):
+    the figure torchtitan reports, next to the prediction's own MFU (against the fp8
+    peak). ``None`` for other dtypes or a profile without a bf16 peak."""
+    if dtype is not DType.FP8:
+        return None
+    profile = load_profile(gpu)
+    if DType.BF16 not in profile.peak_tflops:
+        return None
+    return prediction.model_tflops_per_gpu * 1e12 / profile.peak_flops(DType.BF16)

@@ -6,10 +6,18 @@ moments 8 (SGD momentum 4). ZeRO-1 shards the optimizer states (master + moments
 over the ZeRO shard ranks (``dp_shard x cp``), ZeRO-2 the gradients too. ZeRO-3 is
 FSDP2 as torchtitan runs it: fp32 sharded parameters (no separate master), fp32
 sharded gradients and moments, plus unsharded half-precision copies of the blocks
-being computed. fp32 training has no master copy.
+being computed. ZeRO-2 and 3 (FSDP2) also hold the unsharded fp32 gradients of the
+modules being reduce-scattered. fp32 training has no master copy.
+
+Under a pipeline (``pp > 1``) with sharded states, every ZeRO stage is FSDP2 that keeps
+each stage's weights gathered and accumulates its gradients unsharded in fp32 until
+the step's last micro-batch (:attr:`~planner.parallel_dims.ParallelDims.gathered_under_pipeline`): ZeRO-1, 2 and 3 hold the
+same bytes there, ZeRO-3's states plus the stage's unsharded weights and gradients.
 
 Activations per micro-batch follow the graph's saved bytes (Korthikanti et al. 2022
-for the built-in blocks); full recompute keeps only each block's input.
+for the built-in blocks); full recompute keeps only each block's input, and
+re-running one block's forward before its backward holds that block's other
+activations once more (its input is already kept).
 :class:`MemoryModel` adds a rank's peak terms in bytes: logits, communication buffers
 and workspaces, compression buffers and the caching allocator's margin.
 """
@@ -23,7 +31,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from planner.cost.options import CostOptions
-from planner.dtypes import FP32_BYTES, HALF_BYTES
+from planner.dtypes import FP32_BYTES
 from planner.graph import OpGraph, OpKind
 from planner.parallel_dims import ParallelDims
 from planner.spec import DType, Optimizer, Schedule, Strategy, Training
@@ -33,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GIB",
+    "PIPELINED_FSDP_NOTE",
     "MemoryModel",
     "ModelStateBytes",
     "boundary_bytes",
@@ -42,6 +51,12 @@ __all__ = [
 ]
 
 GIB = 2**30
+PIPELINED_FSDP_NOTE = (
+    "under pp > 1, FSDP2 keeps each stage's weights gathered and its gradients unsharded "
+    "(fp32) until the last micro-batch (torch.distributed.pipelining; torchtitan's "
+    "reshard_after_forward=False), so ZeRO-1, 2 and 3 hold the same memory and move the "
+    "same bytes here: only fp32 parameters, reduced gradients and optimizer states are sharded"
+)
 
 
 @dataclass(frozen=True)
@@ -114,14 +129,23 @@ class MemoryModel:
     options: CostOptions
 
     def states(self, strategy: Strategy, params: float) -> ModelStateBytes:
-        """Weights, gradients and optimizer bytes of ``params`` under the strategy's ZeRO."""
+        """Weights, gradients and optimizer bytes of ``params`` under the strategy's ZeRO
+        (under a pipeline, FSDP2's gathered weights and unsharded gradients included)."""
         return self._states(strategy, ParallelDims.of(strategy), params)
 
     def _states(self, strategy: Strategy, dims: ParallelDims, params: float) -> ModelStateBytes:
-        return model_state_bytes(
-            params, zero=strategy.zero, shard=dims.zero_shard_ranks,
+        pipelined = dims.gathered_under_pipeline
+        states = model_state_bytes(
+            params, zero=3 if pipelined else strategy.zero, shard=dims.zero_shard_ranks,
             optimizer=self.training.optimizer, dtype=self.training.dtype,
         )  # fmt: skip
+        if not pipelined:
+            return states
+        return ModelStateBytes(
+            states.weights + self.training.dtype.activation_bytes * params,
+            states.gradients + FP32_BYTES * params,  # accumulated in fp32 (the reduce dtype)
+            states.optimizer,
+        )
 
     def peak(
         self, strategy: Strategy, ranks: Sequence[RankSums], *, logits_bytes: float,
@@ -147,27 +171,31 @@ class MemoryModel:
     ) -> dict[str, float]:  # fmt: skip
         states = self._states(strategy, dims, rank.params)
         weights, grads = states.weights, states.gradients
-        if strategy.zero >= 3:
-            unsharded = rank.params if strategy.pp > 1 else sum(rank.largest_params)
-            weights += HALF_BYTES * unsharded
-            grads += FP32_BYTES * unsharded  # FSDP2 reduces (and, with pp > 1, accumulates) in fp32
+        if not dims.gathered_under_pipeline:
+            unsharded = sum(rank.largest_params)  # the modules being gathered and computed
+            if strategy.zero >= 3:
+                weights += self.training.dtype.activation_bytes * unsharded
+            if strategy.zero >= 3 or (strategy.zero == 2 and dims.shards_parameters):
+                # FSDP2 reduce-scatters each module's unsharded gradient in fp32
+                grads += FP32_BYTES * unsharded
         parts = {
             "weights": weights,
             "gradients": grads,
             "optimizer": states.optimizer,
             "activations": rank.activation_bytes - logits + rank.recompute_peak_bytes,
             "logits": logits,
-            "buffers": self._buffer_bytes(strategy),
+            "buffers": self._buffer_bytes(strategy, dims),
         }
         if compression is not None:
             parts["compression"] = compression
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
 
-    def _buffer_bytes(self, strategy: Strategy) -> float:
-        """Communication buffers and library workspaces."""
+    def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims) -> float:
+        """Communication buffers and library workspaces (DDP's and ZeRO-1/2's gradient
+        buckets; FSDP2 under a pipeline reduces from its unsharded gradients)."""
         buffers = self.options.workspace_gib * GIB
-        if strategy.dp > 1 and strategy.zero < 3:
+        if strategy.dp > 1 and strategy.zero < 3 and not dims.gathered_under_pipeline:
             buffers += 2 * self.options.dp_bucket_bytes
         if strategy.sequence_parallel:
             buffers += self._boundary_bytes * strategy.micro_batch_size / strategy.cp

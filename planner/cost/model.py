@@ -401,12 +401,10 @@ class CostModel:
 
     @staticmethod
     def _pipe_time(strategy: Strategy, ranks: list[RankSums]) -> float:
-        rank_times = [r.time_s for r in ranks]
-        slowest = ranks[rank_times.index(max(rank_times))]
-        fraction = slowest.total("forward_s") / max(slowest.time_s, 1e-30)
         return pipeline_time(
-            strategy.schedule, rank_times, strategy.num_microbatches,
-            virtual_stages=strategy.virtual_stages, forward_fraction=fraction,
+            strategy.schedule, [r.time_s for r in ranks], strategy.num_microbatches,
+            virtual_stages=strategy.virtual_stages,
+            forward_times=[r.total("forward_s") for r in ranks],
         )  # fmt: skip
 
     def _pp_time(self, strategy: Strategy) -> float:

@@ -31,7 +31,9 @@ class CostOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: AttentionKernel = AttentionKernel.FLASH
-    causal: bool = True  # decoder attention (flash kernels skip the masked half)
+    # decoder attention (flash kernels skip the masked half); build_cost_model sets it
+    # from the model (an encoder's is bidirectional) for the search and plan estimate alike
+    causal: bool = True
     dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
     overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute

@@ -8,7 +8,13 @@ recompute + exposed in-stage communication) and ``m`` micro-batches:
 - interleaved 1F1B with ``v`` chunks per rank: the fill/drain shrinks ``v``-fold,
   bubble ``(p - 1) / (v m)``.
 - zero-bubble (ZB-H1, Qi et al. 2023): the backward's weight-gradient half fills the
-  drain, leaving about the forward's share: ``(sum(t) - max(t)) * f / (f + b)``.
+  drain, leaving about the other ranks' forwards: ``max_r(m t_r + sum(f) - f_r)`` with
+  ``f_r`` rank ``r``'s forward seconds per micro-batch; balanced, the bubble is
+  ``(p - 1) f``, a third of 1F1B's when the backward takes twice the forward.
+
+Every formula is non-decreasing in each rank's time (a slower rank never makes the
+step faster), and with fixed per-micro-batch times the bubble (step minus
+``m * max(t)``) never grows with ``m``.
 """
 
 from __future__ import annotations
@@ -26,15 +32,26 @@ T = TypeVar("T")
 def pipeline_time(
     schedule: Schedule, rank_times: Sequence[float], num_microbatches: int, *,
     virtual_stages: int = 1, forward_fraction: float = 1 / 3,
+    forward_times: Sequence[float] | None = None,
 ) -> float:  # fmt: skip
-    """Seconds for the pipelined forward/backward of ``num_microbatches`` micro-batches."""
+    """Seconds for the pipelined forward/backward of ``num_microbatches`` micro-batches.
+
+    ``forward_times``: each rank's forward seconds per micro-batch, for zero-bubble
+    (default: ``forward_fraction`` of its time)."""
+    m = num_microbatches
+    if schedule is Schedule.ZERO_BUBBLE:
+        forwards = (
+            list(forward_times)
+            if forward_times is not None
+            else [forward_fraction * t for t in rank_times]
+        )
+        total = sum(forwards)
+        return max(m * t + total - f for t, f in zip(rank_times, forwards, strict=True))
     slowest = max(rank_times)
     fill_drain = sum(rank_times) - slowest
     if schedule is Schedule.INTERLEAVED_1F1B:
         fill_drain /= virtual_stages
-    elif schedule is Schedule.ZERO_BUBBLE:
-        fill_drain *= forward_fraction
-    return num_microbatches * slowest + fill_drain
+    return m * slowest + fill_drain
 
 
 def balanced_chunks(num_blocks: int, num_chunks: int) -> list[int]:

@@ -5,10 +5,16 @@ A run config is one JSON object::
     {"model": {"preset": "gpt3-175b"} or inline ModelSpec fields,
      "cluster": {...Cluster}, "training": {...Training},
      "strategy": {...Strategy, num_microbatches may be omitted},
-     "options": {...CostOptions, optional}}
+     "options": {...CostOptions, optional},
+     "stages": [["tok_embeddings", "layers.0", ...], ...]}   (optional)
 
 ``training.micro_batch_size`` is the strategy's micro-batch size when the strategy
 does not give one; ``options.causal`` follows the model family; ``num_microbatches`` defaults to ``global_batch_size / (dp * mbs)``.
+``stages`` lists the module FQNs of each pipeline model chunk, as a plan's ``stages``
+do (default: the even split). A saved plan of a zoo or spec model is a run config too
+(:meth:`RunConfig.from_plan`): its estimate is the plan's prediction, to the float,
+because the search and this module build the cost model with
+:func:`~planner.cost.build.build_cost_model`.
 Every inconsistency raises a :class:`~planner.errors.SpecError` naming the fields.
 """
 
@@ -18,16 +24,26 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from planner.cost.model import CostModel
+from planner.cost.build import build_cost_model, spec_graph, stage_indices
+from planner.cost.flops import bf16_peak_mfu
 from planner.cost.options import CostOptions
-from planner.cost.spec_graph import graph_from_spec
 from planner.errors import SpecError
 from planner.hardware import load_profile
 from planner.parallel_dims import ParallelDims
 from planner.presets import get_preset
-from planner.spec import Cluster, ModelSpec, Prediction, Strategy, Training, load_document
+from planner.spec import (
+    Cluster,
+    ModelSpec,
+    Plan,
+    Prediction,
+    Strategy,
+    Training,
+    load_document,
+)
 
 __all__ = ["RunConfig", "estimate_run", "prediction_to_dict"]
+
+_SECTIONS = ("model", "cluster", "training", "strategy", "options", "stages")
 
 
 class RunConfig(BaseModel):
@@ -40,21 +56,24 @@ class RunConfig(BaseModel):
     training: Training
     strategy: Strategy
     options: CostOptions = CostOptions()
+    stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk; () = even split
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run config") -> RunConfig:
         """Resolve presets, fill derived strategy fields and check consistency."""
         if not isinstance(data, dict):
             raise SpecError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        unknown = set(data) - {"model", "cluster", "training", "strategy", "options"}
+        unknown = set(data) - set(_SECTIONS)
         if unknown:
             raise SpecError(
                 f"{source}: unknown section(s) {', '.join(sorted(unknown))}; "
-                "allowed: model, cluster, training, strategy, options"
+                f"allowed: {', '.join(_SECTIONS)}"
             )
         for section in ("model", "cluster", "training", "strategy"):
             if not isinstance(data.get(section), dict):
                 raise SpecError(f"{source}: section {section!r} is missing or not an object")
+        if not isinstance(data.get("options", {}), dict):
+            raise SpecError(f"{source}: section 'options' is not an object; give a JSON object")
         training = load_document(Training, data["training"], f"{source} training")
         model = _resolve_model(data["model"], training, source)
         cluster = load_document(Cluster, data["cluster"], f"{source} cluster")
@@ -67,9 +86,51 @@ class RunConfig(BaseModel):
                 f"model (causal = {model.causal}); leave it out, it follows the model"
             )
         check_run(model, cluster, training, strategy)
+        stages = _resolve_stages(data.get("stages", []), strategy, source)
         return cls(
-            model=model, cluster=cluster, training=training, strategy=strategy, options=options
+            model=model, cluster=cluster, training=training, strategy=strategy, options=options,
+            stages=stages,
+        )  # fmt: skip
+
+    @classmethod
+    def from_plan(cls, plan: Plan, source: str = "plan") -> RunConfig:
+        """The run a saved plan describes: its model spec, cluster, training, strategy and
+        pipeline stages, priced with the default :class:`CostOptions` (those ``plan``
+        searches with)."""
+        if plan.model is None:
+            where = plan.model_source or "a traced module"
+            raise SpecError(
+                f"{source}: the plan's model {plan.model_name!r} ({where}) carries no "
+                "ModelSpec; plan estimate prices zoo and spec models, whose plans carry "
+                "their spec (a traced model is priced by planner.make_plan)"
+            )
+        data = {
+            "model": plan.model.model_dump(mode="json"),
+            "cluster": plan.cluster.model_dump(mode="json"),
+            "training": plan.training.model_dump(mode="json"),
+            "strategy": plan.strategy.model_dump(mode="json"),
+            "stages": [list(chunk) for chunk in plan.stages],
+        }
+        return cls.from_dict(data, source)
+
+
+def _resolve_stages(data: Any, strategy: Strategy, source: str) -> tuple[tuple[str, ...], ...]:
+    """``stages`` as module FQNs per model chunk, one chunk per pipeline stage."""
+    if not isinstance(data, list) or not all(
+        isinstance(chunk, list) and chunk and all(isinstance(f, str) for f in chunk)
+        for chunk in data
+    ):
+        raise SpecError(
+            f"{source}: stages must be a list of non-empty lists of module names (a plan's "
+            'stages, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]])'
         )
+    if data and len(data) != strategy.num_stages:
+        raise SpecError(
+            f"{source}: stages has {len(data)} chunks but pp({strategy.pp}) * "
+            f"virtual_stages({strategy.virtual_stages}) = {strategy.num_stages}: give one "
+            "list of modules per model chunk"
+        )
+    return tuple(tuple(chunk) for chunk in data)
 
 
 def _resolve_model(data: dict[str, Any], training: Training, source: str) -> ModelSpec:
@@ -137,15 +198,22 @@ def check_run(model: ModelSpec, cluster: Cluster, training: Training, strategy: 
 def estimate_run(config: dict[str, Any] | RunConfig) -> Prediction:
     """Estimate one run given as a :class:`RunConfig` or its JSON-shaped dict."""
     run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
-    graph = graph_from_spec(run.model, dtype=run.training.dtype, dropout=run.options.dropout)
-    training = run.training.model_copy(update={"seq_len": None})
-    options = run.options.model_copy(update={"causal": run.model.causal})
-    model = CostModel(graph, run.cluster, training, options=options)
-    return model.estimate(run.strategy)
+    graph = spec_graph(run.model, run.training, run.options)
+    model = build_cost_model(
+        graph, run.cluster, run.training, causal=run.model.causal, options=run.options
+    )
+    stages = stage_indices(graph, run.stages) if run.stages else None
+    return model.estimate(run.strategy, stages=stages)
 
 
-def prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
-    """The ``plan estimate --json`` object for one run."""
+def prediction_to_dict(prediction: Prediction, run: RunConfig | None = None) -> dict[str, Any]:
+    """The ``plan estimate --json`` object for one run; with the ``run``, also
+    ``mfu_bf16_peak`` when the dtype's own peak is not bf16's (fp8)."""
     data = prediction.model_dump(mode="json")
     data["breakdown"] = data.pop("breakdown_s")
+    bf16 = None
+    if run is not None:
+        bf16 = bf16_peak_mfu(prediction, dtype=run.training.dtype, gpu=run.cluster.gpu)
+    if bf16 is not None:
+        data["mfu_bf16_peak"] = bf16
     return data

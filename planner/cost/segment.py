@@ -5,7 +5,9 @@ one :class:`~planner.cost.tp.ShardKey` and recompute mode: forward, backward and
 recompute seconds, exposed TP/CP communication, parameters per GPU and activation
 bytes kept per micro-batch. Recompute modes: ``full`` keeps each block's input and
 re-runs its forward (with its communication); ``selective`` follows
-:class:`~planner.cost.options.SelectivePolicy`.
+:class:`~planner.cost.options.SelectivePolicy`. Either way the recomputed activations
+exist again while the block's backward runs: ``recompute_peak_bytes`` is what the
+block holds then beyond what it kept (the unfused attention's scores, say).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class SegmentPricer:
             forward_s=forward, backward_s=backward, recompute_s=recompute,
             comm_tp_s=tp_fwd + tp_bwd, comm_cp_s=cp_fwd + cp_bwd,
             param_count=sum(split.param_elements), activation_bytes=kept,
-            recompute_peak_bytes=kept_all if mode is RecomputeMode.FULL else 0.0,
+            recompute_peak_bytes=max(kept_all - kept, 0.0) if recomputed else 0.0,
             logits_bytes=logits,
         )  # fmt: skip
 

@@ -2,7 +2,10 @@
 
 FLOPs follow :data:`~planner.cost.flops.FLOP_CONVENTION`: matmul, convolution and
 attention FLOPs of the graph (forward and backward) per sequence, times the global
-batch; recomputed forward FLOPs count towards HFU only.
+batch; recomputed forward FLOPs count towards HFU only. MFU and HFU are against the
+dense peak of the training dtype (fp8: the fp8 peak), so MFU <= 1: no operator is
+priced faster than that peak on the FLOPs counted for it
+(:class:`~planner.cost.compute.ComputeModel`).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from planner.cost.flops import FLOP_CONVENTION
-from planner.cost.memory import GIB
+from planner.cost.memory import GIB, PIPELINED_FSDP_NOTE
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
 from planner.hardware import HardwareProfile
-from planner.spec import DType, Prediction, RecomputeMode, Strategy, Training
+from planner.parallel_dims import ParallelDims
+from planner.spec import Prediction, RecomputeMode, Strategy, Training
 
 __all__ = ["Throughput"]
 
@@ -47,13 +51,16 @@ class Throughput:
         in bytes by term) with recompute ``modes`` per segment."""
         gpus = strategy.world_size
         dtype = self.training.dtype
-        peak = self.profile.peak_flops(DType.BF16 if dtype is DType.FP8 else dtype)
+        peak = self.profile.peak_flops(dtype)
         model_flops, recomputed = self.flops_per_step(modes)
         tokens = self.training.global_batch_size * self.graph.seq_len
         limit = self.profile.memory_capacity_gib
         memory_gib = {k: v / GIB for k, v in memory.items()}
         peak_gib = sum(memory_gib.values())
         fits = peak_gib <= limit
+        reason = "" if fits else _not_fitting_reason(memory_gib, peak_gib, limit)
+        if ParallelDims.of(strategy).gathered_under_pipeline:
+            reason = f"{reason}; {PIPELINED_FSDP_NOTE}" if reason else PIPELINED_FSDP_NOTE
         return Prediction(
             step_time_s=step,
             tokens_per_s_per_gpu=tokens / step / gpus,
@@ -66,7 +73,7 @@ class Throughput:
             fits=fits,
             breakdown_s=breakdown,
             memory_gib=memory_gib,
-            reason="" if fits else _not_fitting_reason(memory_gib, peak_gib, limit),
+            reason=reason,
         )
 
     def flops_per_step(self, modes: Sequence[RecomputeMode]) -> tuple[float, float]:

@@ -15,6 +15,7 @@ from planner.export.deepspeed import to_deepspeed
 from planner.export.megatron import to_megatron
 from planner.export.torchtitan import to_torchtitan
 from planner.spec import Plan
+from planner.validate import check_plan
 
 __all__ = ["TARGETS", "export_plan", "to_deepspeed", "to_megatron", "to_torchtitan"]
 
@@ -26,7 +27,9 @@ TARGETS: dict[str, Callable[[Plan], str]] = {
 
 
 def export_plan(plan: Plan, target: str) -> str:
-    """``plan`` in the form ``target`` (a key of :data:`TARGETS`) takes."""
+    """``plan`` in the form ``target`` (a key of :data:`TARGETS`) takes; a plan that
+    disagrees with itself (:func:`planner.validate.check_plan`) is refused first."""
     if target not in TARGETS:
         raise UnknownNameError("export target", target, TARGETS)
+    check_plan(plan)
     return TARGETS[target](plan)

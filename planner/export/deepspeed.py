@@ -18,9 +18,8 @@ sharding with ZeRO-1/2, PowerSGD and local SGD.
 
 from __future__ import annotations
 
-import json
-
 from planner.export.common import check_hook_compression, refuse, uniform_recompute
+from planner.io import dumps_json
 from planner.parallel_dims import ParallelDims
 from planner.spec import CompressionKind, DType, Plan, RecomputeMode
 
@@ -59,7 +58,7 @@ def to_deepspeed(plan: Plan) -> str:
         "fp16": {"enabled": training.dtype is DType.FP16},
         "communication_data_type": _COMMUNICATION_DTYPES[strategy.compression.kind],
     }
-    return json.dumps(config, indent=2) + "\n"
+    return dumps_json(config, what="DeepSpeed config") + "\n"
 
 
 def _check_model_parallel(plan: Plan) -> None:

@@ -24,7 +24,6 @@ first-k-blocks recompute, and PowerSGD or local SGD.
 
 from __future__ import annotations
 
-import json
 import math
 
 from planner.export.common import (
@@ -36,6 +35,7 @@ from planner.export.common import (
     seq_len,
     uniform_recompute,
 )
+from planner.io import dumps_json
 from planner.spec import CompressionKind, DType, Optimizer, Plan, RecomputeMode, Schedule
 
 __all__ = ["to_torchtitan"]
@@ -234,7 +234,7 @@ def _toml(value: TomlValue) -> str:
     if isinstance(value, float) and math.isinf(value):
         return "inf"
     if isinstance(value, (int, float, str)):
-        return json.dumps(value)
+        return dumps_json(value, what="torchtitan TOML value", indent=None)
     if value and all(isinstance(item, list) for item in value):
         return "[\n" + "".join(f"  {_toml(item)},\n" for item in value) + "]"
     return "[" + ", ".join(_toml(item) for item in value) + "]"

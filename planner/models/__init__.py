@@ -132,16 +132,45 @@ def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHan
     return _from_module(name or type(module).__name__, "module", module, None)
 
 
+def _one_line(exc: BaseException) -> str:
+    """``TypeName: message`` on one line (at most 300 characters)."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _import_function(path: str) -> Callable[[], object]:
     module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise SpecError(
+            f"model path {path!r} is not module:function: give e.g. my_pkg.models:build"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise SpecError(f"cannot import {module_name!r} from model path {path!r}: {exc}") from None
+    except Exception as exc:  # the user's module failed while it was imported
+        raise SpecError(
+            f"importing {module_name!r} from model path {path!r} raised {_one_line(exc)}; "
+            f"fix the module (python -c 'import {module_name}' shows the traceback)"
+        ) from None
     function = getattr(module, attr, None)
     if not callable(function):
         raise SpecError(f"model path {path!r}: {module_name!r} has no callable {attr!r}")
     return function
+
+
+def _call_model_function(path: str) -> object:
+    """Call the user's ``module:function``; its failure is an ``error:`` line."""
+    function = _import_function(path)
+    try:
+        return function()
+    except Exception as exc:
+        module_name, _, attr = path.partition(":")
+        raise SpecError(
+            f"model function {path!r} raised {_one_line(exc)}; fix the function (call "
+            f"{module_name}.{attr}() in Python to see the traceback)"
+        ) from None
 
 
 def resolve_model(
@@ -160,7 +189,7 @@ def resolve_model(
         with torch.device(device):
             if seed is not None:
                 torch.manual_seed(seed)
-            result = _import_function(source)()
+            result = _call_model_function(source)
         module, inputs = result if isinstance(result, tuple) else (result, None)
         if not isinstance(module, nn.Module):
             raise SpecError(

@@ -19,7 +19,9 @@ compression, pinned or allowed, only where it runs
 interleaving only with micro-batches a multiple of pp, and with more than 4 virtual
 stages only when they divide the blocks evenly; ZeRO only with more than one replica,
 over all of dp or one node's share of it. ZeRO-1 is searched only when pinned: ZeRO-2
-sends the same bytes and keeps fewer, so it dominates. Candidates are small frozen
+sends the same bytes and keeps fewer, so it dominates; under a pipeline ZeRO-3 only when
+pinned too, since torch's pipelining keeps the weights gathered all step and ZeRO-3 is
+then ZeRO-2. Candidates are small frozen
 dataclasses compared field by field until they are costed. Two bounds, both computed
 from per-(tp, cp, sp, micro-batch, recompute) segment costs that
 :class:`~planner.cost.CostModel` caches:
@@ -135,8 +137,8 @@ class ModelLimits:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     vocab_size: int | None = None  # split by Megatron's layout: tp must divide it
-    pipeline: bool = True  # whether the runtime can split the blocks into stages
-    context_parallel: bool = True  # whether the runtime can shard its sequences
+    pipeline_problem: str | None = None  # why the runtime cannot split it into stages
+    context_parallel_problem: str | None = None  # why the runtime cannot shard its sequences
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
     max_tp: int | None = None
     layout_problem: Callable[[int, bool], str | None] | None = None
@@ -277,7 +279,9 @@ class _Point:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of ``n``, ascending, in ``sqrt(n)`` steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 class _Space:
@@ -316,7 +320,7 @@ class _Space:
             if not (pins.allows("tp", tp) and limits.allows_tp(tp)):
                 continue
             for cp in _divisors(n // tp):
-                if not pins.allows("cp", cp) or (cp > 1 and not limits.context_parallel):
+                if not pins.allows("cp", cp) or (cp > 1 and limits.context_parallel_problem):
                     continue
                 if limits.sequence_blocker(tp, cp, sp=False) is not None:
                     continue
@@ -328,7 +332,7 @@ class _Space:
                         continue
                     if pp > limits.num_blocks or self.training.global_batch_size % dp:
                         continue
-                    if pp > 1 and not limits.pipeline:
+                    if pp > 1 and limits.pipeline_problem:
                         continue
                     yield dp, tp, pp, cp
 
@@ -341,7 +345,7 @@ class _Space:
         """
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
         if dims.replicas == 1:
-            if self.pins.allows("zero", 0):
+            if self.pins.allows("zero", 0) and self.pins.allows("dp_shard", None):
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
@@ -349,6 +353,8 @@ class _Space:
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
                 continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
+            if zero == 3 and pp > 1 and self.pins.zero is None:
+                continue  # under a pipeline ZeRO-3 is ZeRO-2 (ParallelDims.gathered_under_pipeline)
             if zero == 0 and not ddp:
                 continue
             shards = [1] if zero == 0 or dp == 1 else sorted({dp, math.gcd(dp, per_node)} - {1})
@@ -357,8 +363,10 @@ class _Space:
                     yield zero, shard
 
     def schedules(self, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
-        if pp == 1:
-            if self.pins.allows("schedule", Schedule.ONE_F_ONE_B) or self.pins.schedule is None:
+        if pp == 1:  # no pipeline: a pinned schedule or virtual stages rule pp = 1 out
+            if self.pins.allows("schedule", Schedule.ONE_F_ONE_B) and self.pins.allows(
+                "virtual_stages", 1
+            ):
                 yield Schedule.ONE_F_ONE_B.value, 1
             return
         dims = ParallelDims(pp=pp)
@@ -381,7 +389,7 @@ class _Space:
 
     def micro_batches(self, dp: int) -> list[int]:
         per_rank = self.training.global_batch_size // dp
-        sizes = [m for m in _divisors(per_rank) if m <= _MAX_MICRO_BATCH]
+        sizes = [m for m in range(1, _MAX_MICRO_BATCH + 1) if per_rank % m == 0]
         if self.training.micro_batch_size is not None:
             sizes = [m for m in sizes if m == self.training.micro_batch_size]
         return [m for m in sizes if self.pins.allows("micro_batch_size", m)]
@@ -662,10 +670,26 @@ def _no_candidates(
         if options and all(blockers.values()):
             what = "sequence parallelism" if options == [True] else "tensor parallelism"
             reasons.append(f"{what} at tp({pins.tp}): {blockers[options[-1]]}")
-    if pins.pp is not None and (pins.pp > limits.num_blocks or not limits.pipeline):
-        reasons.append(f"pp({pins.pp}) cannot split this model's {limits.num_blocks} blocks")
-    if pins.cp is not None and pins.cp > 1 and not limits.context_parallel:
-        reasons.append(f"cp({pins.cp}): the runtime shards sequences of zoo transformers only")
+    if pins.pp is not None and pins.pp > 1 and limits.pipeline_problem:
+        reasons.append(f"pp({pins.pp}): {limits.pipeline_problem}")
+    elif pins.pp is not None and pins.pp > limits.num_blocks:
+        reasons.append(f"pp({pins.pp}) > the model's {limits.num_blocks} blocks")
+    if pins.dp_shard is not None:
+        per_node = model.cluster.gpus_per_node
+        reasons.append(
+            f"dp_shard({pins.dp_shard}): ZeRO shards over all of dp or over the data-parallel "
+            f"ranks of one node (gpus_per_node({per_node}) / (tp * cp)), and needs zero >= 1; "
+            "no mesh here gives that shard group"
+        )
+    pipelined = (pins.virtual_stages or 1) > 1 or pins.schedule not in (None, Schedule.ONE_F_ONE_B)
+    if pipelined and (pins.pp == 1 or limits.pipeline_problem):
+        why = "pp is pinned to 1" if pins.pp == 1 else limits.pipeline_problem
+        reasons.append(
+            f"schedule {pins.schedule or Schedule.INTERLEAVED_1F1B} with virtual_stages "
+            f"{pins.virtual_stages or 1} needs a pipeline (pp > 1), but {why}"
+        )
+    if pins.cp is not None and pins.cp > 1 and limits.context_parallel_problem:
+        reasons.append(f"cp({pins.cp}): {limits.context_parallel_problem}")
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
     if pins.zero == 0:
