@@ -14,8 +14,11 @@ __all__ = ["render_plan"]
 
 def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
     s = strategy
-    sharding = "none" if s.zero == 0 else f"ZeRO-{s.zero} over {s.shard_degree} ranks"
-    if ParallelDims.of(s).hybrid_sharding:
+    dims = ParallelDims.of(s)
+    sharding = "none" if s.zero == 0 else f"ZeRO-{s.zero} over {dims.zero_shard_ranks} ranks"
+    if s.zero and s.cp > 1:
+        sharding += f" (dp_shard {s.shard_degree} x cp {s.cp})"
+    if dims.hybrid_sharding:
         sharding += f" (hybrid: {s.replicate_degree} replicas)"
     rows = [
         ("mesh", " x ".join(f"{a.name.value}={a.size}" for a in s.mesh_axes()) or "single GPU"),
