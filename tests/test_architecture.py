@@ -183,6 +183,7 @@ def test_no_lazy_name_is_also_a_submodule(package):
     assert set(module._LAZY) & submodules == set()
 
 
+@pytest.mark.slow  # a fresh interpreter imports every module, torch too
 def test_lazy_names_survive_importing_every_submodule():
     code = (
         "import pkgutil, importlib, planner\n"

@@ -99,6 +99,7 @@ def test_no_lossy_compression_unless_allowed():
         assert _chosen(bandwidth, lossy=None).compression.kind is CompressionKind.NONE
 
 
+@pytest.mark.slow  # dozens of searches
 def test_the_search_switches_none_then_bf16_then_powersgd_as_links_slow():
     kinds = [_chosen(bandwidth).compression.kind for bandwidth in (50.0, 3.0, 0.3)]
     assert kinds == [CompressionKind.NONE, CompressionKind.BF16, CompressionKind.POWERSGD]
@@ -112,6 +113,7 @@ def test_the_search_switches_none_then_bf16_then_powersgd_as_links_slow():
     ) == pytest.approx(0.0)
 
 
+@pytest.mark.slow  # dozens of searches
 def test_crossover_bandwidth_brackets_the_switch():
     only_powersgd = LossyCompression(powersgd_ranks=(4,))
 
@@ -218,6 +220,7 @@ def test_cluster_profiles_load_and_refuse_a_different_size():
     assert resolve_cluster("h100-sxm-80gb", num_gpus=16).num_gpus == 16
 
 
+@pytest.mark.slow  # dozens of searches
 def test_slow_tier_carries_only_the_outer_axes():
     """Tensor, context and pipeline traffic stay off the slowest link; what crosses the
     sites is data parallel (or pipeline) traffic."""
@@ -238,6 +241,7 @@ def test_slow_tier_carries_only_the_outer_axes():
     assert outer.name in (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD)
 
 
+@pytest.mark.slow  # dozens of searches
 def test_cli_allows_lossy_compression_only_when_asked(tmp_path, capsys):
     base = ["--model", "gpt3-1.3b", "--cluster", "a100-25gbe", "--global-batch", "256"]
     exact, lossy = tmp_path / "exact.json", tmp_path / "lossy.json"

@@ -334,6 +334,7 @@ def test_models_without_transformer_blocks_get_runnable_plans(model, pins, tmp_p
         assert "sequence_parallel" in {m.style.value for m in plan.tp_layout.values()}
 
 
+@pytest.mark.slow  # solves and rehearses a full-size layout
 def test_tied_gpt2_large_at_tp2_plans_with_the_vocabulary_parallel_tie():
     """Once refused with a request to change layouts no option allows (issue #16)."""
     handle = resolve_model("gpt2-large")
