@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from planner.cost import graph_from_spec
+from planner.cost.build import spec_graph
 from planner.cost.compression import max_useful_rank, should_compress
 from planner.errors import PlanMismatchError, SpecError
 from planner.parallel_dims import ParallelDims
@@ -67,7 +67,7 @@ def check_heads(plan: Plan) -> None:
 
 def _check_spec_stages(plan: Plan, spec: ModelSpec) -> None:
     """The stages place each of the spec model's modules once, tied ones in one chunk."""
-    graph = graph_from_spec(spec, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    graph = spec_graph(spec, plan.training)
     known = [fqn for segment in graph.segments for fqn in segment.modules]
     placed = [fqn for chunk in plan.stages for fqn in chunk]
     unknown = sorted(set(placed) - set(known))

@@ -37,7 +37,8 @@ from numpy.typing import NDArray
 from scipy.optimize import least_squares
 
 from planner.calibrate.fit import MAX_RMS_LOG_ERROR, CalibrationError
-from planner.cost import CostModel, CostOptions, graph_from_spec
+from planner.cost import CostModel, CostOptions
+from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.cost.tp import ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind
@@ -170,31 +171,27 @@ def with_parameters(
     return HardwareProfile.model_validate(data)
 
 
-def _graph(plan: Plan) -> OpGraph:
+def _graph(plan: Plan, options: CostOptions) -> OpGraph:
     """The formula graph the search priced ``plan`` on (zoo and spec-file models)."""
     if plan.model is None:
         raise SpecError(
             f"plan for {plan.model_name!r} has no model spec: calibration re-prices zoo or "
             "spec-file transformers only"
         )
-    return graph_from_spec(plan.model, seq_len=plan.training.seq_len, dtype=plan.training.dtype)
+    return spec_graph(plan.model, plan.training, options)
 
 
-def stage_indices(graph: OpGraph, plan: Plan) -> list[list[int]] | None:
-    """The plan's FQN stages as segment-index chunks for :meth:`CostModel.estimate`."""
-    if not plan.stages:
-        return None
-    owner = {fqn: index for index, chunk in enumerate(plan.stages) for fqn in chunk}
-    chunks: list[list[int]] = [[] for _ in plan.stages]
-    for index, segment in enumerate(graph.segments):
-        homes = {owner[m] for m in segment.modules if m in owner}
-        if len(homes) != 1:
-            raise SpecError(
-                f"segment {segment.fqn!r} (modules {list(segment.modules)}) is not in exactly "
-                "one of the plan's stages: re-plan the model"
-            )
-        chunks[homes.pop()].append(index)
-    return chunks
+def _cost_model(
+    plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions
+) -> CostModel:
+    """The cost model the search built for ``plan`` (:func:`build_cost_model`), under
+    ``profile``."""
+    assert plan.model is not None  # _graph refused plans without a spec
+    training = plan.training.model_copy(update={"seq_len": None})  # the graph's length
+    return build_cost_model(
+        graph, plan.cluster, training, causal=plan.model.causal, options=options,
+        profile=profile,
+    )  # fmt: skip
 
 
 class _Pricer:
@@ -203,7 +200,7 @@ class _Pricer:
     def __init__(self, plans: Sequence[Plan], options: CostOptions) -> None:
         self.plans = list(plans)
         self.options = options
-        self.graphs = [_graph(p) for p in self.plans]
+        self.graphs = [_graph(p, options) for p in self.plans]
 
     def predict(self, profile: HardwareProfile) -> list[Prediction]:
         return [
@@ -215,14 +212,14 @@ class _Pricer:
 def _estimate(
     plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions
 ) -> Prediction:
-    training = plan.training.model_copy(update={"seq_len": None})
-    model = CostModel(graph, plan.cluster, training, profile=profile, options=options)
-    return model.estimate(plan.strategy, stages=stage_indices(graph, plan))
+    model = _cost_model(plan, graph, profile, options)
+    stages = stage_indices(graph, plan.stages) if plan.stages else None
+    return model.estimate(plan.strategy, stages=stages)
 
 
 def predict_plan(plan: Plan, profile: HardwareProfile, options: CostOptions) -> Prediction:
     """The cost model's prediction for ``plan`` (its own stages) under ``profile``."""
-    graph = _graph(plan)
+    graph = _graph(plan, options)
     return _estimate(plan, graph, profile, options)
 
 
@@ -235,9 +232,8 @@ def predict_op_classes(
     forward plus backward of every micro-batch, the model's work divided evenly over the
     pipeline ranks; recomputation is not included.
     """
-    graph = _graph(plan)
-    training = plan.training.model_copy(update={"seq_len": None})
-    model = CostModel(graph, plan.cluster, training, profile=profile, options=options)
+    graph = _graph(plan, options)
+    model = _cost_model(plan, graph, profile, options)
     s = plan.strategy
     key = ShardKey(s.tp, s.cp, s.sequence_parallel, s.micro_batch_size)
     layout = model.tp_layout(s.tp, s.sequence_parallel)
