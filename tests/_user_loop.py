@@ -52,6 +52,7 @@ def main(source: str, plan_path: str, steps: int) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"steps": [{"loss": value} for value in losses]}))
     if dist.is_initialized():
+        dist.barrier()  # as the README says: no rank tears down while a peer still works
         dist.destroy_process_group()
 
 
