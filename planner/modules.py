@@ -227,7 +227,3 @@ def _check_stages(plan: Plan, module: nn.Module) -> None:
                 f"plan.stages[{index}] names {', '.join(map(repr, missing))}, not modules of "
                 f"{type(module).__name__}; fix the FQNs (e.g. 'layers.0')"
             )
-    placed = [fqn for chunk in plan.stages for fqn in chunk]
-    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
-    if twice:
-        raise SpecError(f"plan.stages places {', '.join(twice)} in more than one chunk")

@@ -72,9 +72,7 @@ def _check_spec_stages(plan: Plan, spec: ModelSpec) -> None:
     placed = [fqn for chunk in plan.stages for fqn in chunk]
     unknown = sorted(set(placed) - set(known))
     missing = [fqn for fqn in known if fqn not in placed]
-    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
-    for what, names in (("names unknown modules", unknown), ("leaves out", missing),
-                        ("places twice", twice)):  # fmt: skip
+    for what, names in (("names unknown modules", unknown), ("leaves out", missing)):
         if names:
             raise SpecError(
                 f"plan.stages {what} {', '.join(names[:6])} of model {spec.name!r} "
@@ -200,6 +198,10 @@ def _check_pipeline(plan: Plan) -> None:
             f"strategy.pp = {strategy.pp} but plan.stages is empty: give one FQN list per "
             "pipeline chunk (planner.assemble.assemble_plan fills an even split)"
         )
+    placed = [fqn for chunk in plan.stages for fqn in chunk]
+    twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
+    if twice:
+        raise SpecError(f"plan.stages places {', '.join(twice)} in more than one chunk")
     blocker = ParallelDims.of(strategy).schedule_blocker(
         strategy.schedule, strategy.num_microbatches
     )
