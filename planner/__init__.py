@@ -29,6 +29,13 @@ _LAZY = {
     "list_models": "planner.models",
     "fingerprint": "planner.models",
     "make_plan": "planner.planning",
+    "search_plan": "planner.planning",
+    "export_plan": "planner.export",
+    "parse_target": "planner.frameworks",
+    "import_config": "planner.importers",
+    "ImportedRun": "planner.importers",
+    "scale_plans": "planner.scaling",
+    "ScaleTable": "planner.scale_math",
     "Pins": "planner.solve.search",
     "LossyCompression": "planner.solve.lossy",
     "trace": "planner.tracing",
@@ -39,7 +46,12 @@ if TYPE_CHECKING:
 
     from planner.errors import PlannerError, SpecError
     from planner.models import fingerprint, list_models, resolve_model
-    from planner.planning import make_plan
+    from planner.export import export_plan
+    from planner.frameworks import parse_target
+    from planner.importers import ImportedRun, import_config
+    from planner.planning import make_plan, search_plan
+    from planner.scale_math import ScaleTable
+    from planner.scaling import scale_plans
     from planner.solve.lossy import LossyCompression
     from planner.solve.search import Pins
     from planner.spec import Cluster, ModelSpec, Plan, Strategy, Training, load_document
@@ -58,6 +70,13 @@ __all__ = [
     "list_models",
     "fingerprint",
     "make_plan",
+    "search_plan",
+    "export_plan",
+    "parse_target",
+    "import_config",
+    "ImportedRun",
+    "scale_plans",
+    "ScaleTable",
     "Pins",
     "LossyCompression",
     "trace",
@@ -66,7 +85,10 @@ __all__ = [
 ]
 
 
-__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+# Public submodules, imported on first use: `import planner; planner.export.to_megatron`.
+_SUBMODULES = ("export", "plots", "frameworks")
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals(), _SUBMODULES)
 
 
 def parallelize(
@@ -94,7 +116,9 @@ def parallelize(
     """
     from planner.errors import SpecError
     from planner.models import handle_for_module
-    from planner.planning import make_plan
+    from planner.export import export_plan
+    from planner.frameworks import parse_target
+    from planner.planning import make_plan, search_plan
     from planner.spec import Plan, load_document
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 

@@ -45,6 +45,8 @@ def assemble_plan(
     runners_up: tuple[Candidate, ...] = (),
     solver: SolverStats | None = None,
     tradeoffs: tuple[str, ...] = (),
+    target: str = "planner",
+    without_target: Candidate | None = None,
 ) -> Plan:
     """A :class:`Plan` for ``handle`` under ``strategy``, with defaults for layout and stages.
 
@@ -67,7 +69,9 @@ def assemble_plan(
         mesh=strategy.mesh_axes(),
         stages=tuple(tuple(chunk) for chunk in stages or ()),
         tp_layout=dict(tp_layout or {}),
+        target=target,
         prediction=prediction,
+        without_target=without_target,
         tradeoffs=tradeoffs,
         runners_up=runners_up,
         solver=solver or SolverStats(),

@@ -17,13 +17,14 @@ from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.memory import in_flight_microbatches
-from planner.errors import InfeasibleError
+from planner.errors import InfeasibleError, SpecError
+from planner.frameworks import Target, model_refusal, parse_target, strategy_refusal
 from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle, Transformer
 from planner.modules import check_model_against_plan, pipeline_blocker, shares_parameters
 from planner.solve.lossy import LossyCompression, tradeoff
-from planner.solve.search import ModelLimits, Pins, Progress, Scored, search
+from planner.solve.search import Headroom, ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
 from planner.spec import (
     Candidate,
@@ -48,6 +49,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _POOL = 3  # candidates kept per runner-up shown, to pick diverse ones from
+TOLERANCE = 0.01  # plans this much slower than the fastest count as ties (fraction)
 
 
 def cost_graph(
@@ -81,12 +83,16 @@ def make_plan(
     progress: Progress | None = None,
     ilp_time_limit_s: float = 10.0,
     lossy: LossyCompression | None = None,
+    target: Target | str = "planner",
+    headroom: Headroom | None = None,
+    tolerance: float = TOLERANCE,
 ) -> Plan:
     """Search the fastest fitting strategy for ``handle`` on ``cluster`` and assemble its
-    plan; ``lossy`` names the lossy gradient compression it may choose (none by default)."""
+    plan; see :func:`search_plan` for the options."""
     return search_plan(
         handle, cluster, training, pins=pins, top_k=top_k, options=options, progress=progress,
-        ilp_time_limit_s=ilp_time_limit_s, lossy=lossy,
+        ilp_time_limit_s=ilp_time_limit_s, lossy=lossy, target=target, headroom=headroom,
+        tolerance=tolerance,
     ).plan  # fmt: skip
 
 
@@ -102,17 +108,38 @@ def search_plan(
     ilp_time_limit_s: float = 10.0,
     pareto: bool = False,
     lossy: LossyCompression | None = None,
+    target: Target | str = "planner",
+    headroom: Headroom | None = None,
+    tolerance: float = TOLERANCE,
 ) -> PlanSearch:
-    """:func:`make_plan` that also returns the priced candidates; with ``pareto`` they
-    include the whole Pareto front of step time against peak memory."""
+    """The plan for ``handle`` on ``cluster``, and every candidate priced on the way.
+
+    ``lossy`` names the lossy gradient compression the search may choose (none by
+    default); ``target`` (``"megatron"``, ``"torchtitan==0.2"``...) keeps to what that
+    framework release runs, so the plan exports to it, and records the fastest plan it
+    ruled out (``plan.without_target``); ``headroom`` is memory every GPU keeps free;
+    among the plans within ``tolerance`` (a fraction) of the fastest, the one with the
+    fewest parallel dimensions, then the most free memory, is chosen. With ``pareto``
+    the candidates include the whole Pareto front of step time against peak memory.
+    """
     started = time.perf_counter()
+    target = _check_target(target, handle)
     graph = cost_graph(handle, training, options)
     model, layouts = priced_model(handle, graph, cluster, training, options, ilp_time_limit_s)
+    limits = model_limits(handle, graph, cluster, layouts)
+    headroom_gib = (headroom or Headroom()).gib_of(model.profile.memory_capacity_gib)
     result = search(
-        model, model_limits(handle, graph, cluster, layouts), pins=pins,
-        top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy, progress=progress,
+        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy,
+        progress=progress, target=target, memory_headroom_gib=headroom_gib,
     )  # fmt: skip
-    best = result.ranked[0]
+    best = preferred(result.ranked, tolerance)
+    others = [scored for scored in result.ranked if scored is not best]
+    without_target = None
+    if not target.is_planner:
+        fastest = search(
+            model, limits, pins=pins, top_k=1, lossy=lossy, memory_headroom_gib=headroom_gib
+        ).ranked[0]
+        without_target = _ruled_out(target, model.training, best, fastest)
     chunks, prediction = _refine_stages(model, best)
     strategy = best.strategy
     layout = layouts.layout(strategy.tp, strategy.sequence_parallel) if strategy.tp > 1 else None
@@ -128,9 +155,11 @@ def search_plan(
         tp_layout=layout.modules if layout is not None else None,
         stages=stages if strategy.pp > 1 else None,
         prediction=prediction,
-        runners_up=tuple(_runner_up(best, other) for other in _diverse(result.ranked, top_k)),
+        runners_up=tuple(_runner_up(best, other) for other in _diverse(best, others, top_k)),
         solver=stats,
         tradeoffs=tuple(t for t in [tradeoff(model, strategy)] if t),
+        target=str(target),
+        without_target=without_target,
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)
@@ -243,7 +272,55 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
     return even, best.prediction
 
 
-def _diverse(ranked: Sequence[Scored], count: int) -> list[Scored]:
+def _check_target(target: Target | str, handle: ModelHandle) -> Target:
+    """``target`` parsed, refused up front when it cannot build the model at all."""
+    if isinstance(target, str):
+        target = parse_target(target)
+    refusal = model_refusal(target, handle.spec)
+    if refusal is not None:
+        raise SpecError(f"--for {target}: {refusal.describe()}; {refusal.fix}")
+    return target
+
+
+def parallel_dimensions(strategy: Strategy) -> int:
+    """How many of dp, tp, pp and cp are larger than 1."""
+    return sum(degree > 1 for degree in (strategy.dp, strategy.tp, strategy.pp, strategy.cp))
+
+
+def _free_gib(scored: Scored) -> float:
+    return scored.prediction.memory_limit_gib - scored.prediction.peak_memory_gib
+
+
+def preferred(ranked: Sequence[Scored], tolerance: float = TOLERANCE) -> Scored:
+    """The plan to run among ``ranked`` (fastest first): of those within ``tolerance``
+    (a fraction) of the fastest step time, the fewest parallel dimensions, then the
+    most free memory, then the fastest."""
+    if not 0 <= tolerance < 1:
+        raise SpecError(f"tolerance = {tolerance}: give a fraction in [0, 1), e.g. 0.01 for 1%")
+    limit = ranked[0].prediction.step_time_s * (1 + tolerance)
+    ties = [scored for scored in ranked if scored.prediction.step_time_s <= limit]
+    return min(
+        ties,
+        key=lambda s: (parallel_dimensions(s.strategy), -_free_gib(s), s.prediction.step_time_s),
+    )
+
+
+def _ruled_out(
+    target: Target, training: Training, chosen: Scored, fastest: Scored
+) -> Candidate | None:
+    """The fastest unrestricted plan as a :class:`Candidate`, when ``target`` ruled it out."""
+    refusal = strategy_refusal(target, fastest.strategy, training)
+    if refusal is None or fastest.prediction.step_time_s >= chosen.prediction.step_time_s:
+        return None
+    gain = chosen.prediction.step_time_s / fastest.prediction.step_time_s - 1
+    return Candidate(
+        strategy=fastest.strategy,
+        prediction=fastest.prediction,
+        lost_because=f"{gain:.1%} faster, but {target} cannot run it: {refusal.describe()}",
+    )
+
+
+def _diverse(best: Scored, others: Sequence[Scored], count: int) -> list[Scored]:
     """Up to ``count`` runners-up, fastest first, preferring other meshes and settings.
 
     The fastest candidate of each mesh (dp, tp, pp, cp) and sharding comes first, so the
@@ -253,27 +330,48 @@ def _diverse(ranked: Sequence[Scored], count: int) -> list[Scored]:
     def shape(s: Strategy) -> tuple[object, ...]:
         return (s.dp, s.tp, s.pp, s.cp, s.zero, s.recompute)
 
-    seen = {shape(ranked[0].strategy)}
+    seen = {shape(best.strategy)}
     picked: list[Scored] = []
-    for scored in ranked[1:]:
+    for scored in others:
         if shape(scored.strategy) not in seen:
             seen.add(shape(scored.strategy))
             picked.append(scored)
-    rest = [s for s in ranked[1:] if s not in picked]
+    rest = [s for s in others if s not in picked]
     chosen = (picked + rest)[:count]
     return sorted(chosen, key=lambda s: s.prediction.step_time_s)
 
 
+def _share(fraction: float) -> str:
+    """A step-time difference as a percentage, tiny ones as an upper bound."""
+    return f"{fraction:.1%}" if fraction >= 0.0005 else "<0.05%"
+
+
+def _tie_break(other: Scored, best: Scored) -> str:
+    """What :func:`preferred` held against ``other``, a near tie of ``best``."""
+    dims = parallel_dimensions(other.strategy), parallel_dimensions(best.strategy)
+    if dims[0] != dims[1]:
+        return f"{dims[0]} parallel dimensions, not {dims[1]}"
+    free = _free_gib(other), _free_gib(best)
+    if round(free[0], 2) != round(free[1], 2):
+        return f"{free[0]:.2f} GiB free, not {free[1]:.2f}"
+    return "the same dimensions and free memory; the search priced it later"
+
+
 def _runner_up(best: Scored, other: Scored) -> Candidate:
-    """``other`` with the reason it lost: how much slower and the term that grew most."""
+    """``other`` with the reason it lost: how much slower and the term that grew most,
+    or, for a near tie that is faster, what :func:`preferred` held against it."""
     mine, theirs = best.prediction, other.prediction
     slower = theirs.step_time_s / mine.step_time_s - 1
+    if slower <= 0:
+        pace = "as fast" if slower == 0 else f"{_share(-slower)} faster"
+        reason = f"{pace}, within the tie tolerance: {_tie_break(other, best)}"
+        return Candidate(strategy=other.strategy, prediction=theirs, lost_because=reason)
     growth = {
         key: theirs.breakdown_s.get(key, 0.0) - mine.breakdown_s.get(key, 0.0)
         for key in set(mine.breakdown_s) | set(theirs.breakdown_s)
     }
     term, extra = max(sorted(growth.items()), key=lambda item: item[1])
-    reason = f"{slower:.1%} slower"
+    reason = f"{_share(slower)} slower"
     if extra > 0:
         reason += f": {term} +{extra:.3g} s"
     return Candidate(strategy=other.strategy, prediction=theirs, lost_because=reason)

@@ -6,6 +6,9 @@
   GPU (GiB), with the Pareto front of the fitting ones and the GPU memory limit.
 - :func:`plot_comparison` (``plan compare --plot``): predicted and measured time per
   component (seconds or milliseconds per step), with the error of each prediction.
+- :func:`plot_scale` (``plan scale --plot``): the cluster's throughput (tokens/s, with
+  linear scaling from the smallest size) and the days to train the token budget against
+  the number of GPUs, the knee and the deadline marked.
 
 Figures are drawn with matplotlib's Agg canvas (no display, no pyplot state); matplotlib
 is imported only when a picture is asked for. Files are written atomically.
@@ -29,8 +32,16 @@ if TYPE_CHECKING:
 
     from planner.compare import Comparison, Row
     from planner.planning import PlanSearch
+    from planner.scale_math import ScaleTable
 
-__all__ = ["check_plot_path", "pareto_front", "plot_comparison", "plot_plan", "term_name"]
+__all__ = [
+    "check_plot_path",
+    "pareto_front",
+    "plot_comparison",
+    "plot_plan",
+    "plot_scale",
+    "term_name",
+]
 
 _DPI = 120
 # Step-time terms in stacking order: key in Prediction.breakdown_s, legend name, colour.
@@ -84,12 +95,13 @@ def _new_figure(width_in: float, height_in: float) -> Figure:
 # ----- plan search -------------------------------------------------------------------------
 
 
-def plot_plan(search: PlanSearch, path: Path) -> Figure:
+def plot_plan(search: PlanSearch, path: str | Path) -> Figure:
     """Write the step-time breakdown and the Pareto front of ``search`` to ``path`` (PNG).
 
     Needs a search run with ``pareto=True`` for the full front. Returns the figure:
     axes 0 the breakdown, axes 1 the Pareto scatter.
     """
+    path = Path(path)
     check_plot_path(path)
     plan = search.plan
     chosen = _prediction_of(plan)
@@ -283,9 +295,10 @@ def _annotate_chosen(axes: Axes, chosen: Prediction) -> None:
 # ----- predicted against measured ----------------------------------------------------------
 
 
-def plot_comparison(comparison: Comparison, path: Path) -> Figure:
+def plot_comparison(comparison: Comparison, path: str | Path) -> Figure:
     """Grouped bars (predicted, measured) per time component, seconds or milliseconds per
     step, to ``path`` (PNG). Returns the figure (one axes)."""
+    path = Path(path)
     check_plot_path(path)
     rows = [r for r in comparison.rows if r.unit == "s"]
     scale, unit = _time_unit(max(max(r.predicted, r.measured) for r in rows))
@@ -311,3 +324,64 @@ def plot_comparison(comparison: Comparison, path: Path) -> Figure:
 
 def _comparison_label(row: Row) -> str:
     return row.name if row.error is None else f"{row.name}\n({row.error:+.0%})"
+
+
+# ----- scaling -----------------------------------------------------------------------------
+
+
+def plot_scale(table: ScaleTable, path: Path) -> Figure:
+    """Cluster tokens/s and days to train against GPUs (log-log) to ``path`` (PNG), the
+    knee (:mod:`planner.scale_math`) as a dotted line, sizes where no plan fits as crosses
+    on the x axis. Returns the figure: axes 0 throughput, axes 1 days."""
+    check_plot_path(path)
+    fitting = table.fitting
+    if not fitting:
+        raise SpecError("cannot plot the scaling: no size has a plan that fits")
+    figure = _new_figure(12.0, 4.8)
+    left, right = figure.subplots(1, 2)
+    gpus = [row.gpus for row in fitting]
+    smallest = fitting[0]
+    left.plot(gpus, [row.tokens_per_s for row in fitting], marker="o", color="#4c72b0",
+              label="predicted")  # fmt: skip
+    left.plot(gpus, [smallest.tokens_per_s * n / smallest.gpus for n in gpus], linestyle="--",
+              color="#8c8c8c", label=f"linear from {smallest.gpus} GPUs")  # fmt: skip
+    left.set_ylabel("throughput (tokens/s, whole cluster)")
+    left.set_title("Throughput", fontsize=10)
+    right.plot(gpus, [row.days for row in fitting], marker="o", color="#dd8452",
+               label="predicted")  # fmt: skip
+    right.set_ylabel(f"days to train {table.tokens:.3g} tokens")
+    right.set_title("Time to train", fontsize=10)
+    if table.deadline_days is not None:
+        right.axhline(table.deadline_days, color="#c44e52", linestyle="--", linewidth=1.2,
+                      label=f"deadline {table.deadline_days:g} days")  # fmt: skip
+    for axes in (left, right):
+        _scale_axes(axes, table)
+    figure.suptitle(f"{table.model} on {table.cluster}", fontsize=12)
+    _save_png_atomic(figure, path)
+    return figure
+
+
+def _scale_axes(axes: Axes, table: ScaleTable) -> None:
+    """Log-log axes over the sizes, the knee line, the sizes without a plan, the legend."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    sizes = [row.gpus for row in table.rows]
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.xaxis.set_major_locator(FixedLocator(sizes))
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    knee = table.knee
+    if knee is not None:
+        axes.axvline(knee.gpus, color="#55a868", linestyle=":", linewidth=1.8,
+                     label=f"knee: {knee.gpus} GPUs")  # fmt: skip
+    missing = [row.gpus for row in table.rows if not row.fits]
+    if missing:
+        axes.scatter(missing, [0.0] * len(missing), marker="x", color="#999999", clip_on=False,
+                     transform=axes.get_xaxis_transform(), zorder=5,
+                     label="no plan fits")  # fmt: skip
+    axes.set_xlim(min(sizes) / 1.3, max(sizes) * 1.3)
+    axes.set_xlabel("GPUs")
+    axes.grid(alpha=0.3, which="both")
+    axes.set_axisbelow(True)
+    axes.legend(fontsize=8)

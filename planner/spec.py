@@ -688,9 +688,11 @@ class Plan(_Doc):
     mesh: tuple[MeshAxis, ...]
     stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk (torchtitan form)
     tp_layout: dict[str, ModuleTP] = {}  # module FQN (or pattern with *) -> how it runs
+    target: str = "planner"  # the framework (==release) the search kept to: planner.frameworks
     prediction: Prediction | None = None
     tradeoffs: tuple[str, ...] = ()  # what the chosen lossy options trade, in words
     runners_up: tuple[Candidate, ...] = ()
+    without_target: Candidate | None = None  # the fastest plan `target` cannot run, if faster
     solver: SolverStats = SolverStats()
 
     @property

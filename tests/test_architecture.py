@@ -26,13 +26,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("planner.errors", "planner.dtypes", "planner.fqn", "planner.lazy",
                     "planner.io", "planner.version")),
     ("documents", ("planner.spec", "planner.graph", "planner.presets", "planner.parallel_dims",
-                   "planner.hardware", "planner.clusters", "planner.measured")),
+                   "planner.hardware", "planner.clusters", "planner.measured",
+                   "planner.frameworks")),
     ("cost", ("planner.cost",)),
     ("decisions", ("planner.solve", "planner.validate", "planner.export", "planner.compare",
-                   "planner.plots", "planner.calibrate.fit", "planner.calibrate.options",
+                   "planner.plots", "planner.scale_math", "planner.importers",
+                   "planner.calibrate.fit",
+                   "planner.calibrate.options",
                    "planner.calibrate.profile", "planner.calibrate.refit", "planner.calibrate")),
     ("torch", ("planner.models", "planner.hf", "planner.tracing", "planner.modules",
                "planner.rehearse", "planner.layouts", "planner.assemble", "planner.planning",
+               "planner.scaling",
                "planner.calibrate.microbench", "planner.torch_dtypes")),
     ("doors", ("planner.cli", "planner.__main__", "planner", "strategies")),
 )  # fmt: skip
@@ -181,6 +185,20 @@ def test_no_lazy_name_is_also_a_submodule(package):
         p.name for p in folder.iterdir() if p.is_dir()
     }
     assert set(module._LAZY) & submodules == set()
+
+
+def test_public_submodules_load_on_first_use():
+    """``import planner`` then ``planner.export`` / ``planner.plots`` work, as the README
+    writes them, without importing torch."""
+    code = (
+        "import sys, planner\n"
+        "print(callable(planner.export.export_plan), callable(planner.plots.plot_plan),"
+        " callable(planner.frameworks.parse_target), 'torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.split() == ["True", "True", "True", "False"]
 
 
 @pytest.mark.slow  # a fresh interpreter imports every module, torch too

@@ -56,7 +56,8 @@ def _status_and_stderr(argv, capsys):
          "error: argument --global-batch: expected a positive integer, got 0; "
          "see 'plan search --help'"),
         (["--model", "gpt2"],
-         "error: the following arguments are required: --global-batch; see 'plan search --help'"),
+         "error: --global-batch is required: give the sequences per optimizer step, or plan "
+         "the job of a config you have with --from FILE"),
         (["run", "plan.json", "--lr", "-1"],
          "error: argument --lr: expected a positive finite number, got '-1'; see 'plan run --help'"),
         (["run", "plan.json", "--steps", "1e3"],

@@ -1,8 +1,10 @@
-"""``plan export``: plans as torchtitan TOML, Megatron-LM arguments and DeepSpeed JSON.
+"""``plan export``: plans as torchtitan TOML (0.2) or overrides (0.3), Megatron-LM
+arguments and DeepSpeed JSON.
 
-Every export is parsed and checked against the option names each framework documents
-(held here, no framework installed) and for values that agree with the plan; what a
-target cannot express must be refused naming the plan field.
+Every export is parsed and checked against the option names each framework release
+defines (held here, no framework installed; ``tests/test_export_parsers.py`` feeds them
+to the frameworks' own parsers) and for values that agree with the plan; what a target
+cannot express must be refused naming the plan field.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ast
 import functools
 import json
 import math
+import re
 import shlex
 import sys
 import tomllib
@@ -22,7 +25,7 @@ import pytest
 import planner.export
 from planner.assemble import assemble_plan
 from planner.cli import main
-from planner.errors import ExportError, UnknownNameError
+from planner.errors import ExportError, SpecError
 from planner.export import export_plan, to_deepspeed, to_megatron, to_torchtitan
 from planner.models import ModelHandle, resolve_model
 from planner.planning import make_plan
@@ -44,7 +47,7 @@ from planner.spec import (
 
 GPU = "h100-sxm-80gb"
 
-# torchtitan/config/job_config.py (pytorch/torchtitan 6404b93): the options of each table.
+# torchtitan 0.2.2 torchtitan/config/job_config.py: the options of each table.
 TORCHTITAN_OPTIONS = {
     "parallelism": {
         "data_parallel_replicate_degree", "enable_compiled_autograd",
@@ -82,9 +85,25 @@ TORCHTITAN_CHOICES = {
     ("activation_checkpoint", "mode"): {"selective", "full", "none"},
     ("optimizer", "name"): {"Adam", "AdamW"},
 }  # fmt: skip
+# torchtitan 0.3.0 Trainer.Config (torchtitan/trainer.py, torchtitan/config/configs.py):
+# the overrides the export writes, and the activation-checkpoint subcommands.
+TORCHTITAN_03_OPTIONS = {
+    "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+    "parallelism.fsdp_reshard_after_forward", "parallelism.tensor_parallel_degree",
+    "parallelism.enable_sequence_parallel", "parallelism.no_enable_sequence_parallel",
+    "parallelism.context_parallel_degree", "parallelism.pipeline_parallel_degree",
+    "parallelism.pipeline_parallel_schedule", "parallelism.pipeline_parallel_microbatch_size",
+    "parallelism.module_fqns_per_model_part", "compile.no_enable_async_tensor_parallel",
+    "training.local_batch_size", "training.global_batch_size", "training.seq_len",
+    "training.max_norm", "training.mixed_precision_param", "training.mixed_precision_reduce",
+    "training.disable_cuda_graphs", "optimizer.param_groups.0.optimizer_name",
+}  # fmt: skip
+TORCHTITAN_03_SUBCOMMANDS = {
+    "activation-checkpoint:" + mode for mode in ("none", "selective", "full")
+}
 
-# megatron/training/arguments.py (NVIDIA/Megatron-LM 000c4ac): option -> number of values
-# and, where the parser restricts them, the choices.
+# megatron/training/arguments.py (Megatron-LM core_v0.14.0 to core_v0.16.1): option ->
+# number of values and, where the parser restricts them, the choices.
 MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--tensor-model-parallel-size": (1, None),
     "--pipeline-model-parallel-size": (1, None),
@@ -134,7 +153,7 @@ MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--clip-grad": (1, None),
 }  # fmt: skip
 
-# https://www.deepspeed.ai/docs/config-json/ (DeepSpeed 0.16-0.17)
+# deepspeed/runtime/config.py and zero/config.py (DeepSpeed 0.18.9, 0.19.6, 0.19.8)
 DEEPSPEED_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "zero_optimization", "bf16", "fp16", "communication_data_type",
@@ -184,14 +203,28 @@ def searched_llama_plan() -> Plan:
 
 
 def torchtitan_tables(plan: Plan) -> dict[str, Any]:
-    """The TOML export parsed, every option checked against torchtitan's documented names."""
-    tables = tomllib.loads(to_torchtitan(plan))
+    """The 0.2 TOML export parsed, every option checked against torchtitan 0.2's names."""
+    tables = tomllib.loads(export_plan(plan, "torchtitan==0.2"))
     for table, options in tables.items():
         assert set(options) <= TORCHTITAN_OPTIONS[table], table
         for option, value in options.items():
             choices = TORCHTITAN_CHOICES.get((table, option))
             assert choices is None or value in choices, (table, option, value)
     return tables
+
+
+def torchtitan_overrides(plan: Plan) -> tuple[dict[str, list[str]], str]:
+    """The 0.3 override export parsed: ``--key values`` checked against torchtitan 0.3's
+    names, and the activation-checkpoint subcommand that ends it."""
+    lines = [line for line in to_torchtitan(plan).splitlines() if not line.startswith("#")]
+    *overrides, subcommand = lines
+    assert subcommand in TORCHTITAN_03_SUBCOMMANDS
+    options: dict[str, list[str]] = {}
+    for line in overrides:
+        option, *values = line.split(" ")
+        assert option.removeprefix("--") in TORCHTITAN_03_OPTIONS and option not in options, line
+        options[option] = values
+    return options, subcommand
 
 
 def megatron_args(plan: Plan) -> dict[str, list[str]]:
@@ -210,9 +243,14 @@ def megatron_args(plan: Plan) -> dict[str, list[str]]:
     return args
 
 
+def deepspeed_json(text: str) -> dict[str, Any]:
+    """The JSON of a DeepSpeed export, its ``//`` header lines (hjson comments) dropped."""
+    return json.loads("".join(line for line in text.splitlines() if not line.startswith("//")))
+
+
 def deepspeed_config(plan: Plan) -> dict[str, Any]:
     """The JSON export parsed, its keys checked against DeepSpeed's documented ones."""
-    config = json.loads(to_deepspeed(plan))
+    config = deepspeed_json(to_deepspeed(plan))
     assert set(config) <= DEEPSPEED_KEYS
     assert set(config["zero_optimization"]) <= DEEPSPEED_ZERO_KEYS
     assert set(config["bf16"]) == set(config["fp16"]) == {"enabled"}
@@ -288,8 +326,12 @@ def test_deepspeed_maps_compression_dtype_and_hybrid_zero3() -> None:
     plan = plan_for(
         dp=16, zero=3, dp_shard=8, compression=compression, training={"dtype": DType.FP16}
     )
-    config = deepspeed_config(plan)
+    config = deepspeed_json(export_plan(plan, "deepspeed==0.19.6"))
     assert config["zero_optimization"] == {"stage": 3, "mics_shard_size": 8}
+    with pytest.raises(
+        ExportError, match=re.escape("MiCS, which sharded in groups, was removed in 0.19.7")
+    ):
+        export_plan(plan, "deepspeed==0.19.8")
     assert config["fp16"] == {"enabled": True} and config["bf16"] == {"enabled": False}
     assert config["communication_data_type"] == "fp16"
 
@@ -317,7 +359,53 @@ def test_torchtitan_without_pipelining_accumulates_micro_batches() -> None:
     steps = training["global_batch_size"] // (training["local_batch_size"] * 8)
     assert (training["local_batch_size"], steps) == (2, 3)
     assert "pipeline_parallel_schedule" not in tables["parallelism"]
-    assert tables["model"] == {"converters": ["float8"]}
+    assert tables["model"] == {"converters": ["quantize.linear.float8"]}
+    with pytest.raises(
+        ExportError, match=re.escape("training.dtype = 'fp8': torchtitan 0.3 converts")
+    ):
+        export_plan(plan, "torchtitan==0.3")
+
+
+def test_torchtitan_03_writes_overrides_with_its_own_names() -> None:
+    plan = searched_llama_plan()
+    options, subcommand = torchtitan_overrides(plan)
+    assert subcommand == "activation-checkpoint:full"
+    degrees = [
+        int(options[f"--parallelism.{name}_degree"][0])
+        for name in ("data_parallel_shard", "tensor_parallel", "pipeline_parallel", "context_parallel")
+    ]  # fmt: skip
+    assert degrees == [2, 4, 4, 2]
+    chunks = [chunk.split(",") for chunk in options["--parallelism.module_fqns_per_model_part"]]
+    assert chunks[-1][-2:] == ["norm", "lm_head"]  # 0.3's head; the plan (and 0.2) say output
+    renamed = [["lm_head" if fqn == "output" else fqn for fqn in chunk] for chunk in plan.stages]
+    assert chunks == renamed
+    assert "--training.disable_cuda_graphs" in options  # CUDA graphs refuse pipelining
+    assert "--parallelism.enable_sequence_parallel" in options
+    assert options["--optimizer.param_groups.0.optimizer_name"] == ["AdamW"]
+    header = to_torchtitan(plan).splitlines()[1]
+    assert header.startswith("# target: torchtitan==0.3: command-line overrides")
+
+
+def test_torchtitan_03_runs_tensor_parallelism_without_sequence_parallelism() -> None:
+    plan = plan_for(dp=2, zero=3, tp=2)
+    options, _ = torchtitan_overrides(plan)
+    assert "--parallelism.no_enable_sequence_parallel" in options
+    assert "--training.disable_cuda_graphs" not in options
+    with pytest.raises(ExportError, match=re.escape("strategy.sequence_parallel = False")):
+        export_plan(plan, "torchtitan==0.2")
+
+
+def test_megatron_hybrid_fsdp_and_launch_environment() -> None:
+    hybrid = plan_for(dp=8, zero=3, dp_shard=4, tp=2, sequence_parallel=True)
+    text = export_plan(hybrid, "megatron==0.14")
+    args = megatron_args(hybrid)
+    assert args["--data-parallel-sharding-strategy"] == ["optim_grads_params"]
+    assert args["--num-distributed-optimizer-instances"] == ["2"]
+    assert "# target: megatron==0.14: pretrain_gpt.py arguments" in text
+    assert "# env: CUDA_DEVICE_MAX_CONNECTIONS unset or above 1" in text  # Megatron-FSDP
+    tp = to_megatron(plan_for(dp=2, zero=1, tp=2, sequence_parallel=True))
+    assert "# env: CUDA_DEVICE_MAX_CONNECTIONS=1 (validate_args requires it" in tp
+    assert "# env: none" in to_megatron(plan_for(dp=2, zero=1))
 
 
 def test_megatron_uneven_split_uses_first_and_last_stage_layers() -> None:
@@ -375,7 +463,7 @@ REFUSALS = [
     ("torchtitan", {"dp": 2}, {"dtype": DType.FP16}, "training.dtype = 'fp16'"),
     ("torchtitan", {"dp": 2, "zero": 3, "compression": Compression(kind=CompressionKind.BF16)},
      {}, "strategy.compression.kind = 'bf16'"),
-    ("torchtitan", {"dp": 2, "zero": 3, "tp": 2}, {}, "strategy.sequence_parallel = False"),
+    ("torchtitan==0.2", {"dp": 2, "zero": 3, "tp": 2}, {}, "strategy.sequence_parallel = False"),
     ("torchtitan", {"dp": 2, "tp": 2, "sequence_parallel": True}, {}, "strategy.zero = 0"),
     ("torchtitan", {"cp": 2}, {}, "strategy.zero = 0"),
     ("torchtitan", {"tp": 2, "sequence_parallel": True, "zero": 1}, {}, "training.dtype = 'bf16'"),
@@ -389,7 +477,6 @@ REFUSALS = [
      "strategy.schedule = 'gpipe'"),
     ("megatron", {"pp": 2, "num_microbatches": 2, "schedule": Schedule.ZERO_BUBBLE}, {},
      "strategy.schedule = 'zero-bubble'"),
-    ("megatron", {"dp": 8, "zero": 3, "dp_shard": 4}, {}, "strategy.dp_shard = 4"),
     ("megatron", {"dp": 2}, {"optimizer": Optimizer.ADAM}, "training.optimizer = 'adam'"),
     ("megatron", {"dp": 2, "zero": 3, "compression": Compression(kind=CompressionKind.FP16)},
      {}, "strategy.compression.kind = 'fp16'"),
@@ -403,7 +490,8 @@ def test_refuses_what_the_target_cannot_express(
     target: str, strategy: dict[str, Any], training: dict[str, Any], field: str
 ) -> None:
     plan = plan_for(training=training, **strategy)
-    with pytest.raises(ExportError, match=f"cannot export to {target}: ") as info:
+    framework = target.partition("==")[0]
+    with pytest.raises(ExportError, match=f"cannot export to {framework}: ") as info:
         export_plan(plan, target)
     assert field in str(info.value)
 
@@ -439,15 +527,19 @@ def test_colwise_embedding_is_exported_with_a_note() -> None:
 
 
 def test_unknown_target_names_the_known_ones() -> None:
-    with pytest.raises(UnknownNameError, match="deepspeed, megatron, torchtitan"):
+    with pytest.raises(SpecError, match="unknown framework 'colossal'; use one of planner, torch"):
         export_plan(plan_for(dp=2), "colossal")
+    with pytest.raises(SpecError, match=r"outside the releases .* \(0\.2, 0\.3\)"):
+        export_plan(plan_for(dp=2), "torchtitan==0.1")
+    with pytest.raises(SpecError, match="runs plans as they are"):
+        export_plan(plan_for(dp=2), "planner")
 
 
 def test_cli_prints_or_writes_the_export(tmp_path, capsys) -> None:
     path = tmp_path / "plan.json"
     path.write_text(plan_for(dp=8, zero=3, num_microbatches=2).to_json())
     assert main(["export", str(path), "--to", "deepspeed"]) == 0
-    assert json.loads(capsys.readouterr().out)["gradient_accumulation_steps"] == 2
+    assert deepspeed_json(capsys.readouterr().out)["gradient_accumulation_steps"] == 2
     out = tmp_path / "megatron.args"
     assert main(["export", str(path), "--to", "megatron", "-o", str(out)]) == 0
     assert "--use-megatron-fsdp" in shlex.split(out.read_text(), comments=True)
@@ -459,9 +551,8 @@ def test_cli_refusal_exits_2_naming_the_field(tmp_path, capsys) -> None:
     path.write_text(plan_for(tp=2).to_json())
     assert main(["export", str(path), "--to", "deepspeed"]) == 2
     assert "strategy.tp = 2" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as info:
-        main(["export", str(path), "--to", "colossal"])
-    assert info.value.code == 2
+    assert main(["export", str(path), "--to", "colossal"]) == 2
+    assert "--to = 'colossal': unknown framework" in capsys.readouterr().err
 
 
 def test_exports_are_torch_free() -> None:
@@ -470,6 +561,7 @@ def test_exports_are_torch_free() -> None:
         "planner.spec",
         "planner.errors",
         "planner.validate",
+        "planner.frameworks",
         "planner.io",
         "planner.export",
         "planner.parallel_dims",

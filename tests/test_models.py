@@ -96,6 +96,17 @@ def test_module_path_that_does_not_import():
         resolve_model("no_such_package_xyz:make")
 
 
+def test_module_path_finds_the_users_project_in_the_current_directory(tmp_path, monkeypatch):
+    """`plan --model mymodel:build` run in the user's project, as `python -m` would."""
+    (tmp_path / "my_project_model_xyz.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    handle = resolve_model("my_project_model_xyz:build")
+    assert isinstance(handle.module, torch.nn.Linear)
+
+
 def test_module_path_without_the_function(monkeypatch):
     monkeypatch.setitem(sys.modules, "user_zoo_empty", types.ModuleType("user_zoo_empty"))
     with pytest.raises(SpecError, match="has no callable 'missing'"):

@@ -27,6 +27,7 @@ from planner.cli import (
     models,
     profiles,
     run,
+    scale,
     schema,
     search,
     trace,
@@ -41,8 +42,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 # Subcommand modules in help order; each registers one subcommand named after it and
 # imports what its work needs (torch, the runtime) when it runs, so the parser is light.
-_MODULES = (search, explain, export, estimate, trace, run, calibrate, measure, compare, models,
-            profiles, schema)  # fmt: skip
+_MODULES = (search, scale, explain, export, estimate, trace, run, calibrate, measure, compare,
+            models, profiles, schema)  # fmt: skip
 SUBCOMMANDS = tuple(module.__name__.rpartition(".")[2] for module in _MODULES)
 
 

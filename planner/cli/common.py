@@ -1,5 +1,5 @@
-"""Command-line arguments shared by the subcommands: the model options, the argparse
-types of numbers (in range, finite) and the check of output paths."""
+"""Command-line arguments shared by the subcommands: the model, cluster and training
+options, the argparse types of numbers (in range, finite) and the check of output paths."""
 
 from __future__ import annotations
 
@@ -7,14 +7,24 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from planner.errors import SpecError
 from planner.io import check_output_path, read_json
-from planner.spec import MAX_SEQ, Limit
+from planner.spec import (
+    MAX_BATCH,
+    MAX_GPUS_PER_NODE,
+    MAX_SEQ,
+    DType,
+    Limit,
+    Optimizer,
+    Training,
+    load_document,
+)
 
 if TYPE_CHECKING:
     from planner.models import ModelHandle
+    from planner.solve.search import Headroom
 
 __all__ = [
     "MAX_STEPS",
@@ -26,8 +36,15 @@ __all__ = [
     "positive_float",
     "output",
     "add_model_args",
+    "add_preference_args",
+    "argparse_type",
     "resolve_model_args",
+    "add_cluster_args",
+    "add_training_args",
+    "resolve_training_args",
 ]
+
+T = TypeVar("T")
 
 MAX_STEPS = Limit(10_000_000, "a synthetic run of more than ten million steps never ends")
 MAX_SEED = Limit(2**32 - 1, "seeds are 32-bit")
@@ -121,6 +138,112 @@ def resolve_model_args(args: argparse.Namespace) -> ModelHandle:
             "or module:function, or --hf-config PATH"
         )
     return resolve_model(args.model, seq_len=args.seq)
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the ``cluster`` group with ``--cluster`` and ``--gpus-per-node`` to ``parser``;
+    the caller adds its own ``--gpus`` (one count, or several sizes) to the group returned."""
+    group = parser.add_argument_group("cluster")
+    group.add_argument(
+        "--cluster", default="h100-sxm-80gb", metavar="PROFILE|CLUSTER|cluster.json",
+        help="a GPU profile with --gpus, a cluster profile with its own GPUs and links (both: "
+        "see 'plan profiles'), or a Cluster JSON file (default: h100-sxm-80gb)",
+    )  # fmt: skip
+    group.add_argument("--gpus-per-node", type=count(MAX_GPUS_PER_NODE), default=8, metavar="N",
+                       help="GPUs per node (default: 8)")  # fmt: skip
+    return group
+
+
+def add_training_args(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
+    """Add the ``training`` group: ``--global-batch`` (required unless told otherwise),
+    ``--micro-batch``, ``--dtype`` and ``--optimizer``."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--global-batch", type=count(MAX_BATCH), required=batch_required,
+                       metavar="SEQS", help="sequences per optimizer step")  # fmt: skip
+    group.add_argument("--micro-batch", type=count(MAX_BATCH), metavar="SEQS",
+                       help="fix the micro-batch size (default: searched)")  # fmt: skip
+    defaults = {name: field.default for name, field in Training.model_fields.items()}
+    group.add_argument("--dtype", choices=[d.value for d in DType],
+                       help=f"training precision (default: {defaults['dtype']})")  # fmt: skip
+    group.add_argument("--optimizer", choices=[o.value for o in Optimizer],
+                       help="optimizer, its states count in memory (default: "
+                       f"{defaults['optimizer']})")  # fmt: skip
+
+
+def add_preference_args(
+    parser: argparse.ArgumentParser, target_default: str
+) -> argparse._ArgumentGroup:
+    """Add the ``what to plan for`` group: ``--for`` (default named by
+    ``target_default``), ``--memory-headroom`` and ``--tolerance``; returns the group."""
+    group = parser.add_argument_group("what to plan for")
+    group.add_argument(
+        "--for", dest="target", metavar="FRAMEWORK[==VERSION]",
+        help="keep to what a framework release runs, so the plan exports to it: planner "
+        "(this project's runtime), torchtitan, megatron or deepspeed, optionally with a "
+        "release (torchtitan==0.2); 'plan explain' shows what it cost (default: "
+        f"{target_default})",
+    )  # fmt: skip
+    group.add_argument(
+        "--memory-headroom", type=argparse_type(_headroom), metavar="GIB|PCT",
+        help="memory each GPU keeps free for fragmentation and buffers: GiB (8) or a share "
+        "of its memory (10%%) (default: 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--tolerance", type=_percent, default=1.0, metavar="PCT",
+        help="plans this much slower than the fastest (percent) count as ties, and the "
+        "tie with the fewest parallel dimensions, then the most free memory, wins "
+        "(default: 1)",
+    )  # fmt: skip
+    return group
+
+
+def _headroom(text: str) -> Headroom:
+    from planner.solve.search import Headroom  # the search's modules load when used
+
+    return Headroom.parse(text)
+
+
+def argparse_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser that raises :class:`SpecError`."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except SpecError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _percent(text: str) -> float:
+    """A percentage in [0, 100) (a trailing % allowed), for argparse."""
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of percent") from None
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a percentage in [0, 100)")
+    return value
+
+
+TRAINING_OPTIONS = {  # option -> argparse attribute, as add_training_args and --seq set them
+    "--global-batch": "global_batch",
+    "--micro-batch": "micro_batch",
+    "--seq": "seq",
+    "--dtype": "dtype",
+    "--optimizer": "optimizer",
+}
+
+
+def resolve_training_args(args: argparse.Namespace) -> Training:
+    """The :class:`Training` the ``training`` group and ``--seq`` describe (what is not
+    given keeps :class:`Training`'s default)."""
+    fields = {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
+              "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer}  # fmt: skip
+    return load_document(
+        Training, {key: value for key, value in fields.items() if value is not None},
+        "command line",
+    )  # fmt: skip
 
 
 def _check_hf_config(path: str) -> None:

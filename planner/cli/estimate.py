@@ -3,19 +3,26 @@
 ``--config run.json`` holds one run object or a list of them (see
 :mod:`planner.cost.run`); ``--plan plan.json`` prices a saved plan (model spec,
 cluster, training, strategy and its pipeline stages) as the search did, so it prints
-the plan's own prediction. ``--json`` prints one JSON object per run (a list for a
-list), otherwise a readable table per run.
+the plan's own prediction; ``--from FILE`` prices the run a torchtitan, Megatron-LM or
+DeepSpeed config describes (:mod:`planner.importers`; ``--model``, ``--cluster`` and
+``--gpus`` give what it leaves open, and what was read is printed on stderr).
+``--json`` prints one JSON object per run (a list for a list), otherwise a readable
+table per run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.cli.common import add_cluster_args, count
+from planner.errors import SpecError
+from planner.frameworks import Framework
 from planner.io import read_json
-from planner.spec import Plan, Prediction, load_document
+from planner.spec import MAX_GPUS, Plan, Prediction, load_document
 
 if TYPE_CHECKING:
     from planner.cost.run import RunConfig
@@ -33,6 +40,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--plan", type=Path, metavar="plan.json",
         help="a plan written by 'plan -o' (zoo or spec model): price its strategy and stages",
+    )  # fmt: skip
+    source.add_argument(
+        "--from", dest="from_config", type=Path, metavar="FILE",
+        help="a torchtitan TOML job config, Megatron-LM arguments or a DeepSpeed JSON config: "
+        "price the run it describes",
+    )  # fmt: skip
+    imported = parser.add_argument_group("with --from")
+    imported.add_argument(
+        "--format", choices=[f.value for f in Framework if f is not Framework.PLANNER],
+        help="the config's format (default: detected from its content)",
+    )  # fmt: skip
+    imported.add_argument(
+        "--model", metavar="NAME|spec.json",
+        help="the model, for a config that does not describe it: a preset (see 'plan models') "
+        "or a ModelSpec JSON file",
+    )  # fmt: skip
+    cluster = add_cluster_args(parser)
+    cluster.add_argument(
+        "--gpus", type=count(MAX_GPUS),
+        help="number of GPUs (with a GPU profile), when the config's degrees do not give it",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
@@ -84,11 +111,27 @@ def _read_plan(path: Path) -> Plan:
     return load_document(Plan, read_json(path, what="--plan"), str(path))
 
 
+def _imported_run(args: argparse.Namespace) -> RunConfig:
+    """The run ``--from`` describes; what was read and assumed goes to stderr."""
+    from planner.importers import import_config
+
+    imported = import_config(
+        args.from_config, format=args.format, model=args.model, cluster=args.cluster,
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+    )  # fmt: skip
+    print("\n".join(imported.describe()), file=sys.stderr)
+    return imported.run
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
 
     stored: Prediction | None = None
-    if args.plan is not None:
+    if args.from_config is not None:
+        configs, is_list = [_imported_run(args)], False
+    elif given := [f"--{name}" for name in ("format", "model", "gpus") if getattr(args, name)]:
+        raise SpecError(f"{', '.join(given)} only apply with --from")
+    elif args.plan is not None:
         plan = _read_plan(args.plan)
         configs, is_list = [RunConfig.from_plan(plan, str(args.plan))], False
         stored = plan.prediction

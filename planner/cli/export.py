@@ -22,7 +22,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "target cannot express is refused with the field to change.",
     )
     parser.add_argument("plan", type=Path, help="a plan JSON written by 'plan -o'")
-    parser.add_argument("--to", required=True, choices=sorted(TARGETS), help="target framework")
+    parser.add_argument(
+        "--to", required=True, metavar="FRAMEWORK[==VERSION]",
+        help=f"target framework ({', '.join(TARGETS)}), optionally a release, e.g. "
+        "torchtitan==0.2 (default: the release the plan was searched for with --for, else "
+        "the newest)",
+    )  # fmt: skip
     parser.add_argument("-o", "--output", metavar="PATH", help="write here, not stdout")
     parser.set_defaults(func=run)
 

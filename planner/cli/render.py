@@ -135,6 +135,20 @@ def _runners_up(plan: Plan) -> Table:
     return table
 
 
+def _target_line(plan: Plan) -> str:
+    """Which runtime the plan was searched for, and what keeping to it cost."""
+    if plan.target == "planner":
+        return "[bold]runs on[/bold]: this planner's runtime (plan run, planner.parallelize)"
+    line = f"[bold]runs on[/bold]: {plan.target} (the search kept to what it runs)"
+    faster = plan.without_target
+    if faster is None:
+        return f"{line}; the restriction cost nothing: no faster plan was ruled out"
+    return (
+        f"{line}; without it: {faster.strategy.describe()}, "
+        f"{faster.prediction.step_time_s:.3f} s/step, {faster.lost_because}"
+    )
+
+
 def render_plan(plan: Plan, console: Console) -> None:
     """Print the plan as tables: strategy, prediction, breakdown, runners-up, solver."""
     cluster = plan.cluster
@@ -155,6 +169,7 @@ def render_plan(plan: Plan, console: Console) -> None:
         console.print(f"[bold]trade-off[/bold]: {tradeoff}")
     if plan.runners_up:
         console.print(_runners_up(plan))
+    console.print(_target_line(plan))
     s = plan.solver
     ilp = (
         f"; sharding ILP {s.ilp_status} in {s.ilp_time_s:.2f} s" if s.ilp_time_s is not None else ""

@@ -3,34 +3,50 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from planner.cli.common import MAX_TOP_K, add_model_args, count, output, resolve_model_args
+from planner.cli.common import (
+    MAX_TOP_K,
+    TRAINING_OPTIONS,
+    add_cluster_args,
+    add_model_args,
+    add_preference_args,
+    add_training_args,
+    count,
+    output,
+    resolve_model_args,
+    resolve_training_args,
+)
 from planner.cli.render import render_plan
 from planner.clusters import resolve_cluster
+from planner.errors import SpecError
+from planner.frameworks import Framework
 from planner.io import write_text_atomic
 from planner.plots import check_plot_path, plot_plan
 from planner.spec import (
-    MAX_BATCH,
     MAX_GPUS,
-    MAX_GPUS_PER_NODE,
     MAX_VIRTUAL_STAGES,
     Cluster,
-    DType,
-    Optimizer,
+    Plan,
     RecomputeMode,
     Schedule,
     Training,
-    load_document,
 )
 
 if TYPE_CHECKING:
+    from planner.cost import CostOptions
+    from planner.importers import ImportedRun
+    from planner.models import ModelHandle
     from planner.solve.lossy import LossyCompression
     from planner.solve.search import Pins
+
+IMPORT_FORMATS = [framework.value for framework in Framework if framework is not Framework.PLANNER]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,25 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "micro-batching and schedule for a model on a cluster; print and write the plan.",
     )
     add_model_args(parser)
-    cluster = parser.add_argument_group("cluster")
-    cluster.add_argument(
-        "--cluster", default="h100-sxm-80gb", metavar="PROFILE|CLUSTER|cluster.json",
-        help="a GPU profile with --gpus, a cluster profile with its own GPUs and links (both: "
-        "see 'plan profiles'), or a Cluster JSON file (default: h100-sxm-80gb)",
-    )  # fmt: skip
+    cluster = add_cluster_args(parser)
     cluster.add_argument("--gpus", type=count(MAX_GPUS),
                          help="number of GPUs (with a GPU profile)")  # fmt: skip
-    cluster.add_argument("--gpus-per-node", type=count(MAX_GPUS_PER_NODE), default=8, metavar="N",
-                         help="GPUs per node (default: 8)")  # fmt: skip
-    training = parser.add_argument_group("training")
-    training.add_argument("--global-batch", type=count(MAX_BATCH), required=True, metavar="SEQS",
-                          help="sequences per optimizer step")  # fmt: skip
-    training.add_argument("--micro-batch", type=count(MAX_BATCH), metavar="SEQS",
-                          help="fix the micro-batch size (default: searched)")  # fmt: skip
-    training.add_argument("--dtype", choices=[d.value for d in DType], default="bf16",
-                          help="training precision")  # fmt: skip
-    training.add_argument("--optimizer", choices=[o.value for o in Optimizer], default="adamw",
-                          help="optimizer (its states count in memory)")  # fmt: skip
+    add_training_args(parser, batch_required=False)
     pins = parser.add_argument_group("pins (fix a dimension, search the rest)")
     degrees = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context"}
     for name, what in degrees.items():
@@ -76,6 +77,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pins.add_argument("--schedule", choices=[s.value for s in Schedule], help="pipeline schedule")
     pins.add_argument("--virtual-stages", type=count(MAX_VIRTUAL_STAGES), metavar="V",
                       help="model chunks per pipeline rank (interleaved-1f1b)")  # fmt: skip
+    choice = add_preference_args(parser, "planner, or the framework of the --from config")
+    choice.add_argument(
+        "--from", dest="from_config", type=Path, metavar="FILE",
+        help="a torchtitan job config, Megatron-LM arguments or a DeepSpeed config you run "
+        "now: plan the same job (its model, GPUs, batch and precision), price your config "
+        "and say what differs",
+    )  # fmt: skip
+    choice.add_argument(
+        "--format", choices=list(IMPORT_FORMATS),
+        help="the --from config's format (default: detected from its content)",
+    )  # fmt: skip
     lossy = parser.add_argument_group("gradient compression")
     lossy.add_argument(
         "--allow-lossy-compression", nargs="?", const="default", metavar="OPTIONS",
@@ -145,6 +157,75 @@ class _LazyProgress:
             self.bar.stop()
 
 
+class _Job(NamedTuple):
+    """What to plan: the model, cluster, training, cost options and target, from the
+    command line or from an existing framework config (``imported``)."""
+
+    handle: ModelHandle
+    cluster: Cluster
+    training: Training
+    options: CostOptions | None
+    target: str
+    imported: ImportedRun | None
+
+
+def _job(args: argparse.Namespace) -> _Job:
+    from planner.models import resolve_model
+
+    if args.from_config is None:
+        if args.format is not None:
+            raise SpecError("--format only applies with --from")
+        if args.global_batch is None:
+            raise SpecError(
+                "--global-batch is required: give the sequences per optimizer step, or plan "
+                "the job of a config you have with --from FILE"
+            )
+        handle, cluster = resolve_model_args(args), _cluster(args)
+        return _Job(
+            handle, cluster, resolve_training_args(args), None, args.target or "planner", None
+        )
+    given = [option for option, name in TRAINING_OPTIONS.items() if getattr(args, name) is not None]
+    if given or args.hf_config:
+        raise SpecError(
+            f"{', '.join(given) or '--hf-config'} with --from: the config sets the model and "
+            "training; edit the config, or plan without --from"
+        )
+    from planner.importers import import_config
+
+    imported = import_config(
+        args.from_config, format=args.format, model=args.model, cluster=args.cluster,
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+    )  # fmt: skip
+    run = imported.run
+    target = args.target or imported.format
+    return _Job(resolve_model(run.model), run.cluster, run.training, run.options, target, imported)
+
+
+def _compare_with_yours(imported: ImportedRun, plan: Plan, console: Console) -> None:
+    """Your config's price next to the plan's, and what differs."""
+    from planner.cost.run import estimate_run
+    from planner.importers import describe_changes
+
+    yours = estimate_run(imported.run)
+    ours = plan.prediction
+    assert ours is not None  # a searched plan carries its prediction
+    fits = "fits" if yours.fits else "does NOT fit"
+    console.print(
+        f"[bold]your config[/bold] ({imported.source}, {imported.format}): "
+        f"{imported.run.strategy.describe()}: {yours.step_time_s:.3f} s/step, "
+        f"{yours.peak_memory_gib:.1f} GiB of {yours.memory_limit_gib:.1f} ({fits})"
+    )
+    speedup = yours.step_time_s / ours.step_time_s
+    console.print(
+        f"[bold]planned[/bold] (for {plan.target}): {ours.step_time_s:.3f} s/step, "
+        f"{ours.peak_memory_gib:.1f} GiB: {speedup:.2f}x "
+        + ("faster" if speedup >= 1 else "slower (your config is faster: keep it)")
+    )
+    console.print(
+        f"[bold]what differs[/bold]: {describe_changes(imported.run.strategy, plan.strategy)}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.planning import search_plan  # torch: the model is traced
 
@@ -152,19 +233,15 @@ def run(args: argparse.Namespace) -> int:
     plot = output(args.plot, "--plot")
     if plot is not None:
         check_plot_path(plot)
-    handle = resolve_model_args(args)
-    cluster = _cluster(args)
-    training = load_document(
-        Training,
-        {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
-         "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer},
-        "command line",
-    )  # fmt: skip
+    job = _job(args)
+    if job.imported is not None:
+        print("\n".join(job.imported.describe()), file=sys.stderr)
     progress = _LazyProgress(Console(stderr=True))
     try:
-        found = search_plan(handle, cluster, training, pins=_pins(args), top_k=args.top_k,
-                            progress=progress, pareto=plot is not None,
-                            lossy=_lossy(args))  # fmt: skip
+        found = search_plan(job.handle, job.cluster, job.training, pins=_pins(args),
+                            top_k=args.top_k, options=job.options, progress=progress,
+                            pareto=plot is not None, lossy=_lossy(args), target=job.target,
+                            headroom=args.memory_headroom, tolerance=args.tolerance / 100)  # fmt: skip
     finally:
         progress.close()
     plan = found.plan
@@ -177,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         print(plan.to_json())
     else:
         render_plan(plan, console)
+        if job.imported is not None:
+            _compare_with_yours(job.imported, plan, console)
         for path in (destination, plot):
             if path is not None:
                 console.print(f"wrote {path}")

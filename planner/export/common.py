@@ -9,17 +9,18 @@ something that changes the math or the memory.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import Enum
 
 from planner.errors import ExportError
-from planner.spec import CompressionKind, Plan, RecomputeMode, TPStyle
+from planner.frameworks import Target, model_refusal, strategy_refusal
+from planner.spec import Plan, TPStyle
 
 __all__ = [
     "refuse",
     "header",
     "seq_len",
-    "check_hook_compression",
-    "uniform_recompute",
+    "check_target",
     "blocks_per_chunk",
     "check_recompute_blocks",
     "zoo_layers_per_chunk",
@@ -61,11 +62,18 @@ def refuse(target: str, field: str, value: object, why: str, fix: str) -> Export
     return ExportError(f"cannot export to {target}: {field} = {_show(value)}: {why}; {fix}")
 
 
-def header(plan: Plan, target: str, comment: str = "#") -> list[str]:
-    """Comment lines naming the plan an export came from."""
+def header(
+    plan: Plan, target: Target, form: str, environment: Sequence[str] = (), comment: str = "#"
+) -> list[str]:
+    """Comment lines naming the plan an export came from, the release it targets (``form``:
+    what the file is to that release) and the launch environment it needs, one
+    ``env: NAME=VALUE (why)`` line per variable (``env: none``)."""
     return [
-        f"{comment} {target} settings for {plan.model_name} on {plan.strategy.world_size} GPUs "
-        f"({plan.cluster.gpu}), written by 'plan export' (planner {plan.planner_version})",
+        f"{comment} {target.framework.value} settings for {plan.model_name} on "
+        f"{plan.strategy.world_size} GPUs ({plan.cluster.gpu}), written by 'plan export' "
+        f"(planner {plan.planner_version})",
+        f"{comment} target: {target}: {form}",
+        *[f"{comment} env: {item}" for item in environment or ["none"]],
         f"{comment} strategy: {plan.strategy.describe()}",
     ]
 
@@ -77,36 +85,14 @@ def seq_len(plan: Plan) -> int | None:
     return plan.model.seq_len if plan.model is not None else None
 
 
-def check_hook_compression(plan: Plan, target: str) -> None:
-    """Refuse PowerSGD, local SGD (DDP hooks) and the int8 reduce-scatter (an FSDP2 custom
-    reduce-scatter): only this planner's runtime runs them."""
-    compression = plan.strategy.compression
-    if compression.kind in (
-        CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD, CompressionKind.INT8
-    ):  # fmt: skip
-        raise refuse(
-            target,
-            "strategy.compression.kind",
-            compression.kind,
-            f"{compression.describe()} changes the gradients the optimizer sees and runs only as "
-            f"this planner's communication hook, which {target} has no setting for",
-            "use compression 'none', 'bf16' or 'fp16', or run the plan with 'plan run'",
-        )
-
-
-def uniform_recompute(plan: Plan, target: str) -> RecomputeMode:
-    """The one recompute mode of every pipeline stage; refuses modes that differ by stage."""
-    strategy = plan.strategy
-    modes = {strategy.recompute_for_stage(stage) for stage in range(strategy.pp)}
-    if len(modes) > 1:
-        raise refuse(
-            target,
-            "strategy.recompute_per_stage",
-            strategy.recompute_per_stage,
-            f"{target} applies one recompute mode to every pipeline stage",
-            "re-plan with one --recompute mode for all stages",
-        )
-    return modes.pop()
+def check_target(plan: Plan, target: Target) -> None:
+    """Refuse what ``target`` cannot run (:mod:`planner.frameworks`, the rules the
+    search restricts itself with under ``--for``)."""
+    spec = plan.model
+    refusal = model_refusal(target, spec) if spec is not None else None
+    refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
+    if refusal is not None:
+        raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, refusal.fix)
 
 
 def blocks_per_chunk(plan: Plan) -> list[int] | None:

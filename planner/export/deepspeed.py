@@ -1,53 +1,51 @@
-"""A DeepSpeed config JSON for a plan.
+"""A DeepSpeed config for a plan: JSON under ``//`` header comments.
 
-Key names are those of the DeepSpeed configuration reference
-(https://www.deepspeed.ai/docs/config-json/, DeepSpeed 0.16-0.17, and
-``deepspeed/runtime/constants.py`` / ``deepspeed/runtime/zero/config.py``):
-``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
-data-parallel ranks``, ``zero_optimization.stage`` (``mics_shard_size`` for ZeRO-3
-sharded in groups, MiCS), ``bf16``/``fp16`` ``enabled``, ``gradient_clipping`` and
-``communication_data_type`` (the gradient-reduction dtype; ``fp32`` unless the plan
-compresses to bf16/fp16). The optimizer is left to the training script.
+Key names and checks are those of ``deepspeed/runtime/config.py`` (``DeepSpeedConfig``)
+and ``deepspeed/runtime/zero/config.py`` (``DeepSpeedZeroConfig``) in DeepSpeed 0.18.9,
+0.19.6 and 0.19.8, and every export was run through ``DeepSpeedConfig``
+(``benchmarks/bench_exports.py``): ``train_batch_size = train_micro_batch_size_per_gpu *
+gradient_accumulation_steps * data-parallel ranks``, ``zero_optimization.stage``,
+``bf16``/``fp16`` ``enabled``, ``gradient_clipping`` and ``communication_data_type``
+(the gradient-reduction dtype; ``fp32`` unless the plan compresses to bf16/fp16). ZeRO-3
+sharded in groups (hybrid sharding) is MiCS, ``mics_shard_size``, up to 0.19.6;
+DeepSpeed 0.19.7 removed MiCS (``_REMOVED_ZERO_CONFIG_KEYS`` in
+``deepspeed/runtime/config.py`` refuses the key), and no other key shards in groups
+(ZeRO++'s ``zero_hpz_partition_size`` keeps a second, node-local copy of the weights on
+top of the full partition, with gradients and optimizer states still over every rank),
+so :mod:`planner.frameworks` refuses hybrid sharding for 0.19.7 and later. The optimizer
+is left to the training script.
 
-Refused: tensor, pipeline and context parallelism (DeepSpeed sets them up in code:
-``PipelineModule``, Ulysses, AutoTP, none of them from this config or with this plan's
-layout), recompute (the ``activation_checkpointing`` section only configures
-``deepspeed.checkpointing.checkpoint``, which model code must call), fp8, hybrid
-sharding with ZeRO-1/2, PowerSGD and local SGD.
+The header is ``//`` comment lines: ``DeepSpeedConfig`` reads a config file with
+``hjson``, which takes them as comments (``deepspeed.initialize(config=PATH)``,
+``deepspeed --deepspeed_config PATH``); a reader that wants strict JSON (Hugging Face's
+``--deepspeed``) needs them dropped: ``grep -v '^//' FILE``. What DeepSpeed cannot run is
+refused by :mod:`planner.frameworks`.
 """
 
 from __future__ import annotations
 
-from planner.export.common import check_hook_compression, refuse, uniform_recompute
+from planner.export.common import check_target, header
+from planner.frameworks import Target, parse_target
 from planner.io import dumps_json
 from planner.parallel_dims import ParallelDims
-from planner.spec import CompressionKind, DType, Plan, RecomputeMode
+from planner.spec import CompressionKind, DType, Plan
 
-__all__ = ["to_deepspeed"]
+__all__ = ["COMMUNICATION_DTYPES", "to_deepspeed"]
 
 TARGET = "deepspeed"
-_COMMUNICATION_DTYPES = {
+COMMUNICATION_DTYPES = {
     CompressionKind.NONE: "fp32",
     CompressionKind.BF16: "bf16",
     CompressionKind.FP16: "fp16",
 }
 
 
-def to_deepspeed(plan: Plan) -> str:
+def to_deepspeed(plan: Plan, target: Target | None = None) -> str:
     """The plan as a DeepSpeed config (JSON text); raises
     :class:`~planner.errors.ExportError` for what the config cannot express."""
-    check_hook_compression(plan, TARGET)
-    _check_model_parallel(plan)
-    _check_recompute(plan)
+    target = target or parse_target(TARGET)
+    check_target(plan, target)
     strategy, training = plan.strategy, plan.training
-    if training.dtype is DType.FP8:
-        raise refuse(
-            TARGET,
-            "training.dtype",
-            training.dtype,
-            "the DeepSpeed config has no fp8 training switch",
-            "re-plan with --dtype bf16, or export to torchtitan or megatron",
-        )
     config = {
         "train_batch_size": training.global_batch_size,
         "train_micro_batch_size_per_gpu": strategy.micro_batch_size,
@@ -56,41 +54,11 @@ def to_deepspeed(plan: Plan) -> str:
         "zero_optimization": _zero(plan),
         "bf16": {"enabled": training.dtype is DType.BF16},
         "fp16": {"enabled": training.dtype is DType.FP16},
-        "communication_data_type": _COMMUNICATION_DTYPES[strategy.compression.kind],
+        "communication_data_type": COMMUNICATION_DTYPES[strategy.compression.kind],
     }
-    return dumps_json(config, what="DeepSpeed config") + "\n"
-
-
-def _check_model_parallel(plan: Plan) -> None:
-    strategy = plan.strategy
-    ways = {
-        "strategy.tp": (strategy.tp, "tensor parallelism (AutoTP is set up in code and shards "
-                        "only linear layers)"),
-        "strategy.pp": (strategy.pp, "pipeline parallelism (PipelineModule is built in code)"),
-        "strategy.cp": (strategy.cp, "context parallelism (Ulysses is set up in code)"),
-    }  # fmt: skip
-    for field, (size, what) in ways.items():
-        if size > 1:
-            raise refuse(
-                TARGET,
-                field,
-                size,
-                f"a DeepSpeed config cannot express {what}",
-                "re-plan with --tp 1 --pp 1 --cp 1, or export to torchtitan or megatron",
-            )
-
-
-def _check_recompute(plan: Plan) -> None:
-    mode = uniform_recompute(plan, TARGET)
-    if mode is not RecomputeMode.NONE:
-        raise refuse(
-            TARGET,
-            "strategy.recompute",
-            mode,
-            "a DeepSpeed config cannot switch recompute on (activation_checkpointing only "
-            "configures deepspeed.checkpointing.checkpoint, which the model code must call)",
-            "re-plan with --recompute none, or export to torchtitan or megatron",
-        )
+    form = "a DeepSpeed config (JSON under hjson // comments); deepspeed.initialize(config=FILE)"
+    lines = header(plan, target, form, comment="//")
+    return "\n".join(lines) + "\n" + dumps_json(config, what="DeepSpeed config") + "\n"
 
 
 def _zero(plan: Plan) -> dict[str, int]:
@@ -98,13 +66,4 @@ def _zero(plan: Plan) -> dict[str, int]:
     section: dict[str, int] = {"stage": strategy.zero}
     if not ParallelDims.of(strategy).hybrid_sharding:
         return section
-    if strategy.zero < 3:
-        raise refuse(
-            TARGET,
-            "strategy.dp_shard",
-            strategy.shard_degree,
-            f"DeepSpeed ZeRO-{strategy.zero} partitions over all {strategy.dp} data-parallel "
-            "ranks (MiCS groups, mics_shard_size, need ZeRO-3)",
-            "re-plan with --dp-shard equal to --dp, or --zero 3",
-        )
     return section | {"mics_shard_size": strategy.shard_degree}

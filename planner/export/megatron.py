@@ -1,39 +1,46 @@
 """Megatron-LM command-line arguments for a plan, one per line.
 
-Argument names are those of Megatron-LM's ``megatron/training/arguments.py``
-(NVIDIA/Megatron-LM at commit 000c4ac, Megatron-Core 0.14 era: ``_add_distributed_args``,
-``_add_training_args``, ``_add_mixed_precision_args``, ``_add_network_size_args``,
-``_add_regularization_args``, ``_add_data_args``, ``_add_tokenizer_args``) and of its
-Megatron-FSDP guide (``--use-megatron-fsdp`` with ``--data-parallel-sharding-strategy``).
-Pass them to ``pretrain_gpt.py``, e.g. ``torchrun ... pretrain_gpt.py $(grep -v '^#'
-megatron.args) --data-path ...``.
+Valid for Megatron-Core 0.14.0 through 0.16.1 (``megatron==0.14``, ``0.15``, ``0.16``):
+argument names and checks are those of Megatron-LM's ``megatron/training/arguments.py``
+at the release tags ``core_v0.14.0``, ``core_v0.15.3`` and ``core_v0.16.1``
+(``parse_args``, ``validate_args``, ``core_transformer_config_from_args``; that file is
+not in the ``megatron-core`` wheel), and every export was run through them
+(``benchmarks/bench_exports.py``). The same arguments serve all three: Megatron-FSDP
+(``--use-megatron-fsdp``, ``--ckpt-format fsdp_dtensor``) arrived in 0.14.0, and from
+0.14.0 on ``megatron/core/distributed/fsdp/mcore_fsdp_adapter.py`` runs hybrid sharding
+when ``--num-distributed-optimizer-instances`` exceeds one (0.16 adds
+``--outer-dp-sharding-strategy``, default ``no_shard``: replicated across instances, as
+our dp_replicate). Pass them to ``pretrain_gpt.py``, e.g. ``torchrun ... pretrain_gpt.py
+$(grep -v '^#' megatron.args) --data-path ...``.
+
+Launch environment (the ``# env:`` header lines): ``validate_args`` asserts
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` for tensor or context parallelism on GPUs before
+Blackwell (compute capability < 10) unless Megatron-FSDP is on, and asserts the opposite
+(not 1) under Megatron-FSDP.
 
 Mapping: ``tp``/``pp``/``cp`` sizes and ``--sequence-parallel`` one to one; the data
 parallel size is what is left of the world, as ours; ZeRO-1 is the distributed
-optimizer (``--num-distributed-optimizer-instances`` for hybrid sharding), ZeRO-2/3
-Megatron-FSDP (``optim_grads``/``optim_grads_params``); interleaving is
-``--num-layers-per-virtual-pipeline-stage`` when every chunk has as many layers, an
-uneven split ``--decoder-first/last-pipeline-num-layers`` or, with virtual stages,
-``--pipeline-model-parallel-layout``; full recompute of the first ``k`` blocks per chunk is
-``--recompute-method block --recompute-num-layers k``; bf16 gradient reduction
-``--grad-reduce-in-bf16``. Refused: GPipe and zero-bubble schedules (Megatron runs
-1F1B, interleaved with virtual stages), hybrid sharding with ZeRO-2/3, plain Adam
-(Megatron's ``adam`` decouples weight decay), encoders, recompute modes that differ by
-stage, selective recompute of some blocks only, a non-Megatron tensor-parallel layout,
-stage splits Megatron cannot place, PowerSGD and local SGD.
+optimizer, ZeRO-2/3 Megatron-FSDP (``optim_grads``/``optim_grads_params``), hybrid
+sharding ``--num-distributed-optimizer-instances`` = dp_replicate with either;
+interleaving is ``--num-layers-per-virtual-pipeline-stage`` when every chunk has as many
+layers, an uneven split ``--decoder-first/last-pipeline-num-layers`` or, with virtual
+stages, ``--pipeline-model-parallel-layout``; full recompute of the first ``k`` blocks
+per chunk is ``--recompute-method block --recompute-num-layers k``; bf16 gradient
+reduction ``--grad-reduce-in-bf16``. What Megatron-LM cannot run is refused by
+:mod:`planner.frameworks`; here, a non-Megatron tensor-parallel layout and stage splits
+Megatron cannot place.
 """
 
 from __future__ import annotations
 
 from planner.export.common import (
-    check_hook_compression,
     check_megatron_layout,
+    check_target,
     header,
-    refuse,
     seq_len,
-    uniform_recompute,
     zoo_layers_per_chunk,
 )
+from planner.frameworks import Target, parse_target
 from planner.parallel_dims import ParallelDims
 from planner.spec import (
     Activation,
@@ -44,31 +51,26 @@ from planner.spec import (
     Optimizer,
     Plan,
     RecomputeMode,
-    Schedule,
 )
 
-__all__ = ["to_megatron"]
+__all__ = ["DTYPE_ARGS", "SHARDING", "to_megatron"]
 
 TARGET = "megatron"
 Arg = tuple[str, ...]  # an option and its values, as one line of the export
-_SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
-_DTYPE_ARGS: dict[DType, list[Arg]] = {
+SHARDING = {2: "optim_grads", 3: "optim_grads_params"}
+DTYPE_ARGS: dict[DType, list[Arg]] = {
     DType.BF16: [("--bf16",)],
     DType.FP16: [("--fp16",)],
     DType.FP8: [("--bf16",), ("--fp8-format", "hybrid")],  # e4m3 forward, e5m2 gradients
     DType.FP32: [],
 }
-_HALF_REDUCTION = {  # the 2-byte gradient reduction Megatron-LM offers under each dtype
-    DType.BF16: CompressionKind.BF16,
-    DType.FP8: CompressionKind.BF16,
-    DType.FP16: CompressionKind.FP16,
-}
 
 
-def to_megatron(plan: Plan) -> str:
+def to_megatron(plan: Plan, target: Target | None = None) -> str:
     """The plan as Megatron-LM arguments, one option (with its value) per line; raises
     :class:`~planner.errors.ExportError` for what Megatron-LM cannot express."""
-    check_hook_compression(plan, TARGET)
+    target = target or parse_target(TARGET)
+    check_target(plan, target)
     notes = check_megatron_layout(plan, TARGET) if plan.strategy.tp > 1 else []
     if plan.model is None:
         notes.append(
@@ -85,9 +87,25 @@ def to_megatron(plan: Plan) -> str:
         *_precision_args(plan),
         *_optimizer_args(plan),
     ]
-    lines = header(plan, TARGET) + [f"# note: {note}" for note in notes]
-    lines.append("# usage: torchrun ... pretrain_gpt.py $(grep -v '^#' THIS_FILE) --data-path ...")
+    form = "pretrain_gpt.py arguments; torchrun ... pretrain_gpt.py $(grep -v '^#' FILE) --data-path ..."
+    lines = header(plan, target, form, _environment(plan)) + [f"# note: {note}" for note in notes]
     return "\n".join(lines + [" ".join(arg) for arg in args]) + "\n"
+
+
+def _environment(plan: Plan) -> list[str]:
+    """What ``validate_args`` asserts about ``CUDA_DEVICE_MAX_CONNECTIONS``."""
+    strategy = plan.strategy
+    if strategy.zero >= 2:
+        return [
+            "CUDA_DEVICE_MAX_CONNECTIONS unset or above 1 (validate_args: Megatron-FSDP "
+            "requires it)"
+        ]
+    if strategy.tp > 1 or strategy.cp > 1:
+        return [
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 (validate_args requires it for tensor or context "
+            "parallelism before Blackwell)"
+        ]
+    return []
 
 
 def _parallel_args(plan: Plan) -> list[Arg]:
@@ -106,15 +124,6 @@ def _pipeline_args(plan: Plan) -> list[Arg]:
     strategy = plan.strategy
     if strategy.pp == 1:
         return []
-    if strategy.schedule in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
-        raise refuse(
-            TARGET,
-            "strategy.schedule",
-            strategy.schedule,
-            "Megatron-LM runs 1F1B, interleaved when the model has virtual pipeline stages "
-            "(in-flight micro-batches, so memory, differ from this schedule)",
-            "re-plan with --schedule 1f1b or interleaved-1f1b",
-        )
     counts = zoo_layers_per_chunk(plan, TARGET)
     if len(set(counts)) == 1:
         if strategy.virtual_stages == 1:
@@ -150,14 +159,6 @@ def _batch_args(plan: Plan) -> list[Arg]:
 def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
     """Network-size arguments for Megatron's GPT model built like the zoo transformer
     (position table at least ``tokens`` long)."""
-    if spec.family is Family.ENCODER:
-        raise refuse(
-            TARGET,
-            "plan.model.family",
-            spec.family,
-            "Megatron-LM's GPT arguments describe decoders",
-            "export an encoder plan to torchtitan or deepspeed",
-        )
     args: list[Arg] = [
         ("--num-layers", str(spec.num_layers)),
         ("--hidden-size", str(spec.hidden_size)),
@@ -177,7 +178,7 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
         args += [
             ("--normalization", "RMSNorm"),
             ("--position-embedding-type", "rope"),
-            ("--rotary-base", _rotary_base(spec.rope_theta)),
+            ("--rotary-base", str(int(spec.rope_theta))),
             ("--disable-bias-linear",),
         ]
     else:
@@ -192,32 +193,12 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
     return args
 
 
-def _rotary_base(theta: float) -> str:
-    if not theta.is_integer():
-        raise refuse(
-            TARGET,
-            "plan.model.rope_theta",
-            theta,
-            "--rotary-base takes an integer",
-            "use an integral rope_theta",
-        )
-    return str(int(theta))
-
-
 def _recompute_args(plan: Plan) -> list[Arg]:
-    mode = uniform_recompute(plan, TARGET)
+    mode = plan.strategy.recompute
     limit = plan.strategy.recompute_blocks
     if mode is RecomputeMode.NONE:
         return []
     if mode is RecomputeMode.SELECTIVE:
-        if limit is not None:
-            raise refuse(
-                TARGET,
-                "strategy.recompute_blocks",
-                limit,
-                "Megatron-LM's selective recompute covers every layer",
-                "drop recompute_blocks, or use recompute 'full'",
-            )
         return [("--recompute-granularity", "selective")]
     method = ("--recompute-method", "uniform") if limit is None else ("--recompute-method", "block")
     layers = "1" if limit is None else str(limit)
@@ -228,26 +209,16 @@ def _data_parallel_args(plan: Plan) -> list[Arg]:
     strategy = plan.strategy
     if strategy.zero == 0:
         return []
-    hybrid = ParallelDims.of(strategy).hybrid_sharding
+    args: list[Arg] = [("--use-distributed-optimizer",)]
+    if ParallelDims.of(strategy).hybrid_sharding:
+        args.append(("--num-distributed-optimizer-instances", str(strategy.replicate_degree)))
     if strategy.zero == 1:
-        args: list[Arg] = [("--use-distributed-optimizer",)]
-        if hybrid:
-            args.append(("--num-distributed-optimizer-instances", str(strategy.replicate_degree)))
         return args
-    if hybrid:
-        raise refuse(
-            TARGET,
-            "strategy.dp_shard",
-            strategy.shard_degree,
-            f"Megatron-FSDP (ZeRO-{strategy.zero}) shards over the whole data-parallel group "
-            f"({strategy.dp}), not groups of {strategy.shard_degree}",
-            "re-plan with --dp-shard equal to --dp, or --zero 1",
-        )
     return [
         ("--use-megatron-fsdp",),
-        ("--data-parallel-sharding-strategy", _SHARDING[strategy.zero]),
+        ("--data-parallel-sharding-strategy", SHARDING[strategy.zero]),
         ("--no-gradient-accumulation-fusion",),
-        ("--use-distributed-optimizer",),
+        *args,
         ("--ckpt-format", "fsdp_dtensor"),
     ]
 
@@ -256,32 +227,14 @@ def _precision_args(plan: Plan) -> list[Arg]:
     """``--bf16``/``--fp16`` and the gradient-reduction dtype (Megatron reduces in fp32
     under bf16, in fp16 under fp16 unless told otherwise)."""
     dtype, kind = plan.training.dtype, plan.strategy.compression.kind
-    args = _DTYPE_ARGS[dtype]
-    reduce_dtype = _HALF_REDUCTION.get(dtype)
+    args = DTYPE_ARGS[dtype]
     if kind is CompressionKind.NONE:
         return args + ([("--accumulate-allreduce-grads-in-fp32",)] if dtype is DType.FP16 else [])
-    if kind is not reduce_dtype:
-        raise refuse(
-            TARGET,
-            "strategy.compression.kind",
-            kind,
-            f"Megatron-LM reduces gradients in fp32 or in the training dtype ({dtype.value}), "
-            f"not in {kind.value}",
-            "use compression 'none'" + (f" or '{reduce_dtype.value}'" if reduce_dtype else ""),
-        )
     return args + ([("--grad-reduce-in-bf16",)] if kind is CompressionKind.BF16 else [])
 
 
 def _optimizer_args(plan: Plan) -> list[Arg]:
     optimizer = plan.training.optimizer
-    if optimizer is Optimizer.ADAM:
-        raise refuse(
-            TARGET,
-            "training.optimizer",
-            optimizer,
-            "Megatron-LM's 'adam' decouples weight decay (AdamW)",
-            "re-plan with --optimizer adamw",
-        )
     name = "sgd" if optimizer is Optimizer.SGD else "adam"
     clip = "1.0" if plan.training.grad_clip else "0.0"
     return [("--optimizer", name), ("--clip-grad", clip)]

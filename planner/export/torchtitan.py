@@ -1,11 +1,29 @@
-"""A torchtitan job-config fragment (TOML) for a plan.
+"""torchtitan settings for a plan: a TOML job config (0.2) or command-line overrides (0.3).
 
-Option names are those of torchtitan's ``torchtitan/config/job_config.py``
-(pytorch/torchtitan at commit 6404b93: the ``Parallelism``, ``Training``,
-``ActivationCheckpoint``, ``Optimizer`` and ``Model`` dataclasses); behaviour checked
-against ``torchtitan/distributed/utils.py`` (``maybe_enable_amp``) and
-``parallelize_llama``. Merge the keys into a job config, or pass them as
-``--section.key value`` overrides.
+torchtitan 0.2.x (0.2.0-0.2.2) reads a TOML job config (``--job.config_file``) into the
+dataclasses of ``torchtitan/config/job_config.py`` (``Parallelism``, ``Training``,
+``ActivationCheckpoint``, ``Optimizer``, ``Model``); fp8 is the model converter
+``quantize.linear.float8`` (``torchtitan/components/quantization/float8.py``, registered
+under that name since 0.2.0). The export is such a file: merge it into yours.
+
+torchtitan 0.3.x has no TOML job config: ``torchtitan/config/manager.py`` builds the
+config from a Python function (``--module llama3 --config llama3_8b``, the
+``config_registry`` of a model) and applies tyro command-line overrides
+(``--section.key value``) to ``Trainer.Config`` (``torchtitan/trainer.py``,
+``torchtitan/config/configs.py``: ``ParallelismConfig``, ``TrainingConfig``,
+``CompileConfig``). The export is those overrides, one per line, and ends with the
+activation-checkpoint subcommand (``activation-checkpoint:none|selective|full``, the
+classes of ``torchtitan/distributed/activation_checkpoint.py``). What moved from 0.2:
+async TP is ``compile.enable_async_tensor_parallel``, sequence parallelism is
+``parallelism.enable_sequence_parallel`` (so TP without SP runs), the optimizer is
+``optimizer.param_groups.0.optimizer_name``, the head is ``lm_head`` (``output`` in 0.2),
+``disable_loss_parallel`` and ``selective_ac_option`` are gone, pipelining needs
+``training.disable_cuda_graphs`` (``Trainer.Config._validate_cuda_graphs``), and model
+converters (fp8) are part of the ``--config`` function's ``model_spec``, which the command
+line cannot set (:mod:`planner.frameworks` refuses fp8 for 0.3).
+
+Both were checked with torchtitan's own parser, mesh and ``parallelize_llama`` on the
+meta device (``benchmarks/bench_exports.py``; torchtitan 0.2.2 and 0.3.0 from PyPI).
 
 Mapping: ``dp_replicate``/``dp_shard``/``tp``/``pp``/``cp`` degrees one to one (the
 same mesh order, FSDP over ``dp_shard x cp`` as our runtime); ZeRO-3 is FSDP with
@@ -13,13 +31,9 @@ same mesh order, FSDP over ``dp_shard x cp`` as our runtime); ZeRO-3 is FSDP wit
 as :mod:`strategies.fsdp` runs them); ``plan.stages`` is
 ``module_fqns_per_model_part``; our zero-bubble schedule runs
 ``ScheduleInterleavedZeroBubble`` over the plan's chunks in loop order, torchtitan's
-``InterleavedZeroBubble`` (``ZBVZeroBubble`` places chunks in a V). Refused: fp16
-weights and bf16/fp16 gradient reduction (``mixed_precision_param`` takes bfloat16 or
-float32, ``mixed_precision_reduce`` only float32), tensor parallelism without sequence
-parallelism (torchtitan always shards norms on the sequence), DDP next to other
-parallelism, ZeRO-0 with context parallelism (torchtitan shards weights over cp),
-bf16 with tp or pp but no FSDP (torchtitan then trains in fp32), SGD, per-stage or
-first-k-blocks recompute, and PowerSGD or local SGD.
+``InterleavedZeroBubble`` (``ZBVZeroBubble`` places chunks in a V). What torchtitan
+cannot run is refused by :mod:`planner.frameworks`; here, a tensor-parallel layout other
+than torchtitan's llama plan and first-k-blocks recompute.
 """
 
 from __future__ import annotations
@@ -27,49 +41,48 @@ from __future__ import annotations
 import math
 
 from planner.export.common import (
-    check_hook_compression,
     check_megatron_layout,
     check_recompute_blocks,
+    check_target,
     header,
-    refuse,
     seq_len,
-    uniform_recompute,
+)
+from planner.frameworks import (
+    TORCHTITAN_OVERRIDES,
+    TORCHTITAN_PARAM_DTYPES,
+    Target,
+    parse_target,
+    torchtitan_shards,
 )
 from planner.io import dumps_json
-from planner.spec import CompressionKind, DType, Optimizer, Plan, RecomputeMode, Schedule
+from planner.spec import DType, Optimizer, Plan, RecomputeMode, Schedule
 
-__all__ = ["to_torchtitan"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "to_torchtitan"]
 
 TARGET = "torchtitan"
-_SCHEDULES = {
+SCHEDULES = {
     Schedule.GPIPE: "GPipe",
     Schedule.ONE_F_ONE_B: "1F1B",
     Schedule.INTERLEAVED_1F1B: "Interleaved1F1B",
     Schedule.ZERO_BUBBLE: "InterleavedZeroBubble",
 }
-_OPTIMIZERS = {Optimizer.ADAMW: "AdamW", Optimizer.ADAM: "Adam"}
-_PARAM_DTYPES = {DType.BF16: "bfloat16", DType.FP8: "bfloat16", DType.FP32: "float32"}
+OPTIMIZERS = {Optimizer.ADAMW: "AdamW", Optimizer.ADAM: "Adam"}
+FLOAT8_CONVERTER = "quantize.linear.float8"  # the 0.2 registry name (was "float8")
+HEADS_03 = {"output": "lm_head"}  # torchtitan/models/common/decoder.py names its head lm_head
 
 TomlValue = bool | int | float | str | list["TomlValue"]
 
 
-def to_torchtitan(plan: Plan) -> str:
-    """The plan as torchtitan ``[parallelism]``, ``[training]``, ``[activation_checkpoint]``
-    and ``[optimizer]`` tables (and ``[model]`` converters for fp8); raises
+def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
+    """The plan as torchtitan settings for ``target`` (newest release by default): 0.2 a
+    TOML job config, 0.3 command-line overrides; raises
     :class:`~planner.errors.ExportError` for what torchtitan cannot express."""
-    check_hook_compression(plan, TARGET)
-    _check_data_parallel(plan)
-    _check_precision(plan)
-    notes = _tensor_parallel_notes(plan)
-    mode = uniform_recompute(plan, TARGET)
-    tables: dict[str, dict[str, TomlValue]] = {
-        "parallelism": _parallelism(plan),
-        "training": _training(plan),
-        "activation_checkpoint": _activation_checkpoint(plan, mode),
-        "optimizer": {"name": _optimizer_name(plan)},
-    }
-    if plan.training.dtype is DType.FP8:
-        tables["model"] = {"converters": ["float8"]}
+    target = target or parse_target(TARGET)
+    check_target(plan, target)
+    notes = check_megatron_layout(plan, TARGET) if plan.strategy.tp > 1 else []
+    mode = plan.strategy.recompute
+    if mode is not RecomputeMode.NONE:
+        check_recompute_blocks(plan, TARGET)
     if mode is RecomputeMode.SELECTIVE:
         notes.append(
             "selective recompute: torchtitan's per-op policy keeps matmul and attention outputs "
@@ -79,105 +92,96 @@ def to_torchtitan(plan: Plan) -> str:
         notes.append(
             "module_fqns_per_model_part names this model's modules (as torchtitan's llama)"
         )
-    lines = header(plan, TARGET) + [f"# note: {note}" for note in notes]
+    if target.at_least(TORCHTITAN_OVERRIDES):
+        return _overrides(plan, target, notes)
+    return _toml_config(plan, target, notes)
+
+
+def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
+    """torchtitan 0.2: ``[parallelism]``, ``[training]``, ``[activation_checkpoint]``,
+    ``[optimizer]`` and, for fp8, ``[model]`` tables."""
+    parallelism = _parallelism(plan) | {
+        "disable_loss_parallel": False,
+        "enable_async_tensor_parallel": False,
+    }
+    checkpoint: dict[str, TomlValue] = {"mode": plan.strategy.recompute.value}
+    if plan.strategy.recompute is RecomputeMode.SELECTIVE:
+        checkpoint["selective_ac_option"] = "op"
+    tables: dict[str, dict[str, TomlValue]] = {
+        "parallelism": parallelism,
+        "training": _training(plan),
+        "activation_checkpoint": checkpoint,
+        "optimizer": {"name": OPTIMIZERS[plan.training.optimizer]},
+    }
+    if plan.training.dtype is DType.FP8:
+        tables["model"] = {"converters": [FLOAT8_CONVERTER]}
+    form = "a TOML job config; merge it into yours (torchtitan ... --job.config_file FILE)"
+    lines = header(plan, target, form) + [f"# note: {note}" for note in notes]
     for name, table in tables.items():
         lines += ["", f"[{name}]"] + [f"{key} = {_toml(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
 
-def _check_data_parallel(plan: Plan) -> None:
+def _overrides(plan: Plan, target: Target, notes: list[str]) -> str:
+    """torchtitan 0.3: ``--section.key value`` lines, the activation-checkpoint subcommand
+    last (tyro reads a subcommand's options after it)."""
     strategy = plan.strategy
-    if strategy.zero == 0 and strategy.cp > 1:
-        raise refuse(
-            TARGET,
-            "strategy.zero",
-            0,
-            f"torchtitan shards the weights over dp_shard x cp whenever cp ({strategy.cp}) > 1, "
-            "so replicated weights cannot be expressed",
-            "re-plan with --zero 1, 2 or 3",
-        )
-    others = strategy.tp * strategy.pp * strategy.cp
-    if strategy.zero == 0 and strategy.dp > 1 and others > 1:
-        raise refuse(
-            TARGET,
-            "strategy.zero",
-            0,
-            f"torchtitan's DDP (data_parallel_replicate_degree = {strategy.dp} without "
-            f"sharding) runs only on a one-dimensional mesh, and tp * pp * cp = {others}",
-            "re-plan with --zero 1, 2 or 3 (FSDP/HSDP)",
-        )
+    settings: dict[str, TomlValue] = {
+        f"parallelism.{key}": value for key, value in _parallelism(plan).items()
+    }
+    if strategy.pp > 1:  # the zoo's (and torchtitan 0.2's) head "output" is 0.3's "lm_head"
+        settings["parallelism.module_fqns_per_model_part"] = [
+            [HEADS_03.get(fqn, fqn) for fqn in chunk] for chunk in plan.stages
+        ]
+    if strategy.tp > 1:
+        settings["parallelism.enable_sequence_parallel"] = strategy.sequence_parallel
+    settings["compile.enable_async_tensor_parallel"] = False
+    settings |= {f"training.{key}": value for key, value in _training(plan).items()}
+    if strategy.pp > 1:
+        settings["training.disable_cuda_graphs"] = True  # CUDA graphs do not pipeline yet
+    settings["optimizer.param_groups.0.optimizer_name"] = OPTIMIZERS[plan.training.optimizer]
+    notes.append(
+        "model converters (fp8) come from the --config function's model_spec: pick one "
+        "without Float8LinearConverter (llama3_405b has one)"
+    )
+    form = (
+        "command-line overrides; torchrun ... -m torchtitan.train --module MODEL "
+        "--config CONFIG $(grep -v '^#' FILE)"
+    )
+    lines = header(plan, target, form) + [f"# note: {note}" for note in notes]
+    lines += [_flag(key, value) for key, value in settings.items()]
+    lines.append(f"activation-checkpoint:{strategy.recompute.value}")
+    return "\n".join(lines) + "\n"
 
 
-def _fsdp_enabled(plan: Plan) -> bool:
-    """Whether torchtitan applies ``fully_shard`` (a dp_shard or cp axis larger than 1)."""
-    return plan.strategy.shard_degree > 1 or plan.strategy.cp > 1
-
-
-def _check_precision(plan: Plan) -> None:
-    strategy, dtype = plan.strategy, plan.training.dtype
-    if dtype not in _PARAM_DTYPES:
-        raise refuse(
-            TARGET,
-            "training.dtype",
-            dtype,
-            "training.mixed_precision_param takes only bfloat16 or float32",
-            "re-plan with --dtype bf16",
-        )
-    kind = strategy.compression.kind
-    if kind in (CompressionKind.BF16, CompressionKind.FP16):
-        raise refuse(
-            TARGET,
-            "strategy.compression.kind",
-            kind,
-            "training.mixed_precision_reduce takes only float32",
-            "use compression 'none' (float32 reduction), or export to megatron or deepspeed",
-        )
-    lowered = dtype is not DType.FP32
-    if lowered and not _fsdp_enabled(plan) and (strategy.tp > 1 or strategy.pp > 1):
-        raise refuse(
-            TARGET,
-            "training.dtype",
-            dtype,
-            "torchtitan applies mixed precision through FSDP when tp or pp is on, and this plan "
-            f"shards over nothing (dp_shard {strategy.shard_degree}, cp {strategy.cp}): it "
-            "would train in float32",
-            "re-plan with --zero 1, 2 or 3 and dp_shard > 1, or --dtype fp32",
-        )
-
-
-def _tensor_parallel_notes(plan: Plan) -> list[str]:
-    strategy = plan.strategy
-    if strategy.tp == 1:
-        return []
-    if not strategy.sequence_parallel:
-        raise refuse(
-            TARGET,
-            "strategy.sequence_parallel",
-            False,
-            "torchtitan's tensor-parallel plan always shards the norms on the sequence",
-            "re-plan with --sequence-parallel",
-        )
-    return check_megatron_layout(plan, TARGET)
+def _flag(key: str, value: TomlValue) -> str:
+    """One tyro override: booleans as ``--key``/``--no-key`` flags (the last part
+    negated), lists of lists as space-separated comma-joined chunks."""
+    if isinstance(value, bool):
+        section, _, name = key.rpartition(".")
+        return f"--{section}.{name}" if value else f"--{section}.no_{name}"
+    if isinstance(value, list):
+        return f"--{key} " + " ".join(",".join(map(str, chunk)) for chunk in value)  # type: ignore[arg-type]
+    return f"--{key} {value}"
 
 
 def _parallelism(plan: Plan) -> dict[str, TomlValue]:
+    """The ``parallelism`` settings both releases share (module names as the plan's)."""
     strategy = plan.strategy
     table: dict[str, TomlValue] = {
         "data_parallel_replicate_degree": strategy.replicate_degree,
         "data_parallel_shard_degree": strategy.shard_degree,
     }
-    if _fsdp_enabled(plan):
+    if torchtitan_shards(strategy):
         table["fsdp_reshard_after_forward"] = "always" if strategy.zero == 3 else "never"
     table |= {
         "tensor_parallel_degree": strategy.tp,
-        "disable_loss_parallel": False,
-        "enable_async_tensor_parallel": False,
         "context_parallel_degree": strategy.cp,
         "pipeline_parallel_degree": strategy.pp,
     }
     if strategy.pp > 1:
         table |= {
-            "pipeline_parallel_schedule": _SCHEDULES[strategy.schedule],
+            "pipeline_parallel_schedule": SCHEDULES[strategy.schedule],
             "pipeline_parallel_microbatch_size": strategy.micro_batch_size,
             "module_fqns_per_model_part": [list(chunk) for chunk in plan.stages],
         }
@@ -199,32 +203,10 @@ def _training(plan: Plan) -> dict[str, TomlValue]:
         table["seq_len"] = tokens
     table |= {
         "max_norm": 1.0 if plan.training.grad_clip else math.inf,
-        "mixed_precision_param": _PARAM_DTYPES[plan.training.dtype],
+        "mixed_precision_param": TORCHTITAN_PARAM_DTYPES[plan.training.dtype],
         "mixed_precision_reduce": "float32",
     }
     return table
-
-
-def _activation_checkpoint(plan: Plan, mode: RecomputeMode) -> dict[str, TomlValue]:
-    if mode is not RecomputeMode.NONE:
-        check_recompute_blocks(plan, TARGET)
-    table: dict[str, TomlValue] = {"mode": mode.value}
-    if mode is RecomputeMode.SELECTIVE:
-        table["selective_ac_option"] = "op"
-    return table
-
-
-def _optimizer_name(plan: Plan) -> str:
-    optimizer = plan.training.optimizer
-    if optimizer not in _OPTIMIZERS:
-        raise refuse(
-            TARGET,
-            "training.optimizer",
-            optimizer,
-            "torchtitan builds Adam and AdamW only",
-            "re-plan with --optimizer adamw, or export to megatron or deepspeed",
-        )
-    return _OPTIMIZERS[optimizer]
 
 
 def _toml(value: TomlValue) -> str:

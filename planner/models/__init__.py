@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,10 +147,15 @@ def _import_function(path: str) -> Callable[[], object]:
         raise SpecError(
             f"model path {path!r} is not module:function: give e.g. my_pkg.models:build"
         )
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` and uvicorn: the user's project
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise SpecError(f"cannot import {module_name!r} from model path {path!r}: {exc}") from None
+        raise SpecError(
+            f"cannot import {module_name!r} from model path {path!r}: {exc} (searched: the "
+            "current directory, PYTHONPATH and the installed packages)"
+        ) from None
     except Exception as exc:  # the user's module failed while it was imported
         raise SpecError(
             f"importing {module_name!r} from model path {path!r} raised {_one_line(exc)}; "
@@ -174,17 +181,21 @@ def _call_model_function(path: str) -> object:
 
 
 def resolve_model(
-    source: str,
+    source: str | ModelSpec,
     *,
     seq_len: int | None = None,
     device: str | torch.device = "meta",
     seed: int | None = None,
 ) -> ModelHandle:
-    """Build the model named by ``source``: preset, small model, spec file or ``mod:function``.
+    """Build the model named by ``source``: preset, small model, spec file, ``mod:function``
+    or a :class:`ModelSpec`.
 
     ``seq_len`` overrides the spec's sequence length (position table size for GPT).
     """
     device = torch.device(device)
+    if isinstance(source, ModelSpec):
+        spec = source if seq_len is None else source.with_seq_len(seq_len)
+        return _from_spec(spec, spec.name, device, seed)
     if ":" in source and not Path(source).exists():
         with torch.device(device):
             if seed is not None:

@@ -47,6 +47,7 @@ import heapq
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -55,6 +56,7 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
+from planner.frameworks import Target, strategy_refusal
 from planner.parallel_dims import ParallelDims
 from planner.solve.lossy import (
     CompressionKey,
@@ -73,7 +75,7 @@ from planner.spec import (
     Strategy,
 )
 
-__all__ = ["ModelLimits", "Pins", "Scored", "SearchResult", "in_search_space", "search"]
+__all__ = ["Headroom", "ModelLimits", "Pins", "Scored", "SearchResult", "in_search_space", "search"]
 
 log = logging.getLogger(__name__)
 _GIB = 2**30
@@ -122,6 +124,41 @@ class Pins:
             for name, value in values
         )
         return ", ".join(f"{name}={value}" for name, value in shown if value is not None) or "none"
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Memory a plan must leave free on each GPU: ``gib`` plus ``fraction`` of the GPU's
+    memory (fragmentation, communication buffers, what the cost model does not see)."""
+
+    gib: float = 0.0
+    fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.gib) and self.gib >= 0):
+            raise SpecError(f"memory headroom = {self.gib} GiB: give a non-negative size")
+        if not 0 <= self.fraction < 1:
+            raise SpecError(
+                f"memory headroom = {self.fraction:.0%}: give a share of memory below 100%"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Headroom:
+        """``8`` or ``8GiB`` (GiB per GPU) or ``10%`` (of each GPU's memory)."""
+        value = text.strip()
+        try:
+            if value.endswith("%"):
+                return cls(fraction=float(value[:-1]) / 100)
+            return cls(gib=float(value.removesuffix("GiB").removesuffix("GB")))
+        except ValueError:
+            raise SpecError(
+                f"--memory-headroom = {text!r}: write GiB per GPU (8, 8GiB) or a share of "
+                "memory (10%)"
+            ) from None
+
+    def gib_of(self, capacity_gib: float) -> float:
+        """The headroom in GiB on a GPU of ``capacity_gib``."""
+        return self.gib + self.fraction * capacity_gib
 
 
 @dataclass(frozen=True)
@@ -288,7 +325,12 @@ class _Space:
     """Enumerates candidate points for one model, cluster and training set-up."""
 
     def __init__(
-        self, model: CostModel, limits: ModelLimits, pins: Pins, lossy: LossyCompression
+        self,
+        model: CostModel,
+        limits: ModelLimits,
+        pins: Pins,
+        lossy: LossyCompression,
+        headroom_gib: float = 0.0,
     ) -> None:
         self.model = model
         self.limits = limits
@@ -296,13 +338,25 @@ class _Space:
         self.lossy = lossy
         self.cluster = model.cluster
         self.training = model.training
-        self.capacity = model.profile.memory_capacity_gib * _GIB
+        self.headroom_gib = headroom_gib
+        self.capacity = (model.profile.memory_capacity_gib - headroom_gib) * _GIB
         self.over_memory = 0  # candidates dropped by the memory bound
         self.enumerated = 0  # candidates that passed it
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
         self.compression_blocked: str | None = None  # why a pinned compression was dropped
         self._work: dict[tuple[int, int, bool, int, int], WholeModelCost] = {}
+
+    def fits(self, prediction: Prediction) -> bool:
+        """Whether ``prediction`` fits with the reserved headroom to spare."""
+        return prediction.fits and prediction.peak_memory_gib <= (
+            prediction.memory_limit_gib - self.headroom_gib
+        )
+
+    def headroom_note(self) -> str:
+        if not self.headroom_gib:
+            return ""
+        return f"memory headroom: {self.headroom_gib:.3g} GiB per GPU kept free"
 
     def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> WholeModelCost:
         key = (tp, cp, sp, mbs, recompute_rank)
@@ -555,6 +609,8 @@ def search(
     pareto: bool = False,
     lossy: LossyCompression | None = None,
     progress: Progress | None = None,
+    target: Target | None = None,
+    memory_headroom_gib: float = 0.0,
 ) -> SearchResult:
     """The ``top_k`` fastest fitting strategies for ``model``'s set-up, fastest first.
 
@@ -562,6 +618,9 @@ def search(
     front of step time against peak memory: it skips a candidate only when a priced,
     fitting one is both faster than its time bound and leaner than its memory bound.
     ``lossy`` lists the lossy gradient compression the search may choose (none by default).
+    ``target`` keeps to what that framework release runs
+    (:func:`planner.frameworks.strategy_refusal`); ``memory_headroom_gib`` (GiB per GPU)
+    is left free: a candidate fits only with that much memory to spare.
 
     Raises :class:`InfeasibleError` when nothing fits, naming the memory the closest
     candidate needs and what would make it fit.
@@ -570,10 +629,11 @@ def search(
     pins = pins or Pins()
     lossy = lossy or LossyCompression()
     _check_pinned_compression(pins, lossy)
-    space = _Space(model, limits, pins, lossy)
+    space = _Space(model, limits, pins, lossy, memory_headroom_gib)
     groups = sorted(space.groups(), key=_GROUP_ORDER)
     if not groups and not space.over_memory:
         raise _no_candidates(model, limits, pins, space.compression_blocked)
+    restriction = _Restriction(target, model)
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
     costed: list[Scored] = []
     front = _FrontFloor()
@@ -592,11 +652,14 @@ def search(
         if beaten:  # only the Pareto front can still gain from this group
             points = [(p, f) for p, f in points if not front.dominates(group.bound_s, f)]
         for point, _ in points:
-            scored = _cost(model, point.strategy(model.training.global_batch_size))
+            strategy = point.strategy(model.training.global_batch_size)
+            if not restriction.allows(strategy):
+                continue
+            scored = _cost(model, strategy)
             if scored is None:
                 continue
             costed.append(scored)
-            if not scored.prediction.fits:
+            if not space.fits(scored.prediction):
                 closest = _less_memory(closest, scored)
                 continue
             front.add(scored.prediction)
@@ -608,6 +671,8 @@ def search(
     if progress is not None:
         progress(len(groups), len(groups))
     if not best:
+        if restriction.refused and not costed:
+            raise restriction.nothing_runs()
         raise _nothing_fits(model, space, closest)
     ranked = tuple(entry[2] for entry in sorted(best, key=lambda e: (-e[0], -e[1])))
     stats = SolverStats(
@@ -615,12 +680,54 @@ def search(
         candidates_costed=len(costed),
         pruned_by_memory=space.over_memory,
         search_time_s=time.perf_counter() - started,
+        notes=tuple(note for note in (restriction.note(), space.headroom_note()) if note),
     )
     log.info(
         "search: %d candidates, %d costed in %.2f s",
         space.enumerated, len(costed), stats.search_time_s,
     )  # fmt: skip
     return SearchResult(ranked, stats, tuple(costed))
+
+
+class _Restriction:
+    """The target framework the search keeps to, and what it refused on the way: per
+    refused field, how many candidates and the first refusal's words."""
+
+    def __init__(self, target: Target | None, model: CostModel) -> None:
+        self.target = target if target is not None and not target.is_planner else None
+        self.training = model.training
+        self.refused: Counter[str] = Counter()
+        self.example: dict[str, str] = {}
+
+    def allows(self, strategy: Strategy) -> bool:
+        if self.target is None:
+            return True
+        refusal = strategy_refusal(self.target, strategy, self.training)
+        if refusal is not None:
+            self.refused[refusal.field] += 1
+            self.example.setdefault(refusal.field, refusal.describe())
+        return refusal is None
+
+    def _reasons(self) -> str:
+        common = self.refused.most_common(3)
+        return "; ".join(f"{self.example[field]} ({count:,} candidates)" for field, count in common)
+
+    def note(self) -> str:
+        if self.target is None:
+            return ""
+        if not self.refused:
+            return f"kept to {self.target}: it runs every candidate priced"
+        total = sum(self.refused.values())
+        return (
+            f"kept to {self.target}: skipped {total:,} candidates it cannot run ({self._reasons()})"
+        )
+
+    def nothing_runs(self) -> SpecError:
+        return SpecError(
+            f"--for {self.target}: no candidate runs there; first refusals: {self._reasons()}. "
+            "Change the pins or the global batch (pure data parallelism needs one that "
+            "divides over all the GPUs), or target another framework"
+        )
 
 
 class _FrontFloor:

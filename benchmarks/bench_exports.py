@@ -1,0 +1,231 @@
+"""Exports fed to the frameworks' own parsers: accepted, refused by the exporter, or rejected.
+
+Plans a dozen representative strategies (zoo presets on A100/H100 clusters, each pinned
+to one way of training: FSDP, HSDP, DDP, tp+sp, pipelining with 1F1B, interleaved and
+zero-bubble schedules, cp, fp8, full and selective recompute), exports each to every
+release :data:`planner.frameworks.RELEASES` lists, and runs every export through that
+release's own parser in its own Python (``benchmarks/export_parsers/*_check.py``): torchtitan's
+``ConfigManager`` + ``ParallelDims`` + ``parallelize_llama`` on the meta device,
+Megatron-LM's ``parse_args`` + ``validate_args`` + ``TransformerConfig``, DeepSpeed's
+``DeepSpeedConfig``. Prints one row per plan and target: ``accepted``, ``refused`` (by
+the exporter, with its reason) or ``REJECTED`` (by the parser, with its error), then the
+counts per target.
+
+Where each release's parser lives is one environment variable per release, named for the
+target (``megatron==0.16`` -> ``PLANNER_PARSER_MEGATRON_0_16``), holding that Python and,
+after a ``:``, any directories to put on its ``PYTHONPATH`` (Megatron-LM's
+``megatron/training`` is not in the megatron-core wheel)::
+
+    PLANNER_PARSER_TORCHTITAN_0_2=/venvs/tt02/bin/python
+    PLANNER_PARSER_TORCHTITAN_0_3=/venvs/tt03/bin/python
+    PLANNER_PARSER_MEGATRON_0_16=/venvs/megatron/bin/python:/src/megatron-lm-core_v0.16.1
+    PLANNER_PARSER_DEEPSPEED_0_19_8=/venvs/ds0198/bin/python
+
+A release without its variable is reported ``no parser`` (its exports still run).
+
+    python benchmarks/bench_exports.py [--jobs 2] [--only PLAN_LABEL ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import ExportError
+from planner.export import TARGETS, export_plan
+from planner.frameworks import RELEASES, Framework, Target
+from planner.models import resolve_model
+from planner.planning import make_plan
+from planner.solve.search import Pins
+from planner.spec import Cluster, DType, Plan, RecomputeMode, Schedule, Training
+
+CHECKERS = Path(__file__).resolve().parent / "export_parsers"
+CHECK_TIMEOUT_S = 300
+# torchtitan's llama3 flavors of the zoo presets (its models/llama3 registry)
+FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3.1-405b": "405B"}
+# compute capability major of the cluster GPUs (Megatron's validate_args asks CUDA for it)
+GPU_ARCH = {"a100": 8, "h100": 9, "h200": 9, "b200": 10}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A plan to export: a zoo preset on a cluster, pinned to one way of training."""
+
+    label: str
+    model: str
+    gpu: str
+    gpus: int
+    global_batch: int
+    pins: Pins
+    dtype: DType = DType.BF16
+    seq_len: int | None = 4096  # tokens; None: the model's
+
+    def plan(self) -> Plan:
+        training = Training(
+            global_batch_size=self.global_batch, dtype=self.dtype, seq_len=self.seq_len
+        )
+        cluster = Cluster(gpu=self.gpu, num_gpus=self.gpus)
+        return make_plan(resolve_model(self.model), cluster, training, pins=self.pins)
+
+
+H100, A100 = "h100-sxm-80gb", "a100-sxm-80gb"
+FULL, SELECTIVE, NONE = RecomputeMode.FULL, RecomputeMode.SELECTIVE, RecomputeMode.NONE
+CASES = (
+    Case("gpt3-175b 1f1b", "gpt3-175b", A100, 1024, 1536,
+         Pins(tp=8, pp=16, schedule=Schedule.ONE_F_ONE_B), seq_len=None),
+    Case("8b fsdp", "llama3-8b", H100, 64, 64,
+         Pins(tp=1, pp=1, cp=1, zero=3, dp_shard=64, recompute=NONE)),
+    Case("8b hsdp zero3", "llama3-8b", H100, 64, 64,
+         Pins(tp=1, pp=1, cp=1, zero=3, dp_shard=8, recompute=NONE)),
+    Case("8b hsdp zero2", "llama3-8b", H100, 64, 64,
+         Pins(tp=1, pp=1, cp=1, zero=2, dp_shard=8, recompute=NONE)),
+    Case("1.3b ddp", "gpt3-1.3b", H100, 8, 64,
+         Pins(tp=1, pp=1, cp=1, zero=0, recompute=FULL), seq_len=None),
+    Case("8b tp no-sp", "llama3-8b", H100, 16, 32,
+         Pins(tp=2, pp=1, cp=1, zero=3, sequence_parallel=False, recompute=NONE)),
+    Case("8b cp", "llama3-8b", H100, 64, 64,
+         Pins(tp=1, pp=1, cp=4, zero=3, recompute=NONE)),
+    Case("8b fp8", "llama3-8b", H100, 64, 64,
+         Pins(tp=1, pp=1, cp=1, zero=3, recompute=NONE), dtype=DType.FP8),
+    Case("70b tp+sp full", "llama3-70b", H100, 256, 256,
+         Pins(tp=8, pp=1, cp=1, zero=3, sequence_parallel=True, recompute=FULL)),
+    Case("70b pp 1f1b", "llama3-70b", H100, 256, 512,
+         Pins(tp=8, pp=4, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ONE_F_ONE_B,
+              recompute=NONE)),
+    Case("70b interleaved", "llama3-70b", H100, 256, 512,
+         Pins(tp=8, pp=4, cp=1, zero=1, sequence_parallel=True, virtual_stages=2,
+              schedule=Schedule.INTERLEAVED_1F1B, recompute=SELECTIVE)),
+    Case("70b zero-bubble", "llama3-70b", H100, 256, 512,
+         Pins(tp=8, pp=4, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ZERO_BUBBLE,
+              recompute=NONE)),
+    Case("405b selective", "llama3.1-405b", H100, 2048, 2048,
+         Pins(tp=8, pp=16, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ONE_F_ONE_B,
+              recompute=SELECTIVE)),
+)  # fmt: skip
+
+
+def targets() -> list[Target]:
+    """Every release the exporters write settings for."""
+    return [Target(framework, version) for framework in TARGETS for version in RELEASES[framework]]
+
+
+@dataclass(frozen=True)
+class Parser:
+    """A release's parser: its Python and the extra ``PYTHONPATH`` it needs."""
+
+    python: str
+    path: str
+
+    @classmethod
+    def find(cls, target: Target) -> Parser | None:
+        value = os.environ.get(variable(target), "").strip()
+        if not value:
+            return None
+        python, _, path = value.partition(":")
+        return cls(python, path)
+
+
+def variable(target: Target) -> str:
+    """``megatron==0.16`` -> ``PLANNER_PARSER_MEGATRON_0_16``."""
+    version = "_".join(str(part) for part in target.version)
+    return f"PLANNER_PARSER_{target.framework.value.upper()}_{version}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one export: ``accepted``, ``refused``, ``rejected`` or ``no parser``."""
+
+    verdict: str
+    detail: str = ""
+
+
+def checker_args(target: Target, plan: Plan) -> list[str]:
+    """The checker script and the launch facts it needs from the plan."""
+    framework = target.framework
+    args = [f"--world-size={plan.strategy.world_size}"]
+    if framework is Framework.TORCHTITAN and plan.model_name in FLAVORS:
+        args.append(f"--flavor={FLAVORS[plan.model_name]}")
+    if framework is not Framework.DEEPSPEED:
+        arch = next(v for k, v in GPU_ARCH.items() if plan.cluster.gpu.startswith(k))
+        args.append(f"--gpu-arch={arch}")
+    return [str(CHECKERS / f"{framework.value}_check.py"), *args]
+
+
+def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome:
+    """Feed ``text`` (the export of ``plan`` for ``target``) to ``parser``."""
+    with tempfile.TemporaryDirectory(prefix="export-check-") as folder:
+        path = Path(folder) / "export"
+        path.write_text(text)
+        environment = os.environ | {"PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1"}
+        script, *options = checker_args(target, plan)
+        command = [parser.python, script, str(path), *options]
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=environment, cwd=folder,
+            timeout=CHECK_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()[-3:]
+        raise RuntimeError(f"{target} checker failed ({done.returncode}): {' | '.join(tail)}")
+    result = json.loads(lines[-1])
+    if result["ok"]:
+        return Outcome("accepted", f"{target.framework.value} {result['version']}")
+    return Outcome("rejected", f"{result['version']} {result['stage']}: {result['error']}")
+
+
+def outcome(target: Target, plan: Plan) -> Outcome:
+    """Export ``plan`` to ``target`` and, if that worked, parse it with the release."""
+    try:
+        text = export_plan(plan, target)
+    except ExportError as error:
+        return Outcome("refused", str(error).split(": ", 1)[-1])
+    parser = Parser.find(target)
+    if parser is None:
+        return Outcome("no parser", f"set {variable(target)}")
+    return run_parser(parser, target, plan, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2, help="parsers run at once")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help="plans to run (labels)")
+    args = parser.parse_args(argv)
+    cases = [case for case in CASES if not args.only or case.label in args.only]
+    started = time.perf_counter()
+    plans = {case.label: case.plan() for case in cases}
+    planned = time.perf_counter()
+    jobs = [(label, target) for label in plans for target in targets()]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda job: outcome(job[1], plans[job[0]]), jobs))
+    print(f"{'plan':<18} {'strategy':<44} {'target':<19} verdict")
+    for (label, target), result in zip(jobs, results, strict=True):
+        strategy = plans[label].strategy.describe()
+        line = f"{label:<18} {strategy:<44} {target!s:<19} {result.verdict}"
+        detail = "" if result.verdict == "accepted" else f": {result.detail[:160]}"
+        print(line + detail)
+    print()
+    counts = {target: Counter() for target in targets()}
+    for (_, target), result in zip(jobs, results, strict=True):
+        counts[target][result.verdict] += 1
+    verdicts = ("accepted", "refused", "rejected", "no parser")
+    print(f"{'target':<19} " + " ".join(f"{v:>9}" for v in verdicts))
+    for target, count in counts.items():
+        print(f"{target!s:<19} " + " ".join(f"{count[v]:>9}" for v in verdicts))
+    print(
+        f"\n{len(plans)} plans in {planned - started:.0f} s, {len(jobs)} exports checked in "
+        f"{time.perf_counter() - planned:.0f} s ({args.jobs} at once)"
+    )
+    return 1 if any(result.verdict == "rejected" for result in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

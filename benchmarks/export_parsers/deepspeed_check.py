@@ -1,0 +1,61 @@
+"""Feed a ``plan export --to deepspeed==X`` file to the installed DeepSpeed's config parser.
+
+Run with the Python of a venv that has deepspeed (installed with ``DS_BUILD_OPS=0``)::
+
+    python deepspeed_check.py EXPORT --world-size 64
+
+Steps: a fake process group of ``--world-size`` ranks (one process stands for all) and
+``deepspeed.init_distributed()`` on it, so the config sees the data-parallel world size
+as under a real launch; then ``DeepSpeedConfig(EXPORT)``: the file path, as
+``deepspeed.initialize(config=PATH)`` passes it (``hjson``, so ``//`` comments are read
+as such), which validates every section with DeepSpeed's pydantic models, refuses removed
+keys and checks ``train_batch_size = micro * accumulation * world``.
+
+Prints one JSON line, ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``; exits 0
+either way (1 only if this script itself breaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export", type=Path)
+    parser.add_argument("--world-size", type=int, required=True)
+    options = parser.parse_args()
+    import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
+
+    torch.distributed.init_process_group(
+        "fake", store=torch.distributed.HashStore(), rank=0, world_size=options.world_size
+    )
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed()
+    result: dict[str, object] = {
+        "framework": "deepspeed",
+        "version": importlib.metadata.version("deepspeed"),
+    }
+    try:
+        config = DeepSpeedConfig(str(options.export))
+        result |= {"ok": True, "world_size": config.world_size}
+    except Exception as error:
+        result |= {
+            "ok": False,
+            "stage": "DeepSpeedConfig",
+            "error": f"{type(error).__name__}: {error}"[:2000],
+        }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""The training frameworks a plan can target, and what each release can run.
+
+One home for "can framework X (release V) run this strategy?": the search restricts
+itself with :func:`strategy_refusal` (``plan --for megatron``), and the exporters
+refuse with the same :class:`Refusal` (:mod:`planner.export`), so a plan searched for a
+target always exports to it. Rules here read the strategy, the training set-up and the
+model's spec; what depends on a finished plan (its stage split, its tensor-parallel
+layout) stays with the exporter, which the search satisfies by construction for zoo and
+spec models (contiguous stages, Megatron-LM's layout).
+
+A target is written ``framework`` or ``framework==version`` (``torchtitan==0.2``,
+``megatron==0.16``, ``deepspeed==0.19.6``); without a version it is the newest release
+listed in :data:`RELEASES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from planner.errors import SpecError
+from planner.parallel_dims import ParallelDims
+from planner.spec import (
+    CompressionKind,
+    DType,
+    Family,
+    ModelSpec,
+    Optimizer,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    Training,
+)
+
+__all__ = [
+    "RELEASES",
+    "Framework",
+    "Refusal",
+    "Target",
+    "model_refusal",
+    "parse_target",
+    "strategy_refusal",
+]
+
+
+class Framework(StrEnum):
+    PLANNER = "planner"  # this project's runtime (plan run, planner.parallelize)
+    TORCHTITAN = "torchtitan"
+    MEGATRON = "megatron"
+    DEEPSPEED = "deepspeed"
+
+
+Version = tuple[int, ...]
+
+# Releases whose settings the exporters write, oldest first (major, minor[, patch]).
+RELEASES: dict[Framework, tuple[Version, ...]] = {
+    Framework.PLANNER: ((0, 1),),
+    Framework.TORCHTITAN: ((0, 2), (0, 3)),
+    Framework.MEGATRON: ((0, 14), (0, 15), (0, 16)),
+    Framework.DEEPSPEED: ((0, 18), (0, 19, 6), (0, 19, 8)),
+}
+MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) here
+
+
+def _show_version(version: Version) -> str:
+    return ".".join(str(part) for part in version)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A framework and the release its rules and settings describe."""
+
+    framework: Framework
+    version: Version
+
+    def __str__(self) -> str:
+        if self.framework is Framework.PLANNER:
+            return self.framework.value
+        return f"{self.framework.value}=={_show_version(self.version)}"
+
+    def at_least(self, version: Version) -> bool:
+        return self.version >= version
+
+    @property
+    def is_planner(self) -> bool:
+        return self.framework is Framework.PLANNER
+
+
+def parse_target(text: str, *, field: str = "--for") -> Target:
+    """``framework`` or ``framework==version`` as a :class:`Target`.
+
+    A version a listed release prefixes keeps its detail (``torchtitan==0.2.2``); one that
+    prefixes listed releases means the newest of them (``deepspeed==0.19`` is 0.19.8);
+    another between the oldest and the newest listed release is taken as given.
+    """
+    name, _, wanted = text.strip().partition("==")
+    try:
+        framework = Framework(name.strip().lower())
+    except ValueError:
+        known = ", ".join(f.value for f in Framework)
+        raise SpecError(
+            f"{field} = {text!r}: unknown framework {name.strip()!r}; use one of {known}"
+        ) from None
+    releases = RELEASES[framework]
+    if not wanted:
+        return Target(framework, releases[-1])
+    version = _parse_version(wanted, text, field)
+    newer = [r for r in releases if r[: len(version)] == version]
+    if newer:
+        return Target(framework, newer[-1])
+    if releases[0] <= version <= releases[-1] + (999,):
+        return Target(framework, version)
+    listed = ", ".join(_show_version(r) for r in releases)
+    raise SpecError(
+        f"{field} = {text!r}: {framework.value} {wanted} is outside the releases the planner "
+        f"writes settings for ({listed}); use one of those"
+    )
+
+
+def _parse_version(wanted: str, text: str, field: str) -> Version:
+    try:
+        version = tuple(int(part) for part in wanted.strip().split("."))
+    except ValueError:
+        raise SpecError(
+            f"{field} = {text!r}: version {wanted!r} is not dotted numbers; write e.g. "
+            "'torchtitan==0.3'"
+        ) from None
+    if not version or len(version) > 3:
+        raise SpecError(f"{field} = {text!r}: write the version as MAJOR.MINOR[.PATCH]")
+    return version
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a target cannot run something: the field, its value, why, and what to change."""
+
+    field: str
+    value: object
+    why: str
+    fix: str
+
+    def describe(self) -> str:
+        value = self.value.value if isinstance(self.value, StrEnum) else self.value
+        return f"{self.field} = {value!r}: {self.why}"
+
+
+Rule = Callable[[Target, Strategy, Training], Refusal | None]
+
+
+def strategy_refusal(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    """The first reason ``target`` cannot run ``strategy`` with ``training``, or ``None``."""
+    for rule in _RULES[target.framework]:
+        refusal = rule(target, strategy, training)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
+    """Why ``target`` cannot build the model (``spec``: None for a traced module)."""
+    if target.framework in (Framework.TORCHTITAN, Framework.MEGATRON) and spec is None:
+        return Refusal(
+            "model",
+            "a traced module",
+            f"{target.framework.value} builds its own transformer from a model description, "
+            "and this model has none (only zoo presets, ModelSpec files and Hugging Face "
+            "configs of supported families have one)",
+            "plan a zoo preset or a ModelSpec file, or target planner or deepspeed",
+        )
+    if target.framework is Framework.MEGATRON and spec is not None:
+        if spec.family is Family.ENCODER:
+            return Refusal(
+                "plan.model.family",
+                spec.family,
+                "Megatron-LM's GPT arguments describe decoders",
+                "target torchtitan or deepspeed for an encoder",
+            )
+        if not spec.rope_theta.is_integer():
+            return Refusal(
+                "plan.model.rope_theta",
+                spec.rope_theta,
+                "--rotary-base takes an integer",
+                "use an integral rope_theta",
+            )
+    return None
+
+
+# Rules every foreign framework shares.
+
+
+def _hook_compression(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    """PowerSGD, local SGD (DDP hooks) and the int8 reduce-scatter (an FSDP2 custom
+    reduce-scatter) run only as this planner's communication hooks."""
+    compression = strategy.compression
+    if compression.kind not in (
+        CompressionKind.POWERSGD, CompressionKind.LOCAL_SGD, CompressionKind.INT8
+    ):  # fmt: skip
+        return None
+    return Refusal(
+        "strategy.compression.kind",
+        compression.kind,
+        f"{compression.describe()} changes the gradients the optimizer sees and runs only as "
+        f"this planner's communication hook, which {target.framework.value} has no setting for",
+        "use compression 'none', 'bf16' or 'fp16', or run the plan with 'plan run'",
+    )
+
+
+def _uniform_recompute(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    modes = {strategy.recompute_for_stage(stage) for stage in range(strategy.pp)}
+    if len(modes) == 1:
+        return None
+    return Refusal(
+        "strategy.recompute_per_stage",
+        strategy.recompute_per_stage,
+        f"{target.framework.value} applies one recompute mode to every pipeline stage",
+        "re-plan with one --recompute mode for all stages",
+    )
+
+
+# torchtitan (0.2: torchtitan/config/job_config.py; 0.3: torchtitan/config/configs.py,
+# torchtitan/trainer.py; both: torchtitan/distributed/parallel_dims.py).
+
+TORCHTITAN_OVERRIDES: Version = (0, 3)  # config by Python function + tyro overrides, no TOML
+TORCHTITAN_PARAM_DTYPES = {DType.BF16: "bfloat16", DType.FP8: "bfloat16", DType.FP32: "float32"}
+
+
+def torchtitan_shards(strategy: Strategy) -> bool:
+    """Whether torchtitan applies ``fully_shard`` (a dp_shard or cp axis larger than 1)."""
+    return strategy.shard_degree > 1 or strategy.cp > 1
+
+
+def _torchtitan_data_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    if strategy.zero == 0 and strategy.cp > 1:
+        return Refusal(
+            "strategy.zero",
+            0,
+            f"torchtitan shards the weights over dp_shard x cp whenever cp ({strategy.cp}) > 1, "
+            "so replicated weights cannot be expressed",
+            "re-plan with --zero 1, 2 or 3",
+        )
+    others = strategy.tp * strategy.pp * strategy.cp
+    if strategy.zero == 0 and strategy.dp > 1 and others > 1:
+        return Refusal(
+            "strategy.zero",
+            0,
+            f"torchtitan's DDP (data_parallel_replicate_degree = {strategy.dp} without "
+            f"sharding) runs only on a one-dimensional mesh, and tp * pp * cp = {others}",
+            "re-plan with --zero 1, 2 or 3 (FSDP/HSDP)",
+        )
+    return None
+
+
+def _torchtitan_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    dtype = training.dtype
+    if dtype is DType.FP8 and target.at_least(TORCHTITAN_OVERRIDES):
+        return Refusal(
+            "training.dtype",
+            dtype,
+            f"torchtitan {_show_version(target.version)} converts Linear layers to fp8 in the "
+            "--config function's model_spec (Float8LinearConverter), which command-line "
+            "overrides cannot set",
+            "target torchtitan==0.2, or re-plan with --dtype bf16 and run it under a --config "
+            "whose model_spec has Float8LinearConverter",
+        )
+    if dtype not in TORCHTITAN_PARAM_DTYPES:
+        return Refusal(
+            "training.dtype",
+            dtype,
+            "training.mixed_precision_param takes only bfloat16 or float32",
+            "re-plan with --dtype bf16",
+        )
+    kind = strategy.compression.kind
+    if kind in (CompressionKind.BF16, CompressionKind.FP16):
+        return Refusal(
+            "strategy.compression.kind",
+            kind,
+            "training.mixed_precision_reduce takes only float32",
+            "use compression 'none' (float32 reduction), or export to megatron or deepspeed",
+        )
+    lowered = dtype is not DType.FP32
+    if lowered and not torchtitan_shards(strategy) and (strategy.tp > 1 or strategy.pp > 1):
+        return Refusal(
+            "training.dtype",
+            dtype,
+            "torchtitan applies mixed precision through FSDP when tp or pp is on, and this plan "
+            f"shards over nothing (dp_shard {strategy.shard_degree}, cp {strategy.cp}): it "
+            "would train in float32",
+            "re-plan with --zero 1, 2 or 3 and dp_shard > 1, or --dtype fp32",
+        )
+    return None
+
+
+def _torchtitan_tensor_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    """0.2 always shards the norms on the sequence; 0.3 has
+    ``parallelism.enable_sequence_parallel``."""
+    if strategy.tp == 1 or strategy.sequence_parallel or target.at_least(TORCHTITAN_OVERRIDES):
+        return None
+    return Refusal(
+        "strategy.sequence_parallel",
+        False,
+        f"torchtitan {_show_version(target.version)}'s tensor-parallel plan always shards the "
+        "norms on the sequence",
+        "re-plan with --sequence-parallel, or target torchtitan==0.3",
+    )
+
+
+def _torchtitan_optimizer(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if training.optimizer in (Optimizer.ADAMW, Optimizer.ADAM):
+        return None
+    return Refusal(
+        "training.optimizer",
+        training.optimizer,
+        "torchtitan builds Adam and AdamW only",
+        "re-plan with --optimizer adamw, or export to megatron or deepspeed",
+    )
+
+
+# Megatron-LM (megatron/training/arguments.py).
+
+MEGATRON_HALF_REDUCTION = {  # the 2-byte gradient reduction Megatron-LM offers under each dtype
+    DType.BF16: CompressionKind.BF16,
+    DType.FP8: CompressionKind.BF16,
+    DType.FP16: CompressionKind.FP16,
+}
+
+
+def _megatron_schedule(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if strategy.pp == 1 or strategy.schedule not in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+        return None
+    return Refusal(
+        "strategy.schedule",
+        strategy.schedule,
+        "Megatron-LM runs 1F1B, interleaved when the model has virtual pipeline stages "
+        "(in-flight micro-batches, so memory, differ from this schedule)",
+        "re-plan with --schedule 1f1b or interleaved-1f1b",
+    )
+
+
+def _megatron_recompute(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if strategy.recompute is RecomputeMode.SELECTIVE and strategy.recompute_blocks is not None:
+        return Refusal(
+            "strategy.recompute_blocks",
+            strategy.recompute_blocks,
+            "Megatron-LM's selective recompute covers every layer",
+            "drop recompute_blocks, or use recompute 'full'",
+        )
+    return None
+
+
+def _megatron_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    dtype, kind = training.dtype, strategy.compression.kind
+    reduce_dtype = MEGATRON_HALF_REDUCTION.get(dtype)
+    if kind in (CompressionKind.NONE, reduce_dtype):
+        return None
+    return Refusal(
+        "strategy.compression.kind",
+        kind,
+        f"Megatron-LM reduces gradients in fp32 or in the training dtype ({dtype.value}), "
+        f"not in {kind.value}",
+        "use compression 'none'" + (f" or '{reduce_dtype.value}'" if reduce_dtype else ""),
+    )
+
+
+def _megatron_optimizer(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if training.optimizer is not Optimizer.ADAM:
+        return None
+    return Refusal(
+        "training.optimizer",
+        training.optimizer,
+        "Megatron-LM's 'adam' decouples weight decay (AdamW)",
+        "re-plan with --optimizer adamw",
+    )
+
+
+# DeepSpeed (deepspeed/runtime/config.py, deepspeed/runtime/zero/config.py).
+
+
+def _deepspeed_model_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    ways = {
+        "strategy.tp": (strategy.tp, "tensor parallelism (AutoTP is set up in code and shards "
+                        "only linear layers)"),
+        "strategy.pp": (strategy.pp, "pipeline parallelism (PipelineModule is built in code)"),
+        "strategy.cp": (strategy.cp, "context parallelism (Ulysses is set up in code)"),
+    }  # fmt: skip
+    for field, (size, what) in ways.items():
+        if size > 1:
+            return Refusal(
+                field,
+                size,
+                f"a DeepSpeed config cannot express {what}",
+                "re-plan with --tp 1 --pp 1 --cp 1, or export to torchtitan or megatron",
+            )
+    return None
+
+
+def _deepspeed_recompute(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if strategy.recompute is RecomputeMode.NONE:
+        return None
+    return Refusal(
+        "strategy.recompute",
+        strategy.recompute,
+        "a DeepSpeed config cannot switch recompute on (activation_checkpointing only "
+        "configures deepspeed.checkpointing.checkpoint, which the model code must call)",
+        "re-plan with --recompute none, or export to torchtitan or megatron",
+    )
+
+
+def _deepspeed_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if training.dtype is not DType.FP8:
+        return None
+    return Refusal(
+        "training.dtype",
+        training.dtype,
+        "the DeepSpeed config has no fp8 training switch",
+        "re-plan with --dtype bf16, or export to torchtitan or megatron",
+    )
+
+
+def _deepspeed_sharding(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    if not ParallelDims.of(strategy).hybrid_sharding:
+        return None
+    if target.at_least(MICS_REMOVED):
+        return Refusal(
+            "strategy.dp_shard",
+            strategy.shard_degree,
+            f"DeepSpeed {_show_version(target.version)} partitions over all {strategy.dp} "
+            f"data-parallel ranks (MiCS, which sharded in groups, was removed in "
+            f"{_show_version(MICS_REMOVED)})",
+            "re-plan with --dp-shard equal to --dp, or target deepspeed==0.19.6",
+        )
+    if strategy.zero < 3:
+        return Refusal(
+            "strategy.dp_shard",
+            strategy.shard_degree,
+            f"DeepSpeed ZeRO-{strategy.zero} partitions over all {strategy.dp} data-parallel "
+            "ranks (MiCS groups, mics_shard_size, need ZeRO-3)",
+            "re-plan with --dp-shard equal to --dp, or --zero 3",
+        )
+    return None
+
+
+_COMMON: tuple[Rule, ...] = (_hook_compression, _uniform_recompute)
+_RULES: dict[Framework, tuple[Rule, ...]] = {
+    Framework.PLANNER: (),
+    Framework.TORCHTITAN: (
+        *_COMMON, _torchtitan_data_parallel, _torchtitan_precision, _torchtitan_tensor_parallel,
+        _torchtitan_optimizer,
+    ),
+    Framework.MEGATRON: (
+        *_COMMON, _megatron_schedule, _megatron_recompute,
+        _megatron_precision, _megatron_optimizer,
+    ),
+    Framework.DEEPSPEED: (
+        *_COMMON, _deepspeed_model_parallel, _deepspeed_recompute, _deepspeed_precision,
+        _deepspeed_sharding,
+    ),
+}  # fmt: skip

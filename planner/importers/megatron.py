@@ -1,0 +1,467 @@
+"""Megatron-LM command-line arguments read as the run the planner prices.
+
+The text is what ``plan export --to megatron`` writes (one option per line, ``#``
+comments) or a shell command (``torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py
+--tensor-model-parallel-size 2 ...``, lines joined with ``\\``); option names as
+Megatron-LM's ``megatron/training/arguments.py`` (Megatron-Core 0.14-0.16) defines them,
+with its defaults for what is absent. The data-parallel size is what is left of the world
+(``world / (tp x pp x cp)``), so the GPU count comes from ``torchrun``'s
+``--nproc_per_node x --nnodes`` or from the options.
+
+Read: the parallel sizes, ``--sequence-parallel``, the virtual pipeline
+(``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank``,
+``--pipeline-model-parallel-layout``) and uneven first/last stages, micro and global
+batch, sequence length, the network-size arguments (a model without ``--model``; the
+vocabulary padded to ``--make-vocab-size-divisible-by x tp`` as Megatron-LM pads it),
+recompute, the distributed optimizer (ZeRO-1, hybrid with
+``--num-distributed-optimizer-instances``), Megatron-FSDP (ZeRO-2/3), precision and
+gradient-reduction dtype, optimizer, gradient clipping, and what the cost options
+describe: ``--overlap-grad-reduce``, ``--overlap-param-gather`` (Megatron-LM overlaps
+only when asked), ``--tp-comm-overlap`` and dropout (0.1 unless set). Refused: what the
+planner does not price (mixture of experts, offloading, multi-latent attention,
+multi-token prediction, batch-size ramp-up, uniform recompute of layer groups...).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from planner.errors import SpecError
+from planner.export.megatron import DTYPE_ARGS, SHARDING
+from planner.frameworks import MEGATRON_HALF_REDUCTION
+from planner.importers.common import (
+    ImportedRun,
+    Options,
+    Settings,
+    build_run,
+    choose_model,
+    chunks_of,
+    command_words,
+    launched_world,
+    matching_preset,
+    option_values,
+    resolve_world,
+)
+from planner.spec import (
+    Activation,
+    CompressionKind,
+    DType,
+    Family,
+    ModelSpec,
+    Optimizer,
+    RecomputeMode,
+    Schedule,
+    load_document,
+)
+
+__all__ = ["FORMAT", "read_megatron"]
+
+FORMAT = "megatron"
+# Megatron-LM's store_true options that the importer reads or refuses (they take no value).
+_FLAGS = frozenset({
+    "--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--bf16",
+    "--fp16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32", "--swiglu",
+    "--group-query-attention", "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear", "--no-gradient-accumulation-fusion", "--overlap-grad-reduce",
+    "--overlap-param-gather", "--tp-comm-overlap", "--recompute-activations",
+    "--use-rotary-position-embeddings", "--distribute-saved-activations", "--use-torch-fsdp2",
+    "--optimizer-cpu-offload", "--cpu-offloading", "--multi-latent-attention",
+    "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+    "--fp8-param-gather",
+})  # fmt: skip
+# Options that change what a step computes or keeps, unpriced: option -> (harmless values, why).
+_UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "--num-experts": ((None,), "mixture-of-experts layers are not priced"),
+    "--expert-model-parallel-size": ((None, "1"), "expert parallelism is not priced"),
+    "--use-torch-fsdp2": ((None,), "the importer reads Megatron-FSDP (--use-megatron-fsdp), "
+                          "not the torch FSDP2 path"),
+    "--optimizer-cpu-offload": ((None,), "the planner does not model CPU offload"),
+    "--cpu-offloading": ((None,), "the planner does not model CPU offload"),
+    "--distribute-saved-activations": ((None,), "activations split over tensor-parallel ranks "
+                                       "are not priced"),
+    "--multi-latent-attention": ((None,), "multi-latent attention is not priced"),
+    "--mtp-num-layers": ((None, "0"), "multi-token prediction layers are not priced"),
+    "--rampup-batch-size": ((None,), "the planner prices one batch size per step"),
+    "--account-for-embedding-in-pipeline-split": ((None,), "this stage split is not read"),
+    "--account-for-loss-in-pipeline-split": ((None,), "this stage split is not read"),
+    "--fp8-param-gather": ((None,), "fp8 weight gathers are not priced"),
+}  # fmt: skip
+_DEFAULT_DROPOUT = 0.1  # Megatron-LM's --attention-dropout and --hidden-dropout
+_DEFAULT_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by
+_FAMILIES = {("RMSNorm", "rope"): Family.LLAMA, ("LayerNorm", "learned_absolute"): Family.GPT}
+_OPTIMIZERS = {"adam": Optimizer.ADAMW, "sgd": Optimizer.SGD}  # Megatron's adam is AdamW
+
+
+def _parse(text: str, source: str) -> Settings:
+    """The options after the training script, with a launcher's world-size options."""
+    words, launcher = command_words(text, source)
+    return Settings(option_values(words, source, _FLAGS, "Megatron-LM") | launcher, source)
+
+
+def read_megatron(text: str, source: str, detected: str, options: Options) -> ImportedRun:
+    """The run ``text`` (Megatron-LM arguments) describes, completed by ``options``."""
+    settings = _parse(text, source)
+    settings.check_unpriced(_UNPRICED)
+    tp, pp, cp = (
+        settings.integer(f"--{name}-parallel-size", 1)
+        for name in ("tensor-model", "pipeline-model", "context")
+    )
+    notes: list[str] = []
+    described = _model(settings, tp, notes)
+    model = choose_model(settings, described, "--num-layers, --hidden-size, ...", options.model)
+    cluster = resolve_world(settings, options, *_launched(settings, tp * pp * cp))
+    dp = _data_parallel_size(settings, cluster.num_gpus, tp * pp * cp)
+    counts, virtual = _pipeline(settings, model.num_layers, pp)
+    micro = settings.integer("--micro-batch-size", 1)
+    zero, dp_shard = _sharding(settings, dp)
+    dtype = _dtype(settings, notes)
+    training = {
+        "global_batch_size": settings.integer("--global-batch-size", micro * dp),
+        "seq_len": settings.integer("--seq-length", model.seq_len), "dtype": dtype.value,
+        "optimizer": _optimizer(settings).value,
+        "grad_clip": settings.number("--clip-grad", 1.0) > 0,
+    }  # fmt: skip
+    strategy = {
+        "dp": dp, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
+        "sequence_parallel": _sequence_parallel(settings, tp, notes),
+        "micro_batch_size": micro, "virtual_stages": virtual,
+        "schedule": (Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B).value,
+        "compression": {"kind": _reduction(settings, dtype).value},
+        **_recompute(settings),
+    }  # fmt: skip
+    return build_run(
+        settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
+        training=training, strategy=strategy, options=_cost_options(settings, dp, zero, notes),
+        stages=chunks_of(model, counts) if pp > 1 else (), notes=notes,
+    )  # fmt: skip
+
+
+def _launched(settings: Settings, model_parallel: int) -> tuple[int | None, str]:
+    """The world size a ``torchrun`` command gives, or None and why it is needed."""
+    world, how = launched_world(settings)
+    if world is None:
+        return None, (
+            f"Megatron-LM's data-parallel size is what is left of the world (world / (tp x pp x "
+            f"cp = {model_parallel})), and no torchrun --nproc_per_node gives the world"
+        )
+    return world, how
+
+
+def _data_parallel_size(settings: Settings, world: int, model_parallel: int) -> int:
+    if world % model_parallel:
+        raise SpecError(
+            f"cannot read {settings.source}: tp x pp x cp = {model_parallel} does not divide "
+            f"the {world} GPUs; change the parallel sizes or the GPU count"
+        )
+    return world // model_parallel
+
+
+def _model(settings: Settings, tp: int, notes: list[str]) -> ModelSpec | None:
+    """The network the size arguments describe (None without ``--num-layers``)."""
+    if "--num-layers" not in settings:
+        return None
+    rope = settings.flag("--use-rotary-position-embeddings")
+    position = "rope" if rope else settings.text("--position-embedding-type", "learned_absolute")
+    norm = settings.text("--normalization", "LayerNorm")
+    family = _FAMILIES.get((norm, position))
+    if family is None:
+        pairs = "; ".join(f"{n} with {p} ({f.value})" for (n, p), f in _FAMILIES.items())
+        raise settings.refuse(
+            "--position-embedding-type", position,
+            f"the planner's transformers pair {pairs}, and --normalization is {norm!r}",
+            "price a llama-style (RMSNorm, rope) or gpt-style (LayerNorm, learned) model",
+        )  # fmt: skip
+    _check_bias(settings, family)
+    _check_heads(settings)
+    hidden = settings.integer("--hidden-size", 1)
+    heads = settings.integer("--num-attention-heads", 1)
+    swiglu = settings.flag("--swiglu")
+    fields = {
+        "family": family.value, "num_layers": settings.integer("--num-layers", 1),
+        "hidden_size": hidden, "num_heads": heads,
+        "num_kv_heads": settings.integer("--num-query-groups", 1)
+        if settings.flag("--group-query-attention") else heads,
+        "ffn_hidden_size": settings.integer("--ffn-hidden-size", _ffn_default(hidden, swiglu)),
+        "vocab_size": _padded_vocabulary(settings, tp, notes),
+        "seq_len": _sequence(settings),
+        "activation": (Activation.SWIGLU if swiglu else Activation.GELU).value,
+        "tied_embeddings": not settings.flag("--untie-embeddings-and-output-weights"),
+        "norm_eps": settings.number("--norm-epsilon", 1e-5),
+        "rope_theta": settings.number("--rotary-base", 10000.0),
+    }  # fmt: skip
+    spec = load_document(ModelSpec, fields, f"{settings.source} network-size arguments")
+    return matching_preset(spec) or spec
+
+
+def _sequence(settings: Settings) -> int:
+    """Tokens per sequence: ``--seq-length``, else ``--max-position-embeddings``."""
+    for key in ("--seq-length", "--max-position-embeddings"):
+        if key in settings:
+            return settings.integer(key, 1)
+    raise SpecError(
+        f"cannot read {settings.source}: the network-size arguments give no --seq-length; add it"
+    )
+
+
+def _ffn_default(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's ``--ffn-hidden-size`` when absent (2/3 of 4h for SwiGLU, to 64)."""
+    return int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
+
+
+def _check_bias(settings: Settings, family: Family) -> None:
+    biased = not settings.flag("--disable-bias-linear")
+    if biased != (family is Family.GPT):
+        raise settings.refuse(
+            "--disable-bias-linear", not biased,
+            f"the planner's {family.value} transformer has "
+            f"{'biases' if family is Family.GPT else 'no biases'} in its linear layers",
+            "add --disable-bias-linear" if biased else "remove --disable-bias-linear",
+        )  # fmt: skip
+
+
+def _check_heads(settings: Settings) -> None:
+    channels = settings.get("--kv-channels")
+    if channels is not None:
+        per_head = settings.integer("--hidden-size", 1) // settings.integer(
+            "--num-attention-heads", 1
+        )
+        if settings.integer("--kv-channels", 1) != per_head:
+            raise settings.refuse(
+                "--kv-channels", channels, f"the planner's heads are hidden / heads = {per_head} wide",
+                "remove --kv-channels",
+            )  # fmt: skip
+    percent = settings.number("--rotary-percent", 1.0)
+    if percent != 1.0:
+        raise settings.refuse(
+            "--rotary-percent", percent, "the planner rotates every head dimension",
+            "remove --rotary-percent",
+        )  # fmt: skip
+
+
+def _padded_vocabulary(settings: Settings, tp: int, notes: list[str]) -> int:
+    """``--vocab-size`` padded to a multiple of ``--make-vocab-size-divisible-by x tp``."""
+    if "--vocab-size" not in settings:
+        raise SpecError(
+            f"cannot read {settings.source}: the network-size arguments give no --vocab-size "
+            "(Megatron-LM takes it from the tokenizer); add --vocab-size N, or give --model "
+            "instead of the network-size arguments"
+        )
+    size = settings.integer("--vocab-size", 1)
+    multiple = settings.integer("--make-vocab-size-divisible-by", _DEFAULT_VOCAB_MULTIPLE) * tp
+    padded = math.ceil(size / multiple) * multiple
+    if padded != size:
+        notes.append(
+            f"vocabulary {size} padded to {padded} (a multiple of --make-vocab-size-divisible-by "
+            f"x tp = {multiple}), as Megatron-LM pads it"
+        )
+    return padded
+
+
+def _sequence_parallel(settings: Settings, tp: int, notes: list[str]) -> bool:
+    if settings.flag("--sequence-parallel") and tp == 1:
+        notes.append("--sequence-parallel with tp 1: Megatron-LM turns it off")
+        return False
+    return settings.flag("--sequence-parallel")
+
+
+def _pipeline(settings: Settings, layers: int, pp: int) -> tuple[list[int], int]:
+    """Blocks per model chunk (pipeline order) and model chunks per pipeline rank."""
+    if pp == 1:
+        return [layers], 1
+    layout = settings.get("--pipeline-model-parallel-layout")
+    if layout is not None:
+        counts = _layout(settings, str(layout))
+    elif "--num-layers-per-virtual-pipeline-stage" in settings:
+        per_chunk = settings.integer("--num-layers-per-virtual-pipeline-stage", 1)
+        counts = _even(settings, layers, layers // per_chunk if layers % per_chunk == 0 else 0)
+    elif "--num-virtual-stages-per-pipeline-rank" in settings:
+        counts = _even(
+            settings, layers, pp * settings.integer("--num-virtual-stages-per-pipeline-rank", 1)
+        )
+    else:
+        counts = _first_last(settings, layers, pp)
+    if len(counts) % pp or sum(counts) != layers:
+        raise SpecError(
+            f"cannot read {settings.source}: the pipeline split {counts} does not give each of "
+            f"the pp = {pp} ranks as many chunks, or does not hold the {layers} layers; "
+            "check the pipeline arguments"
+        )
+    return counts, len(counts) // pp
+
+
+def _even(settings: Settings, layers: int, chunks: int) -> list[int]:
+    if chunks == 0 or layers % chunks:
+        raise SpecError(
+            f"cannot read {settings.source}: {layers} layers do not split evenly into the "
+            f"virtual pipeline's chunks ({chunks or 'a fraction'}); check "
+            "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
+        )
+    return [layers // chunks] * chunks
+
+
+def _first_last(settings: Settings, layers: int, pp: int) -> list[int]:
+    """One chunk per rank: ``--decoder-first/last-pipeline-num-layers`` on the end
+    stages, the rest evenly between them (all even without them)."""
+    first = settings.integer("--decoder-first-pipeline-num-layers", 0, least=0) or None
+    last = settings.integer("--decoder-last-pipeline-num-layers", 0, least=0) or None
+    ends = [count for count in (first, last) if count is not None]
+    middle_stages = pp - len(ends)
+    rest = layers - sum(ends)
+    if middle_stages == 0:
+        middle: list[int] = []
+    elif rest <= 0 or rest % middle_stages:
+        raise SpecError(
+            f"cannot read {settings.source}: the {rest} layers left after the first/last "
+            f"stages do not split evenly over {middle_stages} pipeline stages; change "
+            "--num-layers or the first/last stage layers"
+        )
+    else:
+        middle = [rest // middle_stages] * middle_stages
+    return ([first] if first else []) + middle + ([last] if last else [])
+
+
+def _layout(settings: Settings, layout: str) -> list[int]:
+    """Blocks per chunk of a ``--pipeline-model-parallel-layout`` such as ``Ett|tt|ttL``
+    (``E`` embedding, ``t`` a layer, ``L`` the loss, ``|`` between chunks, ``x*N`` repeats)."""
+    text = re.sub(r"\(([^()]*)\)\*(\d+)", lambda m: m[1] * int(m[2]), layout.replace(" ", ""))
+    text = re.sub(r"([EtL|])\*(\d+)", lambda m: m[1] * int(m[2]), text)
+    chunks = text.split("|")
+    for index, chunk in enumerate(chunks):
+        embedding, loss = chunk.startswith("E"), chunk.endswith("L")
+        if (
+            not re.fullmatch(r"E?t*L?", chunk)
+            or embedding != (index == 0)
+            or loss != (index == len(chunks) - 1)
+        ):
+            raise settings.refuse(
+                "--pipeline-model-parallel-layout", layout,
+                f"chunk {index} ({chunk!r}) is not E (first chunk only), layers t, L (last only)",
+                "write the layout with E, t, L and | only",
+            )  # fmt: skip
+    return [chunk.count("t") for chunk in chunks]
+
+
+def _sharding(settings: Settings, dp: int) -> tuple[int, int | None]:
+    """ZeRO stage and shard group: the distributed optimizer (ZeRO-1) or Megatron-FSDP
+    (its sharding strategy), hybrid over ``--num-distributed-optimizer-instances``."""
+    if settings.flag("--use-megatron-fsdp"):
+        name = settings.text("--data-parallel-sharding-strategy", "no_shard")
+        stages = {strategy: zero for zero, strategy in SHARDING.items()}
+        if name not in stages:
+            raise settings.refuse(
+                "--data-parallel-sharding-strategy", name,
+                f"the importer reads Megatron-FSDP's {' and '.join(stages)} (ZeRO-2 and ZeRO-3)",
+                "use one of them, or --use-distributed-optimizer without --use-megatron-fsdp "
+                "for ZeRO-1",
+            )  # fmt: skip
+        zero = stages[name]
+    elif settings.flag("--use-distributed-optimizer"):
+        zero = 1
+    else:
+        return 0, None
+    instances = settings.integer("--num-distributed-optimizer-instances", 1)
+    if dp % instances:
+        raise settings.refuse(
+            "--num-distributed-optimizer-instances", instances,
+            f"does not divide the data-parallel size {dp}", "use a divisor of it",
+        )  # fmt: skip
+    return zero, (dp // instances if instances > 1 else None)
+
+
+def _recompute(settings: Settings) -> dict[str, Any]:
+    granularity = settings.get("--recompute-granularity")
+    if granularity is None and settings.flag("--recompute-activations"):
+        granularity = "selective"
+    if granularity is None:
+        return {"recompute": RecomputeMode.NONE.value}
+    if granularity == "selective":
+        return {"recompute": RecomputeMode.SELECTIVE.value}
+    if granularity != "full":
+        raise settings.refuse(
+            "--recompute-granularity", granularity, "Megatron-LM takes full or selective",
+            "use one of them",
+        )  # fmt: skip
+    method = settings.get("--recompute-method")
+    layers = settings.integer("--recompute-num-layers", 1)
+    if method == "block":
+        return {"recompute": RecomputeMode.FULL.value, "recompute_blocks": layers}
+    if method == "uniform" and layers == 1:
+        return {"recompute": RecomputeMode.FULL.value}
+    raise settings.refuse(
+        "--recompute-method", method,
+        "the planner prices full recompute of every layer (uniform with --recompute-num-layers "
+        f"1) or of the first k layers per chunk (block); here {layers} layers share a checkpoint",
+        "use --recompute-method uniform --recompute-num-layers 1, or block",
+    )  # fmt: skip
+
+
+def _dtype(settings: Settings, notes: list[str]) -> DType:
+    """The training dtype whose Megatron-LM switches (:data:`DTYPE_ARGS`) are given."""
+    given: set[tuple[str, ...]] = {(key,) for key in ("--bf16", "--fp16") if settings.flag(key)}
+    fp8 = settings.get("--fp8-format")
+    if fp8 is not None:
+        hybrid = next(
+            arg for args in DTYPE_ARGS.values() for arg in args if arg[0] == "--fp8-format"
+        )
+        if fp8 != hybrid[1]:
+            notes.append(f"--fp8-format {fp8} priced as fp8 matmuls, like {hybrid[1]}")
+        given.add(hybrid)
+    for dtype, args in DTYPE_ARGS.items():
+        if set(args) == given:
+            return dtype
+    shown = " ".join(" ".join(arg) for arg in sorted(given))
+    known = "; ".join(f"{d.value}: {' '.join(' '.join(a) for a in args) or '(none)'}"
+                      for d, args in DTYPE_ARGS.items())  # fmt: skip
+    raise settings.refuse(
+        "--bf16/--fp16/--fp8-format", shown, f"the planner prices {known}", "give one of those"
+    )
+
+
+def _reduction(settings: Settings, dtype: DType) -> CompressionKind:
+    """The gradient-reduction dtype: fp32, or the 2-byte reduction Megatron-LM offers
+    (``--grad-reduce-in-bf16``; under fp16 unless ``--accumulate-allreduce-grads-in-fp32``)."""
+    half = MEGATRON_HALF_REDUCTION.get(dtype)
+    if settings.flag("--grad-reduce-in-bf16"):
+        if half is not CompressionKind.BF16:
+            raise settings.refuse(
+                "--grad-reduce-in-bf16", True,
+                f"Megatron-LM reduces {dtype.value} gradients in fp32"
+                + (f" or {half.value}" if half else ""),
+                "remove it, or train in bf16",
+            )  # fmt: skip
+        return half
+    fp32 = dtype is not DType.FP16 or settings.flag("--accumulate-allreduce-grads-in-fp32")
+    return CompressionKind.NONE if fp32 or half is None else half
+
+
+def _optimizer(settings: Settings) -> Optimizer:
+    name = settings.text("--optimizer", "adam")
+    if name not in _OPTIMIZERS:
+        raise settings.refuse(
+            "--optimizer", name, f"the planner prices {' and '.join(_OPTIMIZERS)}",
+            "use one of them",
+        )  # fmt: skip
+    return _OPTIMIZERS[name]
+
+
+def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> dict[str, Any]:
+    """What Megatron-LM overlaps (only when asked) and whether dropout masks are kept."""
+    options: dict[str, Any] = {
+        "overlap_grad_reduce": settings.flag("--overlap-grad-reduce"),
+        "overlap_param_gather": settings.flag("--overlap-param-gather"),
+        "tp_comm_overlap": settings.flag("--tp-comm-overlap"),
+    }
+    if dp > 1 and not options["overlap_grad_reduce"]:
+        notes.append("no --overlap-grad-reduce: the gradient reduction is priced after backward")
+    if zero and not options["overlap_param_gather"]:
+        notes.append("no --overlap-param-gather: the weight gathers are priced exposed")
+    dropouts = [
+        settings.number(f"--{kind}-dropout", _DEFAULT_DROPOUT) for kind in ("attention", "hidden")
+    ]
+    options["dropout"] = any(rate > 0 for rate in dropouts)
+    if options["dropout"]:
+        notes.append(f"dropout {max(dropouts)} (--attention-dropout/--hidden-dropout; Megatron-LM's "
+                     f"default is {_DEFAULT_DROPOUT}): its masks are priced")  # fmt: skip
+    return options

@@ -1,0 +1,61 @@
+"""Every export the exporter accepts is accepted by that framework release's own parser.
+
+The plans and the parser runs are ``benchmarks/bench_exports.py``'s: torchtitan's
+``ConfigManager`` + ``ParallelDims`` + ``parallelize_llama`` on meta, Megatron-LM's
+``parse_args`` + ``validate_args`` + ``TransformerConfig``, DeepSpeed's ``DeepSpeedConfig``,
+each in the Python of its own venv. A release is skipped unless its variable names that
+Python (``PLANNER_PARSER_TORCHTITAN_0_3=/venvs/tt03/bin/python``, ``megatron==0.16`` ->
+``PLANNER_PARSER_MEGATRON_0_16=PYTHON:MEGATRON_LM_CHECKOUT``; see the benchmark's
+docstring for the list and the README's exports section for the installs).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.errors import ExportError
+from planner.export import export_plan
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_exports.py"
+
+
+@functools.cache
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_exports", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def _plans():
+    return {case.label: case.plan() for case in _bench().CASES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", _bench().targets(), ids=str)
+def test_every_accepted_export_parses(target) -> None:
+    bench = _bench()
+    parser = bench.Parser.find(target)
+    if parser is None:
+        pytest.skip(f"no {target} parser: set {bench.variable(target)}")
+    rejected = []
+    exported = 0
+    for label, plan in _plans().items():
+        try:
+            text = export_plan(plan, target)
+        except ExportError:
+            continue
+        exported += 1
+        outcome = bench.run_parser(parser, target, plan, text)
+        if outcome.verdict != "accepted":
+            rejected.append(f"{label}: {outcome.detail}")
+    assert exported > 0
+    assert rejected == []

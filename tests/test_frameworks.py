@@ -1,0 +1,308 @@
+"""Plans for a target framework: what each release runs is one set of rules
+(planner.frameworks) that the search keeps to and the exporters refuse by, so a plan
+searched ``--for X`` always exports to X; near-tie preference and memory headroom."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.cli import main
+from planner.errors import ExportError, SpecError
+from planner.export import export_plan
+from planner.frameworks import Framework, model_refusal, parse_target, strategy_refusal
+from planner.models import handle_for_module, resolve_model
+from planner.planning import make_plan, parallel_dimensions, preferred
+from planner.solve.search import Headroom, Pins, Scored
+from planner.spec import (
+    Cluster,
+    Compression,
+    CompressionKind,
+    DType,
+    Optimizer,
+    Prediction,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    Training,
+)
+from planner.validate import check_plan
+from tests.test_export import plan_for
+from tests.user_models import gpt
+
+# ---- targets ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("torchtitan", "torchtitan==0.3"),
+        ("torchtitan==0.2", "torchtitan==0.2"),
+        ("torchtitan==0.2.2", "torchtitan==0.2.2"),
+        ("deepspeed==0.19", "deepspeed==0.19.8"),
+        ("deepspeed==0.19.7", "deepspeed==0.19.7"),
+        ("Megatron", "megatron==0.16"),
+        ("planner", "planner"),
+    ],
+)
+def test_targets_parse_to_a_release(text, shown):
+    assert str(parse_target(text)) == shown
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("colossal", "--for = 'colossal': unknown framework 'colossal'; use one of planner"),
+        ("torchtitan==0.1", "outside the releases the planner writes settings for (0.2, 0.3)"),
+        ("deepspeed==x", "version 'x' is not dotted numbers"),
+        ("megatron==1.0", "megatron 1.0 is outside the releases"),
+    ],
+)
+def test_unknown_targets_name_the_known_ones(text, message):
+    with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_target(text)
+
+
+def test_deepspeed_hybrid_sharding_depends_on_the_release():
+    strategy = Strategy(dp=16, zero=3, dp_shard=8)
+    training = Training(global_batch_size=16)
+    assert strategy_refusal(parse_target("deepspeed==0.19.6"), strategy, training) is None
+    refusal = strategy_refusal(parse_target("deepspeed==0.19.7"), strategy, training)
+    assert refusal is not None and refusal.field == "strategy.dp_shard"
+    assert "MiCS" in refusal.why and "deepspeed==0.19.6" in refusal.fix
+
+
+def test_frameworks_that_build_their_own_transformer_need_a_model_description():
+    refusal = model_refusal(parse_target("torchtitan"), None)
+    assert refusal is not None and "builds its own transformer" in refusal.why
+    assert model_refusal(parse_target("deepspeed"), None) is None
+    assert model_refusal(parse_target("planner"), None) is None
+
+
+# ---- the search's restriction is the exporter's verdict -----------------------------
+
+_TARGETS = ("torchtitan==0.2", "torchtitan==0.3", "megatron", "deepspeed==0.19.6", "deepspeed")
+
+
+@st.composite
+def searchable_strategies(draw) -> tuple[Strategy, Training]:
+    """Strategies the search can emit for tiny-llama (uniform recompute, no
+    recompute_blocks), with training settings, valid by check_plan."""
+    tp = draw(st.sampled_from([1, 2]))
+    pp = draw(st.sampled_from([1, 2]))
+    cp = draw(st.sampled_from([1, 2]))
+    dp = draw(st.sampled_from([1, 2, 4]))
+    zero = draw(st.sampled_from([0, 1, 2, 3]))
+    replicas = dp * cp
+    if replicas == 1:
+        zero = 0
+    shard = draw(st.sampled_from([d for d in (1, 2, dp) if dp % d == 0])) if zero else None
+    schedule = draw(st.sampled_from(list(Schedule))) if pp > 1 else Schedule.ONE_F_ONE_B
+    virtual = 2 if schedule is Schedule.INTERLEAVED_1F1B else 1
+    kind = draw(st.sampled_from(list(CompressionKind)))
+    compression = Compression(
+        kind=kind,
+        rank=4 if kind is CompressionKind.POWERSGD else None,
+        period=4 if kind is CompressionKind.LOCAL_SGD else None,
+        local_group=1 if kind is CompressionKind.LOCAL_SGD else None,
+    )
+    strategy = Strategy(
+        dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard if shard and shard > 1 else None,
+        sequence_parallel=tp > 1 and draw(st.booleans()),
+        recompute=draw(st.sampled_from(list(RecomputeMode))),
+        micro_batch_size=1, num_microbatches=2 * pp, schedule=schedule, virtual_stages=virtual,
+        compression=compression,
+    )  # fmt: skip
+    training = {
+        "dtype": draw(st.sampled_from([DType.BF16, DType.FP16, DType.FP8, DType.FP32])),
+        "optimizer": draw(st.sampled_from(list(Optimizer))),
+    }
+    return strategy, training
+
+
+@pytest.mark.slow  # 150 plans assembled, about 12 s
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=searchable_strategies(), text=st.sampled_from(_TARGETS))
+def test_a_strategy_the_rules_allow_always_exports(case, text):
+    strategy, training = case
+    try:
+        plan = plan_for(
+            training=training, **strategy.model_dump(exclude={"schema_version", "dp_shard"}),
+            dp_shard=strategy.dp_shard,
+        )  # fmt: skip
+        check_plan(plan)
+    except SpecError:
+        return  # not a plan at all (the search never emits it)
+    target = parse_target(text)
+    refusal = strategy_refusal(target, plan.strategy, plan.training)
+    if refusal is None:
+        assert export_plan(plan, target)
+    else:
+        with pytest.raises(ExportError, match=f"{refusal.field} = "):
+            export_plan(plan, target)
+
+
+# ---- plan --for ---------------------------------------------------------------------
+
+
+def _plan(model: str, gpus: int, batch: int, **options):
+    handle = resolve_model(model)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus)
+    return make_plan(handle, cluster, Training(global_batch_size=batch), **options)
+
+
+@pytest.mark.parametrize("text", ["torchtitan==0.2", "torchtitan", "megatron", "deepspeed"])
+def test_a_plan_for_a_framework_exports_to_it(text):
+    plan = _plan("llama3-8b", 64, 256, target=text)
+    target = parse_target(text)
+    assert plan.target == str(target)
+    assert strategy_refusal(target, plan.strategy, plan.training) is None
+    assert export_plan(plan, target.framework.value)  # the plan's own release
+
+
+def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():
+    pins = Pins(pp=4, tp=2, cp=1)
+    free = _plan("llama3-8b", 64, 256, pins=pins)
+    kept = _plan("llama3-8b", 64, 256, pins=pins, target="megatron")
+    assert kept.strategy.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B)
+    if free.strategy.schedule in (Schedule.ZERO_BUBBLE, Schedule.GPIPE):
+        ruled_out = kept.without_target
+        assert ruled_out is not None
+        assert "megatron==0.16 cannot run it: strategy.schedule" in ruled_out.lost_because
+        assert ruled_out.prediction.step_time_s < kept.prediction.step_time_s
+    assert any("kept to megatron==0.16" in note for note in kept.solver.notes)
+
+
+def test_traced_models_cannot_target_frameworks_with_their_own_transformer():
+    handle = handle_for_module(gpt())  # a user module: no model description
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    with pytest.raises(
+        SpecError, match=re.escape("--for megatron==0.16: model = 'a traced module'")
+    ):
+        make_plan(handle, cluster, Training(global_batch_size=4), target="megatron")
+
+
+def test_cli_for_and_export_round(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--model", "llama3-8b", "--gpus", "64", "--global-batch", "256"]
+    assert main([*args, "--for", "torchtitan==0.2", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "runs on: torchtitan==0.2" in printed
+    assert main(["export", str(out), "--to", "torchtitan"]) == 0
+    assert "torchtitan" in capsys.readouterr().out
+    assert main(["explain", str(out)]) == 0
+    assert "runs on: torchtitan==0.2" in capsys.readouterr().out
+    assert main([*args, "--for", "colossal"]) == 2
+    assert "--for = 'colossal': unknown framework" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the two flagship searches, about 6 s each
+@pytest.mark.parametrize(
+    ("model", "gpu", "gpus", "batch", "text"),
+    [
+        ("gpt3-175b", "a100-sxm-80gb", 1024, 1536, "megatron"),
+        ("gpt3-175b", "a100-sxm-80gb", 1024, 1536, "torchtitan"),
+        ("llama3.1-405b", "h100-sxm-80gb", 16384, 2048, "torchtitan"),
+        ("llama3.1-405b", "h100-sxm-80gb", 16384, 2048, "megatron"),
+    ],
+)
+def test_flagship_plans_for_a_framework_export(model, gpu, gpus, batch, text):
+    cluster = Cluster(gpu=gpu, num_gpus=gpus)
+    plan = make_plan(resolve_model(model), cluster, Training(global_batch_size=batch), target=text)
+    exported = export_plan(plan, text)
+    if text == "megatron":
+        assert "--tensor-model-parallel-size" in shlex.split(exported, comments=True)
+    else:
+        assert "parallelism" in tomllib.loads(exported)
+
+
+# ---- near ties and headroom ---------------------------------------------------------
+
+
+def _scored(step_s: float, peak_gib: float, **fields) -> Scored:
+    prediction = Prediction(
+        step_time_s=step_s, tokens_per_s_per_gpu=1.0, model_tflops_per_gpu=1.0, mfu=0.5,
+        hfu=0.5, flop_convention="", peak_memory_gib=peak_gib, memory_limit_gib=80.0, fits=True,
+    )  # fmt: skip
+    return Scored(Strategy(**fields), prediction)
+
+
+def test_near_ties_prefer_fewer_dimensions_then_free_memory():
+    fastest = _scored(10.0, 78.0, dp=4, tp=2, pp=2)
+    fewer_dims = _scored(10.05, 70.0, dp=8, tp=2)
+    roomier = _scored(10.08, 40.0, dp=8, tp=2)
+    far = _scored(10.5, 10.0, dp=16)
+    ranked = [fastest, fewer_dims, roomier, far]
+    assert parallel_dimensions(fastest.strategy) == 3
+    assert preferred(ranked, 0.01) is roomier  # 2 dims, most free memory within 1%
+    assert preferred(ranked, 0.0) is fastest
+    assert preferred(ranked, 0.06) is far  # one dimension
+    with pytest.raises(SpecError, match=re.escape("tolerance = 1.5")):
+        preferred(ranked, 1.5)
+
+
+def test_headroom_parses_gib_and_shares():
+    assert Headroom.parse("8").gib_of(80) == 8
+    assert Headroom.parse("8GiB").gib_of(80) == 8
+    assert Headroom.parse("10%").gib_of(80) == pytest.approx(8)
+    with pytest.raises(SpecError, match="--memory-headroom = 'lots'"):
+        Headroom.parse("lots")
+    with pytest.raises(SpecError, match="below 100%"):
+        Headroom.parse("100%")
+
+
+def test_a_plan_keeps_its_headroom_free():
+    base = _plan("llama3-8b", 8, 64)
+    reserve = base.prediction.memory_limit_gib - base.prediction.peak_memory_gib + 10
+    roomy = _plan("llama3-8b", 8, 64, headroom=Headroom(gib=reserve))
+    free = roomy.prediction.memory_limit_gib - roomy.prediction.peak_memory_gib
+    assert free >= reserve
+    assert any("memory headroom" in note for note in roomy.solver.notes)
+
+
+def test_every_framework_has_rules_and_releases():
+    for framework in Framework:
+        assert str(parse_target(framework.value)).startswith(framework.value)
+    assert json.dumps([str(parse_target(f.value)) for f in Framework])
+
+
+# ---- plan --from: the job of a config the user has ----------------------------------
+
+
+def test_plan_from_a_megatron_config_prices_it_and_says_what_differs(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    args = tmp_path / "megatron.args"
+    pins = ["--tp", "2", "--pp", "2", "--schedule", "1f1b", "--recompute", "full"]
+    assert main(["--model", "llama3-8b", "--gpus", "64", "--global-batch", "256", *pins,
+                 "-o", str(plan)]) == 0  # fmt: skip
+    assert main(["export", str(plan), "--to", "megatron", "-o", str(args)]) == 0
+    capsys.readouterr()
+    assert main(["--from", str(args), "--gpus", "64", "-o", str(tmp_path / "new.json")]) == 0
+    captured = capsys.readouterr()
+    assert "read " in captured.err and "as megatron" in captured.err
+    out = " ".join(captured.out.split())
+    assert "your config (" in out and "dp16(zero2) tp2 sp pp2 1f1b mb1x16 recompute=full" in out
+    assert "planned (for megatron==0.16)" in out and "x faster" in out
+    assert "what differs: " in out
+    new = json.loads((tmp_path / "new.json").read_text())
+    assert new["target"] == "megatron==0.16"
+    assert new["training"]["global_batch_size"] == 256
+
+
+def test_plan_from_refuses_training_options_and_needs_a_batch_otherwise(tmp_path, capsys):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1,
+                                  "zero_optimization": {"stage": 3}}))  # fmt: skip
+    assert main(["--from", str(config), "--model", "llama3-8b", "--dtype", "fp8"]) == 2
+    assert "--dtype with --from: the config sets the model and training" in capsys.readouterr().err
+    assert main(["--model", "llama3-8b", "--gpus", "8"]) == 2
+    assert "--global-batch is required" in capsys.readouterr().err
+    assert main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                 "--format", "megatron"]) == 2  # fmt: skip
+    assert "--format only applies with --from" in capsys.readouterr().err

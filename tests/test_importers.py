@@ -1,0 +1,548 @@
+"""``plan estimate --from`` and :func:`planner.import_config`: what users already have
+(a torchtitan job config, Megatron-LM arguments, a DeepSpeed config) read as the run
+the planner prices.
+
+The round trip exports plans (searched for each framework, and strategies built by
+hand) with :func:`planner.export.export_plan` and reads the text back: the strategy
+and the training must come back, except where a target loses a field (:func:`expected`
+says which, and the importer takes it from defaults or options).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import planner
+from planner.assemble import assemble_plan
+from planner.cli import main
+from planner.cost.run import RunConfig, estimate_run
+from planner.errors import PlannerError, SpecError, UnknownNameError
+from planner.export import TARGETS, export_plan
+from planner.frameworks import RELEASES, Framework
+from planner.importers import ImportedRun, describe_changes, detect_format, import_config
+from planner.models import ModelHandle, resolve_model
+from planner.planning import make_plan
+from planner.presets import get_preset
+from planner.solve.search import Pins
+from planner.spec import (
+    Cluster,
+    Compression,
+    CompressionKind,
+    DType,
+    Optimizer,
+    Plan,
+    RecomputeMode,
+    Schedule,
+    Strategy,
+    Training,
+)
+
+GPU = "h100-sxm-80gb"
+
+
+@functools.cache
+def _handle(name: str) -> ModelHandle:
+    return resolve_model(name)
+
+
+def plan_for(
+    model: str = "tiny-llama",
+    *,
+    training: dict[str, Any] | None = None,
+    stages: list[list[str]] | None = None,
+    **strategy_fields: Any,
+) -> Plan:
+    """A plan assembled for ``strategy_fields``, its global batch made to agree."""
+    strategy = Strategy(**strategy_fields)
+    batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+    cluster = Cluster(gpu=GPU, num_gpus=strategy.world_size)
+    settings = Training(global_batch_size=batch, **(training or {}))
+    return assemble_plan(_handle(model), cluster, settings, strategy, stages=stages)
+
+
+@functools.cache
+def searched(model: str, gpus: int, batch: int, target: str) -> Plan:
+    """A zoo preset planned with small settings for ``target`` (so it exports)."""
+    cluster = Cluster(gpu=GPU, num_gpus=gpus)
+    return make_plan(_handle(model), cluster, Training(global_batch_size=batch), target=target)
+
+
+def facts(strategy: Strategy, training: Training, seq_len: int) -> dict[str, Any]:
+    """The fields the round trip must keep."""
+    return {
+        "dp": strategy.dp, "dp_shard": strategy.shard_degree, "tp": strategy.tp,
+        "pp": strategy.pp, "cp": strategy.cp, "zero": strategy.zero,
+        "sp": strategy.sequence_parallel, "recompute": strategy.recompute,
+        "recompute_blocks": strategy.recompute_blocks,
+        "micro_batch": strategy.micro_batch_size, "micro_batches": strategy.num_microbatches,
+        "schedule": strategy.schedule if strategy.pp > 1 else None,
+        "virtual_stages": strategy.virtual_stages, "compression": strategy.compression.kind,
+        "batch": training.global_batch_size, "seq": seq_len, "dtype": training.dtype,
+        "optimizer": training.optimizer, "grad_clip": training.grad_clip,
+    }  # fmt: skip
+
+
+def expected(plan: Plan, framework: str) -> dict[str, Any]:
+    """The plan's facts with what the target loses read back as the importer reads it:
+
+    - torchtitan: ``fsdp_reshard_after_forward = "never"`` is FSDP2 without resharding
+      after forward, which still reduce-scatters the gradients: ZeRO-1 comes back as ZeRO-2;
+    - DeepSpeed: the config holds no optimizer (the script builds it: the importer prices
+      the planner's default, AdamW) and no sequence length (the ``--model``'s);
+    - Megatron-LM: nothing.
+    """
+    assert plan.model is not None
+    wanted = facts(plan.strategy, plan.training, plan.training.seq_len or plan.model.seq_len)
+    if framework == "torchtitan" and wanted["zero"] == 1:
+        wanted["zero"] = 2
+    if framework == "deepspeed":
+        wanted |= {"optimizer": Optimizer.ADAMW, "seq": plan.model.seq_len}
+    return wanted
+
+
+def round_trip(plan: Plan, target: str) -> ImportedRun:
+    """Export ``plan`` to ``target`` and import the text back (the model from the plan
+    where the target does not describe it, on the plan's cluster)."""
+    text = export_plan(plan, target)
+    framework = target.partition("==")[0]
+    model = None if framework == "megatron" else plan.model
+    return import_config(text, model=model, cluster=plan.cluster)
+
+
+def check_round_trip(plan: Plan, target: str) -> None:
+    imported = round_trip(plan, target)
+    framework = target.partition("==")[0]
+    assert imported.format == framework
+    run = imported.run
+    got = facts(run.strategy, run.training, run.training.seq_len or run.model.seq_len)
+    assert got == expected(plan, framework), (
+        f"{target}: {describe_changes(plan.strategy, run.strategy)}"
+    )
+    if plan.strategy.pp > 1:
+        assert run.stages == plan.stages
+
+
+SEARCHED = [("tiny-llama", 8, 16), ("tiny-gpt", 8, 16), ("gpt2", 16, 32)]
+RELEASED = [
+    f"{framework.value}=={'.'.join(map(str, version))}"
+    for framework, versions in RELEASES.items()
+    if framework in TARGETS
+    for version in versions
+]
+
+
+@pytest.mark.parametrize("target", RELEASED)
+@pytest.mark.parametrize(("model", "gpus", "batch"), SEARCHED)
+def test_searched_plans_come_back_from_every_release(model, gpus, batch, target) -> None:
+    check_round_trip(searched(model, gpus, batch, target), target)
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron"])
+def test_a_searched_llama_with_every_dimension_comes_back(target) -> None:
+    """llama3-8b on 64 GPUs, the search pinned to tp, cp, an interleaved pipeline, ZeRO-3
+    and full recompute."""
+    pins = Pins(
+        tp=4, pp=4, cp=2, zero=3, sequence_parallel=True, recompute=RecomputeMode.FULL,
+        schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2, micro_batch_size=1,
+    )  # fmt: skip
+    cluster = Cluster(gpu=GPU, num_gpus=64)
+    training = Training(global_batch_size=64)
+    plan = make_plan(_handle("llama3-8b"), cluster, training, pins=pins, target=target)
+    check_round_trip(plan, target)
+
+
+STAGES_UNEVEN = [
+    ["tok_embeddings", "layers.0"],
+    ["layers.1", "layers.2", "layers.3", "norm", "output"],
+]
+STAGES_VIRTUAL = [
+    ["tok_embeddings", "layers.0", "layers.1"],
+    ["layers.2"],
+    ["layers.3"],
+    ["norm", "output"],
+]
+HAND_BUILT = [
+    ("torchtitan", {"dp": 4, "zero": 2, "dp_shard": 2, "pp": 2, "schedule": Schedule.ZERO_BUBBLE,
+                    "num_microbatches": 4, "micro_batch_size": 2,
+                    "recompute": RecomputeMode.SELECTIVE}, {"grad_clip": False}, None),
+    ("torchtitan==0.2", {"dp": 8, "zero": 3, "micro_batch_size": 2, "num_microbatches": 3},
+     {"dtype": DType.FP8}, None),
+    ("torchtitan", {"dp": 2, "zero": 1, "tp": 2, "sequence_parallel": True, "cp": 2, "pp": 2,
+                    "schedule": Schedule.INTERLEAVED_1F1B, "virtual_stages": 2,
+                    "num_microbatches": 4, "recompute": RecomputeMode.FULL},
+     {"optimizer": Optimizer.ADAM}, STAGES_VIRTUAL),
+    ("torchtitan", {"dp": 4}, {"dtype": DType.FP32, "grad_clip": False}, None),
+    ("megatron", {"dp": 8, "zero": 1, "dp_shard": 4, "recompute": RecomputeMode.FULL,
+                  "recompute_blocks": 2}, {}, None),
+    ("megatron", {"dp": 8, "zero": 2, "compression": Compression(kind=CompressionKind.BF16)},
+     {}, None),
+    ("megatron", {"dp": 8}, {"dtype": DType.FP16}, None),
+    ("megatron", {"dp": 4, "compression": Compression(kind=CompressionKind.FP16)},
+     {"dtype": DType.FP16}, None),
+    ("megatron", {"pp": 2, "num_microbatches": 4}, {}, STAGES_UNEVEN),
+    ("megatron", {"pp": 2, "virtual_stages": 2, "schedule": Schedule.INTERLEAVED_1F1B,
+                  "num_microbatches": 4}, {}, STAGES_VIRTUAL),
+    ("megatron", {"dp": 2, "zero": 3, "tp": 2, "sequence_parallel": True, "cp": 2,
+                  "recompute": RecomputeMode.SELECTIVE},
+     {"dtype": DType.FP8, "optimizer": Optimizer.SGD, "grad_clip": False}, None),
+    ("deepspeed", {"dp": 8, "zero": 2, "micro_batch_size": 2, "num_microbatches": 4}, {}, None),
+    ("deepspeed==0.19.6", {"dp": 16, "zero": 3, "dp_shard": 8,
+                           "compression": Compression(kind=CompressionKind.FP16)},
+     {"dtype": DType.FP16}, None),
+    ("deepspeed", {"dp": 4}, {"dtype": DType.FP32, "grad_clip": False}, None),
+    ("deepspeed", {"dp": 8, "zero": 1, "compression": Compression(kind=CompressionKind.BF16)},
+     {}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "strategy", "training", "stages"), HAND_BUILT)
+def test_hand_built_strategies_come_back(target, strategy, training, stages) -> None:
+    check_round_trip(plan_for(training=training, stages=stages, **strategy), target)
+
+
+def test_gpt_strategy_comes_back_from_megatron_with_its_model() -> None:
+    plan = plan_for("tiny-gpt", dp=2, tp=2, sequence_parallel=True)
+    check_round_trip(plan, "megatron")
+    assert round_trip(plan, "megatron").run.model == get_preset("tiny-gpt")
+
+
+def test_pricing_an_export_reproduces_the_plan_where_the_target_carries_the_price() -> None:
+    """torchtitan and DeepSpeed carry every fact this plan's price depends on (FSDP
+    overlaps its communication, as the search assumes)."""
+    plan = searched("tiny-llama", 8, 16, "torchtitan")
+    assert plan.prediction is not None
+    assert estimate_run(round_trip(plan, "torchtitan").run) == plan.prediction
+    plan = searched("gpt2", 16, 32, "deepspeed")
+    assert estimate_run(round_trip(plan, "deepspeed").run) == plan.prediction
+
+
+# ----- formats --------------------------------------------------------------------------
+
+TOML = """
+[model]
+name = "llama3"
+flavor = "8B"
+
+[parallelism]
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 2
+
+[training]
+local_batch_size = 2
+seq_len = 4096
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[metrics]
+log_freq = 10
+"""
+
+
+def test_detects_each_format_and_says_how() -> None:
+    assert detect_format(TOML, "x") == ("torchtitan", "detected: TOML")
+    assert detect_format(TOML, "x.toml", ".toml")[1] == "detected: a .toml file"
+    assert detect_format('{"zero_optimization": {"stage": 1}}', "x")[0] == "deepspeed"
+    commented = '// written by plan export\n# and hjson comments\n{"train_batch_size": 8}'
+    assert detect_format(commented, "x")[0] == "deepspeed"
+    assert detect_format('{"parallelism": {}, "training": {}}', "x")[0] == "torchtitan"
+    assert detect_format("# args\n--micro-batch-size 1\n", "x") == (
+        "megatron",
+        "detected: --options",
+    )
+    shell = "torchrun --nproc_per_node 8 pretrain_gpt.py --bf16"
+    assert detect_format(shell, "x")[0] == "megatron"
+    with pytest.raises(SpecError, match="give --format"):
+        detect_format('{"lr": 1}', "x")
+    with pytest.raises(SpecError, match="cannot tell the format of x"):
+        detect_format("hello world", "x")
+
+
+def test_reads_a_file_and_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(TOML)
+    imported = import_config(path, cluster=GPU, gpus=16)
+    assert imported.source == str(path) and imported.detected == "detected: a .toml file"
+    assert import_config(str(path), cluster=GPU, gpus=16).run == imported.run
+    with pytest.raises(SpecError, match="does not exist"):
+        import_config(str(tmp_path / "missing.toml"), cluster=GPU, gpus=16)
+
+
+def test_torchtitan_flavor_maps_to_a_preset_and_notes_what_it_used() -> None:
+    imported = import_config(TOML, cluster=GPU, gpus=16)
+    run = imported.run
+    assert run.model == get_preset("llama3-8b").with_seq_len(4096)
+    assert run.strategy.describe() == "dp8(zero3) tp2 sp mb2x1 recompute=selective"
+    assert run.options.selective.value == "op"  # torchtitan's per-op policy is priced
+    assert "parallelism.tensor_parallel_degree" in imported.used
+    assert imported.not_read == ("metrics.log_freq",)
+    lines = imported.describe()
+    assert lines[0] == "read the config text as torchtitan (detected: TOML)"
+    assert lines[1].startswith(
+        "used: model.name, model.flavor, parallelism.data_parallel_shard_degree"
+    )
+
+
+def test_torchtitan_unknown_flavor_lists_the_known_ones() -> None:
+    with pytest.raises(
+        SpecError, match=r"model.flavor = 'debugmodel'.*known llama3 flavors: 8B, 70B, 405B"
+    ):
+        import_config(TOML.replace('"8B"', '"debugmodel"'), cluster=GPU, gpus=16)
+    assert import_config(TOML.replace('"8B"', '"405B"'), cluster=GPU, gpus=16).run.model.name == (
+        "llama3.1-405b"
+    )
+
+
+def test_torchtitan_auto_shard_degree_needs_the_gpu_count() -> None:
+    with pytest.raises(SpecError, match=r"data_parallel_shard_degree = -1 takes the GPUs.*--gpus"):
+        import_config(TOML, cluster=GPU)
+    fixed = TOML.replace("= -1", "= 4")
+    assert import_config(fixed, cluster=GPU).run.cluster.num_gpus == 8
+    with pytest.raises(
+        SpecError, match="the product of the parallelism degrees = 8 GPUs, but --gpus is 16"
+    ):
+        import_config(fixed, cluster=GPU, gpus=16)
+
+
+def test_torchtitan_defaults_every_second_layer_and_its_own_stage_split() -> None:
+    """Without those keys torchtitan checkpoints every 2nd layer (``selective_ac_option =
+    "2"``) and splits the pipeline itself, weighting the embeddings and the head as a layer."""
+    text = '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
+    run = import_config(text, cluster=GPU, gpus=16).run
+    assert (run.strategy.recompute, run.strategy.recompute_blocks) == (RecomputeMode.FULL, 8)
+    assert [sum(f.startswith("layers.") for f in chunk) for chunk in run.stages] == [16, 16]
+    assert run.stages[0][0] == "tok_embeddings" and run.stages[-1][-2:] == ("norm", "output")
+    looped = text + 'pipeline_parallel_schedule = "Interleaved1F1B"\n'
+    with pytest.raises(SpecError, match=r"one layer in 2 of chunks of \[8, 9, 8, 7\] layers"):
+        import_config(looped, cluster=GPU, gpus=16)
+    run = import_config(
+        looped + '[activation_checkpoint]\nmode = "full"\n', cluster=GPU, gpus=16
+    ).run
+    assert run.strategy.virtual_stages == 2
+    assert [sum(f.startswith("layers.") for f in chunk) for chunk in run.stages] == [8, 9, 8, 7]
+
+
+def test_torchtitan_03_keys_and_json_dump() -> None:
+    text = TOML + "[compile]\nenable = true\n[parallelism.x]\n"
+    text = text.replace(
+        "tensor_parallel_degree = 2", "tensor_parallel_degree = 2\nenable_sequence_parallel = false"
+    )
+    imported = import_config(text, cluster=GPU, gpus=16)
+    assert not imported.run.strategy.sequence_parallel
+    assert imported.run.options.fused_pointwise
+    assert "read with torchtitan 0.3's key names and defaults" in imported.notes
+    dump = {
+        "model_spec": {"name": "llama3", "flavor": "70B", "model": {"dim": 8192}},
+        "parallelism": {"data_parallel_shard_degree": 8, "tensor_parallel_degree": 8},
+        "training": {"local_batch_size": 1, "seq_len": 8192, "dtype": "float32"},
+        "activation_checkpoint": {"preserve_rng_state": True, "debug": False},
+        "optimizer": {"param_groups": [{"pattern": ".*", "optimizer_name": "AdamW"}]},
+    }
+    run = import_config(json.dumps(dump), cluster=GPU).run
+    assert run.model.name == "llama3-70b"
+    assert run.strategy.describe() == "dp8(zero3) tp8 sp mb1x1 recompute=full"
+    dump["activation_checkpoint"] = None
+    assert import_config(json.dumps(dump), cluster=GPU).run.strategy.recompute is RecomputeMode.NONE
+    dump["activation_checkpoint"] = {"memory_budget": 0.5}
+    with pytest.raises(SpecError, match=r"activation_checkpoint\.mode = 'memory-budget'"):
+        import_config(json.dumps(dump), cluster=GPU)
+
+
+def test_torchtitan_03_command_line_with_its_config_function() -> None:
+    """A 0.3 launch: the --config function's values (llama3_70b: tp 8, local batch 8,
+    full recompute) where the overrides do not say otherwise, the world from torchrun."""
+    command = (
+        "torchrun --nproc_per_node 8 --nnodes 2 -m torchtitan.train --module llama3 "
+        "--config llama3_70b --parallelism.data_parallel_shard_degree=-1 "
+        "--training.global_batch_size 64 --parallelism.no_enable_sequence_parallel "
+        "--compile.enable activation-checkpoint:selective --metrics.log_freq 5"
+    )
+    assert detect_format(command, "x")[1] == "detected: --section.key overrides (torchtitan 0.3)"
+    imported = import_config(command, cluster=GPU)
+    run = imported.run
+    assert (run.model.name, run.cluster.num_gpus, run.training.seq_len) == ("llama3-70b", 16, 8192)
+    assert run.strategy.describe() == "dp2(zero3) tp8 mb8x4 recompute=selective"
+    assert run.options.fused_pointwise and run.options.selective.value == "op"
+    assert imported.notes[1].startswith("--config llama3_70b: training.local_batch_size = 8")
+    assert imported.not_read == ("metrics.log_freq",)
+    with pytest.raises(SpecError, match="torchrun --nproc_per_node x --nnodes = 16 GPUs, but"):
+        import_config(command.replace("=-1", "=4"), cluster=GPU)
+    with pytest.raises(SpecError, match=r"--config = 'llama3_debugmodel'.*llama3_8b, llama3_70b"):
+        import_config(command.replace("llama3_70b", "llama3_debugmodel"), cluster=GPU)
+
+
+def test_torchtitan_bf16_without_fsdp_under_tp_trains_in_fp32() -> None:
+    text = TOML.replace("= -1", "= 1")
+    imported = import_config(text, cluster=GPU)
+    assert imported.run.training.dtype is DType.FP32
+    assert any("torchtitan trains in float32" in note for note in imported.notes)
+
+
+MEGATRON_SHELL = """torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py \\
+    --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --sequence-parallel \\
+    --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention \\
+    --num-query-groups 8 --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 8192 \\
+    --vocab-size 128256 --make-vocab-size-divisible-by 64 --normalization RMSNorm \\
+    --position-embedding-type rope --rotary-base 500000 --swiglu --disable-bias-linear \\
+    --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 32 \\
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --bf16 \\
+    --recompute-activations --lr 3e-4 --data-path 0.5 a 0.5 b --save /ckpt
+"""
+
+
+def test_megatron_shell_command_gives_world_model_and_strategy() -> None:
+    imported = import_config(MEGATRON_SHELL, cluster=GPU)
+    run = imported.run
+    assert run.cluster.num_gpus == 16
+    assert run.model.name == "llama3-8b"  # the network-size arguments match the preset
+    assert run.strategy.describe() == "dp2(zero1) tp4 sp pp2 1f1b mb1x16 recompute=selective"
+    assert run.options.overlap_grad_reduce and run.options.dropout  # Megatron-LM's 0.1
+    assert set(imported.not_read) == {"--max-position-embeddings", "--lr", "--data-path", "--save"}
+    with pytest.raises(
+        SpecError, match="torchrun --nproc_per_node x --nnodes = 16 GPUs, but --gpus is 8"
+    ):
+        import_config(MEGATRON_SHELL, cluster=GPU, gpus=8)
+
+
+def test_megatron_needs_the_world_and_pads_the_vocabulary() -> None:
+    args = MEGATRON_SHELL.split("pretrain_gpt.py")[1].replace(
+        "--make-vocab-size-divisible-by 64", ""
+    )
+    with pytest.raises(SpecError, match=r"data-parallel size is what is left of the world"):
+        import_config(args, cluster=GPU)
+    imported = import_config(args, cluster=GPU, gpus=32)
+    assert imported.run.model.vocab_size == 128512  # 128256 to a multiple of 128 x tp 4
+    assert imported.run.model.name == "custom"
+    assert any("padded to 128512" in note for note in imported.notes)
+    with pytest.raises(SpecError, match="differ in vocab"):
+        import_config(args, cluster=GPU, gpus=32, model="llama3-8b")
+
+
+def test_megatron_without_network_size_arguments_takes_the_model_option() -> None:
+    args = "--tensor-model-parallel-size 2 --micro-batch-size 2 --dropout-free 1"
+    with pytest.raises(SpecError, match=r"does not describe the model.*--model"):
+        import_config(args, cluster=GPU, gpus=8)
+    run = import_config(args, cluster=GPU, gpus=8, model="gpt2").run
+    assert run.model.name == "gpt2" and run.strategy.dp == 4
+    assert run.options.dropout  # Megatron-LM's default 0.1
+
+
+REFUSALS = [
+    ("deepspeed", '{"train_batch_size": 64, "zero_optimization": {"stage": 3, '
+     '"offload_optimizer": {"device": "cpu"}}}',
+     "zero_optimization.offload_optimizer.device = 'cpu': the planner does not model CPU or NVMe "
+     "offload; remove zero_optimization.offload_optimizer to price the run without it"),
+    ("deepspeed", '{"train_batch_size": "auto"}', "train_batch_size = 'auto'"),
+    ("deepspeed", '{"train_batch_size": 64, "optimizer": {"type": "Lamb"}}',
+     "optimizer.type = 'Lamb'"),
+    ("deepspeed", '{"train_batch_size": 64, "bf16": {"enabled": true}, "fp16": {"enabled": true}}',
+     "fp16.enabled = true: bf16 is enabled too"),
+    ("megatron", "--num-layers 2 --num-experts 8", "--num-experts = '8': mixture-of-experts"),
+    ("megatron", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
+     "--recompute-method = 'uniform'"),
+    ("megatron", "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
+     "--data-parallel-sharding-strategy = 'optim'"),
+    ("megatron", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 "
+     "--seq-length 32 --normalization RMSNorm", "--position-embedding-type = 'learned_absolute'"),
+    ("megatron", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 "
+     "--seq-length 32 --normalization RMSNorm --position-embedding-type rope",
+     "--disable-bias-linear = false"),
+    ("megatron", "--fp8-format hybrid", "--bf16/--fp16/--fp8-format = '--fp8-format hybrid'"),
+    ("megatron", "--fp16 --grad-reduce-in-bf16", "--grad-reduce-in-bf16 = true"),
+    ("torchtitan", "[training]\nenable_cpu_offload = true", "training.enable_cpu_offload = true"),
+    ("torchtitan", '[training]\ndtype = "bfloat16"', "training.dtype = 'bfloat16'"),
+    ("torchtitan", '[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = '
+     '"ZBVZeroBubble"', "pipeline_parallel_schedule = 'ZBVZeroBubble'"),
+    ("torchtitan", '[model]\nconverters = ["mx"]', "model.converters = ['mx']"),
+    ("torchtitan", "[parallelism]\ntensor_parallel_degree = 2\ndisable_loss_parallel = true",
+     "parallelism.disable_loss_parallel = true"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("format", "text", "message"), REFUSALS)
+def test_refuses_what_changes_the_math_naming_key_value_and_fix(format, text, message) -> None:
+    with pytest.raises(PlannerError) as info:
+        import_config(text, format=format, model="tiny-llama", cluster=GPU, gpus=8)
+    assert str(info.value).startswith("cannot read the config text: ")
+    assert message in str(info.value)
+
+
+def test_deepspeed_derives_the_gpu_count_or_completes_the_batch_sizes() -> None:
+    three = '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}'
+    assert import_config(three, model="gpt2", cluster=GPU).run.cluster.num_gpus == 8
+    two = '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}'
+    with pytest.raises(SpecError, match="leaves the GPU count open"):
+        import_config(two, model="gpt2", cluster=GPU)
+    imported = import_config(two, model="gpt2", cluster=GPU, gpus=16)
+    assert imported.run.strategy.describe() == "dp16(zero3) mb2x2 recompute=none"
+    assert imported.run.training.dtype is DType.FP32 and not imported.run.training.grad_clip
+    assert imported.run.options.overlap_grad_reduce  # overlap_comm defaults on under ZeRO-3
+
+
+def test_the_api_takes_cluster_objects_and_refuses_what_is_missing() -> None:
+    cluster = Cluster(gpu=GPU, num_gpus=16)
+    assert import_config(TOML, cluster=cluster).run.cluster == cluster
+    with pytest.raises(SpecError, match="no cluster given"):
+        import_config(TOML, gpus=16)
+    with pytest.raises(UnknownNameError, match="unknown config format 'colossal'"):
+        import_config(TOML, format="colossal", cluster=GPU, gpus=16)
+    with pytest.raises(SpecError, match="a module:function is traced instead"):
+        import_config(TOML, model="pkg.mod:build", cluster=GPU, gpus=16)
+    assert planner.import_config is import_config and planner.ImportedRun is ImportedRun
+
+
+def test_describe_changes_names_each_difference() -> None:
+    before = Strategy(dp=8, zero=1, tp=8, sequence_parallel=True, recompute=RecomputeMode.FULL)
+    after = Strategy(dp=16, zero=3, tp=4, sequence_parallel=True, recompute=RecomputeMode.SELECTIVE)
+    assert describe_changes(before, after) == (
+        "dp 8 -> 16, dp_shard 8 -> 16, tp 8 -> 4, zero 1 -> 3, recompute full -> selective"
+    )
+    assert describe_changes(before, before) == "no change"
+
+
+def test_imported_run_is_a_run_config_estimate_prices() -> None:
+    run = import_config(TOML, cluster=GPU, gpus=16).run
+    assert isinstance(run, RunConfig)
+    assert estimate_run(run).step_time_s > 0
+
+
+# ----- CLI ------------------------------------------------------------------------------
+
+
+def test_cli_estimate_from_prints_what_it_read_and_the_table(tmp_path, capsys) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(export_plan(plan_for(dp=8, zero=2, num_microbatches=2), "deepspeed"))
+    assert main(["estimate", "--from", str(path), "--model", "tiny-llama", "--gpus", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith(
+        f"read {path} as deepspeed (detected: JSON with zero_optimization)\nused: "
+    )
+    assert out.startswith("tiny-llama on 8 x h100-sxm-80gb: dp8(zero2) mb1x2 recompute=none\n")
+    assert main(["estimate", "--from", str(path), "--model", "tiny-llama", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+
+
+def test_cli_refusals_and_misplaced_options_exit_2(tmp_path, capsys) -> None:
+    path = tmp_path / "megatron.args"
+    path.write_text("--num-experts 8\n")
+    assert main(["estimate", "--from", str(path), "--model", "gpt2", "--gpus", "8"]) == 2
+    assert "error: cannot read" in capsys.readouterr().err
+    plan = tmp_path / "plan.json"
+    plan.write_text(plan_for(dp=2).to_json())
+    assert main(["estimate", "--plan", str(plan), "--model", "gpt2"]) == 2
+    assert "--model only apply with --from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "--plan", str(plan), "--from", str(path)])
+
+
+def test_every_export_target_has_an_importer() -> None:
+    from planner.importers import FORMATS
+
+    assert {framework.value for framework in TARGETS} == set(FORMATS)
+    assert Framework.PLANNER not in TARGETS
