@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from torch import nn
 
     from planner.errors import PlannerError, SpecError
-    from planner.models import fingerprint, list_models, resolve_model
     from planner.export import export_plan
     from planner.frameworks import parse_target
     from planner.importers import ImportedRun, import_config
+    from planner.models import fingerprint, list_models, resolve_model
     from planner.planning import make_plan, search_plan
     from planner.scale_math import ScaleTable
     from planner.scaling import scale_plans
@@ -116,9 +116,7 @@ def parallelize(
     """
     from planner.errors import SpecError
     from planner.models import handle_for_module
-    from planner.export import export_plan
-    from planner.frameworks import parse_target
-    from planner.planning import make_plan, search_plan
+    from planner.planning import make_plan
     from planner.spec import Plan, load_document
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
 

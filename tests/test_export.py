@@ -137,6 +137,8 @@ MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--recompute-method": (1, {"uniform", "block"}),
     "--recompute-num-layers": (1, None),
     "--use-distributed-optimizer": (0, None),
+    "--overlap-grad-reduce": (0, None),
+    "--overlap-param-gather": (0, None),
     "--num-distributed-optimizer-instances": (1, None),
     "--use-megatron-fsdp": (0, None),
     "--data-parallel-sharding-strategy": (

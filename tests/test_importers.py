@@ -211,12 +211,14 @@ def test_gpt_strategy_comes_back_from_megatron_with_its_model() -> None:
     assert round_trip(plan, "megatron").run.model == get_preset("tiny-gpt")
 
 
-def test_pricing_an_export_reproduces_the_plan_where_the_target_carries_the_price() -> None:
-    """torchtitan and DeepSpeed carry every fact this plan's price depends on (FSDP
-    overlaps its communication, as the search assumes)."""
+def test_pricing_an_export_reproduces_the_plan() -> None:
+    """Every target carries every fact this plan's price depends on (FSDP overlaps its
+    communication, as the search assumes; Megatron-LM is told to overlap)."""
     plan = searched("tiny-llama", 8, 16, "torchtitan")
     assert plan.prediction is not None
     assert estimate_run(round_trip(plan, "torchtitan").run) == plan.prediction
+    plan = searched("llama3-8b", 64, 64, "megatron")  # dp64 ZeRO-3 (Megatron-FSDP)
+    assert estimate_run(round_trip(plan, "megatron").run) == plan.prediction
     plan = searched("gpt2", 16, 32, "deepspeed")
     assert estimate_run(round_trip(plan, "deepspeed").run) == plan.prediction
 

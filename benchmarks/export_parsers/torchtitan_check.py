@@ -84,7 +84,7 @@ def parse(text: str, flavor: str | None):
         with contextlib.redirect_stderr(captured):
             return _parse(text, flavor)
     except SystemExit:
-        lines = [line.strip(" │╭╰─") for line in captured.getvalue().splitlines()]
+        lines = [line.strip(" │╭╰─╮╯") for line in captured.getvalue().splitlines()]
         raise ValueError(" ".join(line for line in lines if line)[-600:]) from None
 
 

@@ -206,11 +206,17 @@ def _recompute_args(plan: Plan) -> list[Arg]:
 
 
 def _data_parallel_args(plan: Plan) -> list[Arg]:
+    """Sharding, and the overlap the plan was priced with (gradient reduction during
+    backward, ZeRO's weight gathers prefetched: Megatron-LM overlaps only when asked)."""
     strategy = plan.strategy
+    dims = ParallelDims.of(strategy)
+    overlap: list[Arg] = [("--overlap-grad-reduce",)] if dims.replicas > 1 else []
     if strategy.zero == 0:
-        return []
-    args: list[Arg] = [("--use-distributed-optimizer",)]
-    if ParallelDims.of(strategy).hybrid_sharding:
+        return overlap
+    if dims.replicas > 1:
+        overlap.append(("--overlap-param-gather",))
+    args: list[Arg] = [("--use-distributed-optimizer",), *overlap]
+    if dims.hybrid_sharding:
         args.append(("--num-distributed-optimizer-instances", str(strategy.replicate_degree)))
     if strategy.zero == 1:
         return args

@@ -115,6 +115,12 @@ def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
     }
     if plan.training.dtype is DType.FP8:
         tables["model"] = {"converters": [FLOAT8_CONVERTER]}
+        if plan.strategy.tp > 1:  # models/llama3/infra/parallelize.py in 0.2.2
+            notes.append(
+                "torchtitan 0.2's parallelize_llama enables float8 tensor-parallel "
+                "communication only for a converter named 'float8', so tp runs its "
+                "collectives in bf16"
+            )
     form = "a TOML job config; merge it into yours (torchtitan ... --job.config_file FILE)"
     lines = header(plan, target, form) + [f"# note: {note}" for note in notes]
     for name, table in tables.items():
