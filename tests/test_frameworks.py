@@ -218,8 +218,9 @@ def test_flagship_plans_for_a_framework_export(model, gpu, gpus, batch, text):
     exported = export_plan(plan, text)
     if text == "megatron":
         assert "--tensor-model-parallel-size" in shlex.split(exported, comments=True)
-    else:
-        assert "parallelism" in tomllib.loads(exported)
+    else:  # torchtitan 0.3: command-line overrides
+        assert "--parallelism.tensor_parallel_degree" in exported
+        assert "parallelism" in tomllib.loads(export_plan(plan, "torchtitan==0.2"))
 
 
 # ---- near ties and headroom ---------------------------------------------------------
