@@ -6,13 +6,28 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+# A gloo rank now and then aborts in C++ teardown after its work is done (a joinable
+# std::thread destroyed at exit; not understood; the README's loop notes it).
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def plan_run_losses(command: list[str]) -> list[float]:
-    """Losses per step printed by ``command`` (a ``plan run ... --json`` invocation)."""
+    """Losses per step printed by ``command`` (a ``plan run ... --json`` invocation).
+
+    A run that printed its losses and then died of the teardown abort alone is run once
+    more (with a warning): any other failure, or the abort twice, fails the test.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    for attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        aborted_after_work = TEARDOWN_ABORT in done.stderr and '"steps"' in done.stdout
+        if done.returncode == 0 or not aborted_after_work or attempt == 1:
+            break
+        warnings.warn(
+            f"gloo teardown abort after the run finished; rerunning: {command}", stacklevel=2
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     return [step["loss"] for step in json.loads(done.stdout)["steps"]]

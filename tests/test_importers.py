@@ -18,14 +18,12 @@ from typing import Any
 import pytest
 
 import planner
-from planner.assemble import assemble_plan
 from planner.cli import main
 from planner.cost.run import RunConfig, estimate_run
 from planner.errors import PlannerError, SpecError, UnknownNameError
 from planner.export import TARGETS, export_plan
 from planner.frameworks import RELEASES, Framework
 from planner.importers import ImportedRun, describe_changes, detect_format, import_config
-from planner.models import ModelHandle, resolve_model
 from planner.planning import make_plan
 from planner.presets import get_preset
 from planner.solve.search import Pins
@@ -41,28 +39,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
-
-GPU = "h100-sxm-80gb"
-
-
-@functools.cache
-def _handle(name: str) -> ModelHandle:
-    return resolve_model(name)
-
-
-def plan_for(
-    model: str = "tiny-llama",
-    *,
-    training: dict[str, Any] | None = None,
-    stages: list[list[str]] | None = None,
-    **strategy_fields: Any,
-) -> Plan:
-    """A plan assembled for ``strategy_fields``, its global batch made to agree."""
-    strategy = Strategy(**strategy_fields)
-    batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
-    cluster = Cluster(gpu=GPU, num_gpus=strategy.world_size)
-    settings = Training(global_batch_size=batch, **(training or {}))
-    return assemble_plan(_handle(model), cluster, settings, strategy, stages=stages)
+from tests.test_export import GPU, _handle, plan_for
 
 
 @functools.cache
