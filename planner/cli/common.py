@@ -35,6 +35,7 @@ __all__ = [
     "seed",
     "positive_float",
     "output",
+    "plot_output",
     "add_model_args",
     "add_preference_args",
     "argparse_type",
@@ -102,6 +103,17 @@ def output(text: str | None, option: str) -> Path | None:
     """The output path ``option`` gave (``None`` when not given), checked before the work
     that produces it starts (:func:`planner.io.check_output_path`)."""
     return None if text is None else check_output_path(text, option=option)
+
+
+def plot_output(text: str | None) -> Path | None:
+    """The ``--plot`` path (``None`` when not given), checked as an output and as a PNG
+    (:func:`planner.plots.check_plot_path`) before the work that draws it starts."""
+    from planner.plots import check_plot_path
+
+    plot = output(text, "--plot")
+    if plot is not None:
+        check_plot_path(plot)
+    return plot
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

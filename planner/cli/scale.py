@@ -16,6 +16,7 @@ from planner.cli.common import (
     add_training_args,
     argparse_type,
     output,
+    plot_output,
     positive_float,
     resolve_model_args,
     resolve_training_args,
@@ -23,7 +24,7 @@ from planner.cli.common import (
 from planner.clusters import resolve_cluster
 from planner.hardware import list_profiles
 from planner.io import write_text_atomic
-from planner.plots import check_plot_path, plot_scale
+from planner.plots import plot_scale
 from planner.scale_math import (
     KNEE_THRESHOLD,
     MAX_KNEE_THRESHOLD,
@@ -92,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.scaling import scale_plans  # torch: the model is traced
 
     destination = output(args.output, "--output")  # before the search
-    plot = output(args.plot, "--plot")
-    if plot is not None:
-        check_plot_path(plot)
+    plot = plot_output(args.plot)
     cluster = _base_cluster(args)
     args.gpus.clusters(cluster)  # every size whole nodes, before the model loads
     handle = resolve_model_args(args)

@@ -20,6 +20,7 @@ from planner.cli.common import (
     add_training_args,
     count,
     output,
+    plot_output,
     resolve_model_args,
     resolve_training_args,
 )
@@ -28,7 +29,7 @@ from planner.clusters import resolve_cluster
 from planner.errors import SpecError
 from planner.frameworks import Framework
 from planner.io import write_text_atomic
-from planner.plots import check_plot_path, plot_plan
+from planner.plots import plot_plan
 from planner.spec import (
     MAX_GPUS,
     MAX_VIRTUAL_STAGES,
@@ -230,9 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.planning import search_plan  # torch: the model is traced
 
     destination = output(args.output, "--output")  # before the search
-    plot = output(args.plot, "--plot")
-    if plot is not None:
-        check_plot_path(plot)
+    plot = plot_output(args.plot)
     job = _job(args)
     if job.imported is not None:
         print("\n".join(job.imported.describe()), file=sys.stderr)
