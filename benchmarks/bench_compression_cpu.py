@@ -81,7 +81,8 @@ from planner.spec import (
     Training,
 )
 from strategies import compression
-from strategies.runner import local_slice, synthetic_batch
+from strategies.parallel_model import local_slice
+from strategies.runner import synthetic_batch
 
 MODEL = ModelSpec(name="gpt-4x256", family=Family.GPT, num_layers=4, hidden_size=256,
                   num_heads=4, vocab_size=2048, seq_len=128)  # fmt: skip

@@ -104,8 +104,12 @@ def parallelize(
     """Apply ``plan`` (a :class:`Plan` or a path to its JSON) to ``model`` with torch.distributed.
 
     Call on every rank of an initialised process group (or in one process for a plan
-    whose degrees are all 1). Returns the parallel model, or for pipeline plans a
-    runner with ``step(inputs, targets) -> loss``, ``parameters()`` and ``state_dict()``.
+    whose degrees are all 1). Returns a :class:`strategies.parallel_model.ParallelModel`
+    that knows its plan (``.plan``): ``local_batch(inputs, targets)`` cuts a global
+    batch to this rank's share, ``step(inputs, targets) -> loss`` runs forward and
+    backward over the plan's micro-batches (and pipeline schedule),
+    ``clip_grad_norm_(max_norm)`` clips by the whole model's norm, ``parameters()`` feeds
+    the optimizer, and ``parallel(inputs)`` runs the forward (``pp = 1``).
     One-shot form: pass ``cluster`` (``num_gpus`` = the world size) and ``training``
     instead of a plan, and the model is planned first (:func:`make_plan`, with
     ``pins`` and the ``lossy`` compression it may choose); every rank computes the same

@@ -27,6 +27,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
+from planner.staging import modules_around
 from planner.tracing import trace_for_training
 from planner.version import __version__
 
@@ -111,21 +112,5 @@ def even_stages(module: nn.Module, num_chunks: int) -> list[list[str]]:
             f"{type(module).__name__} has {len(blocks)} repeated blocks, too few for "
             f"{num_chunks} pipeline chunks; lower pp or virtual_stages"
         )
-    before, after = _modules_around(module, blocks[0].rpartition(".")[0])
+    before, after = modules_around(module)
     return even_split(blocks, num_chunks, before, after)
-
-
-def _modules_around(module: nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """FQNs of the siblings registered before and after ``container`` on its path from the root."""
-    before: list[str] = []
-    after: list[str] = []
-    parts = container.split(".") if container else []
-    current, prefix = module, ""
-    for part in parts:
-        names = [name for name, _ in current.named_children()]
-        position = names.index(part)
-        before += [prefix + name for name in names[:position]]
-        after = [prefix + name for name in names[position + 1 :]] + after
-        current = current.get_submodule(part)
-        prefix += f"{part}."
-    return before, after

@@ -9,14 +9,14 @@ Module paths (FQNs) in layouts may use ``*`` for one path component, as in
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 from torch import nn
 
 from planner.errors import PlanMismatchError, SpecError
 from planner.fqn import match_fqns
-from planner.models import fingerprint
-from planner.models.transformer import Transformer
+from planner.models import fingerprint, is_hf_model
 from planner.spec import ModuleTP, Plan, shard_dim
 from planner.validate import check_heads, check_replication
 
@@ -24,6 +24,7 @@ __all__ = [
     "find_blocks",
     "shares_parameters",
     "pipeline_blocker",
+    "context_parallel_blocker",
     "expand_layout",
     "check_model_against_plan",
 ]
@@ -37,7 +38,9 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     (a list of bare layers, such as ``nn.Linear``, is a model's layers, not its blocks:
     a block's layers are what tensor parallelism lays out).
 
-    Returns ``(fqn, block)`` pairs in order; empty when the model has no such container.
+    A pipeline chunk's container (:mod:`planner.staging`) says ``holds_blocks``, however
+    few blocks it keeps. Returns ``(fqn, block)`` pairs in order; empty when the model
+    has no such container.
     """
 
     def visit(prefix: str, node: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -53,6 +56,8 @@ def find_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _holds_blocks(container: nn.Module) -> bool:
+    if getattr(container, "holds_blocks", False):
+        return True
     children = list(container.children())
     return (
         len(children) >= 2
@@ -68,23 +73,16 @@ def shares_parameters(module: nn.Module) -> bool:
 
 
 def pipeline_blocker(module: nn.Module) -> str | None:
-    """Why the runtime cannot split ``module`` into pipeline stages, or ``None``: its
-    blocks must sit in an ``nn.ModuleDict`` (deleting blocks keeps FQNs) and it must share
-    no parameters (tied weights would span the first and last stage)."""
-    blocks = find_blocks(module)
-    if not blocks:
+    """Why the runtime cannot split ``module`` into pipeline stages by its structure, or
+    ``None``: it needs repeated blocks, and no tied weights (shared parameters would span
+    the first and the last stage). :func:`planner.staging.stage_problem` then checks
+    that its forward runs as stages."""
+    if not find_blocks(module):
         return "the model has no repeated blocks to split into stages"
-    holder = blocks[0][0].rpartition(".")[0]
-    container = module.get_submodule(holder)
-    if not isinstance(container, nn.ModuleDict):
-        return (
-            f"its blocks sit in an nn.{type(container).__name__} ({holder!r}); the pipeline "
-            "runtime cuts stages from an nn.ModuleDict only"
-        )
     if shares_parameters(module):
         return (
             "it has tied weights (shared parameters), which would span the first and the last "
-            "stage; untie them (tied_embeddings = false) or use pp = 1"
+            "stage; untie them (tied_embeddings = false, tie_word_embeddings = False) or use pp = 1"
         )
     return None
 
@@ -164,12 +162,56 @@ def _check_tp_divides(expanded: dict[str, ModuleTP], module: nn.Module, tp: int)
 
 
 def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:
-    if not any(isinstance(m, Transformer) for m in module.modules()):
+    problem = context_parallel_blocker(module)
+    if problem is not None:
         raise SpecError(
-            f"strategy.cp = {plan.strategy.cp} but {type(module).__name__} is not a zoo "
-            "Transformer: context parallel needs attention that gathers keys and values over "
-            "the cp group (planner.models.transformer); use cp = 1 for this model"
+            f"strategy.cp = {plan.strategy.cp} but {type(module).__name__} cannot run context "
+            f"parallel: {problem}"
         )
+
+
+def context_parallel_blocker(module: nn.Module) -> str | None:
+    """Why the runtime cannot shard ``module``'s sequences over cp ranks, or ``None``.
+
+    Context parallel (:mod:`strategies.context_parallel`) gathers keys and values at
+    ``F.scaled_dot_product_attention`` calls and calls the model with ``position_ids``,
+    the global positions of the local tokens; a Hugging Face model must use its
+    ``sdpa`` attention and no binding sliding window.
+    """
+    parameters = _forward_parameters(module)
+    if "position_ids" not in parameters:
+        return (
+            f"its forward takes no position_ids (forward({', '.join(parameters)})), so positions "
+            "would restart on every cp rank; add a position_ids argument (the global "
+            "positions of the tokens, (batch, seq)) or use cp = 1"
+        )
+    if not is_hf_model(module):
+        return None
+    config = module.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return (
+            f"its attention implementation is {attention!r}; context parallel gathers keys "
+            "at scaled_dot_product_attention: load it with attn_implementation='sdpa' or use cp = 1"
+        )
+    window = getattr(config, "sliding_window", None)
+    longest = getattr(config, "max_position_embeddings", None)
+    layer_types = getattr(config, "layer_types", None)
+    sliding = layer_types is None or "sliding_attention" in layer_types
+    if isinstance(window, int) and sliding and (longest is None or window < longest):
+        return (
+            f"its attention has a sliding window of {window} tokens, shorter than its "
+            f"{longest} positions, and context parallel masks causally only; use cp = 1"
+        )
+    return None
+
+
+def _forward_parameters(module: nn.Module) -> list[str]:
+    """Names of the parameters of ``module.forward`` (``["..."]`` when inspect cannot read it)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return ["..."]
 
 
 def _check_tied(plan: Plan, module: nn.Module, expanded: dict[str, ModuleTP]) -> None:

@@ -81,8 +81,8 @@ class ParallelDims:
         """Why ``seq_len`` tokens cannot be split on this mesh, or ``None``.
 
         Context parallelism cuts every sequence into ``2 cp`` equal chunks (the
-        load-balanced layout of causal attention that Megatron-LM and torchtitan use;
-        this runtime's contiguous shards need ``cp`` of them); sequence parallelism then
+        load-balanced layout of causal attention that Megatron-LM, torchtitan and this
+        runtime use: rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i``); sequence parallelism then
         splits each rank's ``seq / cp`` tokens over the ``tp`` ranks.
         """
         if self.cp > 1 and seq_len % (2 * self.cp):

@@ -21,8 +21,13 @@ from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import Target, model_refusal, parse_target, strategy_refusal
 from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
-from planner.models import ModelHandle, Transformer
-from planner.modules import check_model_against_plan, pipeline_blocker, shares_parameters
+from planner.models import ModelHandle
+from planner.modules import (
+    check_model_against_plan,
+    context_parallel_blocker,
+    pipeline_blocker,
+    shares_parameters,
+)
 from planner.solve.lossy import LossyCompression, tradeoff
 from planner.solve.search import Headroom, ModelLimits, Pins, Progress, Scored, search
 from planner.solve.stages import partition_stages
@@ -34,6 +39,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
+from planner.staging import stage_problem
 from planner.tracing import trace_for_training
 from planner.validate import validate_plan_for_world
 
@@ -211,14 +217,21 @@ def model_limits(
         num_heads=heads,
         num_kv_heads=kv_heads,
         vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
-        pipeline_problem=pipeline_blocker(handle.module),
-        context_parallel_problem=None
-        if isinstance(handle.module, Transformer)
-        else "the runtime shards the sequences of zoo transformers only",
+        pipeline_problem=_pipeline_problem(handle, graph.seq_len),
+        context_parallel_problem=context_parallel_blocker(handle.module),
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
     )
+
+
+def _pipeline_problem(handle: ModelHandle, seq_len: int) -> str | None:
+    """Why ``handle``'s model cannot run as pipeline stages: its structure, or its forward
+    cut into stages on the meta device (:func:`planner.staging.stage_problem`)."""
+    problem = pipeline_blocker(handle.module)
+    if problem is None:
+        problem = stage_problem(handle.module, handle.make_inputs(2, seq_len))
+    return problem
 
 
 def _heads(handle: ModelHandle) -> tuple[int | None, int | None]:

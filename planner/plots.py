@@ -123,7 +123,7 @@ def _prediction_of(plan: Plan) -> Prediction:
 def _plan_title(plan: Plan) -> str:
     cluster, training = plan.cluster, plan.training
     nodes = max(1, cluster.num_gpus // cluster.gpus_per_node)
-    seq_len = training.seq_len or (plan.model.seq_len if plan.model else None)
+    seq_len = plan.seq_len
     seq = f" x {seq_len} tokens" if seq_len else ""
     return (
         f"{plan.model_name} on {cluster.num_gpus} x {cluster.gpu} ({nodes} node"

@@ -701,6 +701,12 @@ class Plan(_Doc):
         ``loss_parallel()`` (:func:`strategies.apply.loss_context`)."""
         return any(m.loss_parallel for m in self.tp_layout.values())
 
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sequence: the training's, else the model spec's (``None`` for a traced
+        model planned without one)."""
+        return self.training.seq_len or (self.model.seq_len if self.model is not None else None)
+
     @model_validator(mode="after")
     def _check_mesh(self) -> Self:
         world = math.prod(axis.size for axis in self.mesh)

@@ -118,7 +118,7 @@ def _check_batch(plan: Plan) -> None:
 
 
 def _check_sequence(plan: Plan) -> None:
-    seq_len = plan.training.seq_len or (plan.model.seq_len if plan.model is not None else None)
+    seq_len = plan.seq_len
     blocker = None if seq_len is None else ParallelDims.of(plan.strategy).sequence_blocker(seq_len)
     if blocker is not None:
         raise SpecError(f"training.{blocker}")

@@ -1,10 +1,10 @@
 """Apply a plan to a model, one parallel dimension at a time, in one documented order.
 
-1. validate the plan against the world size and the model, and its tensor-parallel
-   layout by the planner's rules and a rehearsal on fake tensors (pure; before any
-   collective)
+1. validate the plan against the world size and the model, its tensor-parallel
+   layout by the planner's rules and a rehearsal on fake tensors, and its pipeline
+   stages (pure; before any collective)
 2. build the device mesh
-3. pipeline split (this rank's chunks)
+3. pipeline split (this rank's chunks; each runs as its stage once steps 4-8 wrapped it)
 4. context parallel (attention gathers keys and values over cp; global positions)
 5. tensor / sequence parallel
 6. activation recompute
@@ -18,7 +18,6 @@ see the final parameters).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -26,7 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import loss_parallel as tp_loss_parallel
 
 from planner.errors import SpecError
 from planner.layouts import check_plan_layout
@@ -43,7 +41,8 @@ from strategies import (
     tensor_parallel,
 )
 from strategies.mesh import axis_rank, build_mesh, device_type
-from strategies.pipeline import LossFn, PipelineRunner
+from strategies.parallel_model import ParallelModel, loss_context
+from strategies.pipeline import LossFn
 
 __all__ = ["parallelize", "token_cross_entropy", "loss_context"]
 
@@ -62,19 +61,18 @@ def parallelize(
     plan: Plan,
     *,
     loss_fn: LossFn = token_cross_entropy,
-) -> nn.Module | PipelineRunner:
+) -> ParallelModel:
     """Apply ``plan`` to ``model`` on the current process group (or a single process).
 
-    Returns the parallel model, or for ``pp > 1`` a :class:`PipelineRunner` whose
-    ``step(inputs, targets)`` runs the schedule with ``loss_fn``. When the plan's layout
-    is loss-parallel (``plan.loss_parallel``: the head keeps its logits sharded on the
-    vocabulary) compute the loss and run backward inside :func:`loss_context` (the
-    runner and :class:`~strategies.runner.Trainer` do).
+    Returns a :class:`~strategies.parallel_model.ParallelModel`: the parallel model (or,
+    for ``pp > 1``, this rank's pipeline chunks behind the schedule), which knows the
+    plan; its ``step(inputs, targets)`` runs forward and backward with ``loss_fn``.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
     check_plan_layout(plan, model)
+    pipeline.check_split(model, plan)
     _check_materialised(model)
     mesh = build_mesh(plan)
     if mesh is not None and plan.strategy.pp > 1:
@@ -83,8 +81,10 @@ def parallelize(
             (index, _apply_dimensions(chunk, mesh, plan, pp_rank))
             for index, chunk in pipeline.split(model, mesh, plan)
         ]
-        return pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
-    return _apply_dimensions(model, mesh, plan, 0)
+        pipeline.install_stages(chunks, plan)
+        runner = pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
+        return ParallelModel(plan, runner, mesh=mesh, loss_fn=loss_fn)
+    return ParallelModel(plan, _apply_dimensions(model, mesh, plan, 0), mesh=mesh, loss_fn=loss_fn)
 
 
 def _check_materialised(model: nn.Module) -> None:
@@ -94,12 +94,6 @@ def _check_materialised(model: nn.Module) -> None:
             f"parameter {on_meta!r} is on the meta device (no values to train): build the "
             "model on a real device, e.g. resolve_model(name, device='cpu', seed=0)"
         )
-
-
-def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
-    """Where vocabulary-sharded logits meet the loss: ``loss_parallel()`` when the plan's
-    layout hands the head's logits on sharded (``plan.loss_parallel``)."""
-    return tp_loss_parallel() if plan.loss_parallel else contextlib.nullcontext()
 
 
 def _apply_dimensions(

@@ -42,8 +42,8 @@ from planner.spec import Plan
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.mesh import device_type
-from strategies.pipeline import PipelineRunner
-from strategies.runner import Trainer, local_slice, synthetic_batch
+from strategies.parallel_model import ParallelModel, local_slice
+from strategies.runner import Trainer, synthetic_batch
 
 __all__ = [
     "measure_plan",
@@ -101,12 +101,8 @@ def classify_phases(events: list[FunctionEvent], thread: int) -> dict[str, float
     return phases
 
 
-def _roots(parallel: nn.Module | PipelineRunner) -> list[nn.Module]:
-    return list(parallel.modules) if isinstance(parallel, PipelineRunner) else [parallel]
-
-
 @contextlib.contextmanager
-def _forward_labels(parallel: nn.Module | PipelineRunner) -> Iterator[None]:
+def _forward_labels(parallel: ParallelModel) -> Iterator[None]:
     """Wrap every root module's forward in a profiler range named :data:`FORWARD_LABEL`."""
     open_ranges: list[Any] = []
 
@@ -119,7 +115,7 @@ def _forward_labels(parallel: nn.Module | PipelineRunner) -> Iterator[None]:
         open_ranges.pop().__exit__(None, None, None)
 
     handles = []
-    for root in _roots(parallel):
+    for root in parallel.modules:
         handles.append(root.register_forward_pre_hook(enter))
         handles.append(root.register_forward_hook(leave))
     try:
@@ -135,7 +131,8 @@ class _Batches:
     def __init__(self, plan: Plan, seed: int) -> None:
         assert plan.model is not None
         self.plan, self.seed = plan, seed
-        self.seq_len = plan.training.seq_len or plan.model.seq_len
+        assert plan.seq_len is not None  # a plan with a model spec has one
+        self.seq_len = plan.seq_len
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def __call__(self, step: int) -> tuple[torch.Tensor, ...]:
@@ -248,7 +245,7 @@ def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[fl
     for state in trainer.optimizer.state.values():
         for value in state.values():
             tracker.add(value)
-    for tensor in _comm_hook_tensors(trainer.parallel):
+    for tensor in _comm_hook_tensors(trainer.parallel.modules):
         tracker.add(tensor)
     with tracker:
         _timed_step(trainer, batches, step)
@@ -260,11 +257,11 @@ def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[fl
     return (tracker.peak + _ddp_bucket_bytes(trainer.parallel)) / 2**30, method
 
 
-def _comm_hook_tensors(parallel: nn.Module | PipelineRunner) -> list[torch.Tensor]:
+def _comm_hook_tensors(roots: list[nn.Module]) -> list[torch.Tensor]:
     """Tensors kept by DDP comm hooks' states between steps (PowerSGD's error feedback,
     P and Q), which persist from earlier steps and so are not seen being allocated."""
     tensors = []
-    for root in _roots(parallel):
+    for root in roots:
         for _hook, state in getattr(root, "_comm_hooks", []):
             slots = getattr(type(state), "__slots__", ())
             fields = [getattr(state, name, None) for name in slots]
@@ -273,10 +270,10 @@ def _comm_hook_tensors(parallel: nn.Module | PipelineRunner) -> list[torch.Tenso
     return tensors
 
 
-def _ddp_bucket_bytes(parallel: nn.Module | PipelineRunner) -> int:
+def _ddp_bucket_bytes(parallel: ParallelModel) -> int:
     """Bytes of DDP's gradient buckets, which DDP allocates outside Python's dispatcher."""
     total = 0
-    for root in _roots(parallel):
+    for root in parallel.modules:
         if isinstance(root, DistributedDataParallel) and not root.gradient_as_bucket_view:
             sizes = str(root._get_ddp_logging_data().get("bucket_sizes", ""))
             total += sum(int(size) for size in sizes.split(",") if size.strip())
@@ -305,7 +302,7 @@ def _run(
     """Step times, profiled phases and their step's wall time, peak GiB and its method."""
     assert plan.model is not None
     model = build(plan.model, device="cpu", seed=seed)
-    trainer = Trainer(parallelize(model, plan), plan, lr=lr)
+    trainer = Trainer(parallelize(model, plan), lr=lr)
     batches = _Batches(plan, seed)
     for step in range(warmup):
         _timed_step(trainer, batches, step)

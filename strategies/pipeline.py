@@ -1,11 +1,13 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``: manual stages from FQN lists.
 
-Each pipeline chunk is a copy of the model with every module outside its FQN list
-removed (blocks deleted from their ``ModuleDict``, other parts set to ``None``), so
-parameter names stay those of the whole model. Rank ``r`` of the ``pp`` axis holds
-chunks ``r, r + pp, ...`` (loop order). :class:`PipelineRunner` hides the schedule:
-``step(inputs, targets)`` runs forward and backward over all micro-batches and returns
-the mean loss on every pipeline rank.
+Each pipeline chunk is a copy of the model cut by :func:`planner.staging.build_chunk`
+(parameter names stay those of the whole model; other chunks' blocks become skips,
+their other modules parameter-free stand-ins). Once the parallel dimensions wrapped a
+chunk, :func:`install_stages` makes the model's own forward run that one stage: later
+stages take the hidden state and, as the keyword ``stage_ids``, the micro-batch's token
+ids. Rank ``r`` of the ``pp`` axis holds chunks ``r, r + pp, ...`` (loop order).
+:class:`PipelineRunner` hides the schedule: ``step(inputs, targets)`` runs forward and
+backward over all micro-batches and returns the mean loss on every pipeline rank.
 
 Schedules: ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``,
 ``interleaved-1f1b`` -> ``ScheduleInterleaved1F1B`` (``virtual_stages`` chunks per
@@ -16,7 +18,6 @@ and weight gradients to fill the bubble) over the plan's chunks; all run on gloo
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -41,11 +42,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.errors import SpecError
 from planner.spec import Axis, Plan, Schedule
+from planner.staging import STAGE_IDS, build_chunk, install_stage_forward, split_problem
 from strategies.mesh import axis_rank, device_type
 
 __all__ = [
+    "check_split",
     "split",
-    "build_chunk",
+    "install_stages",
     "chunk_indices",
     "PipelineRunner",
     "build_runner",
@@ -68,6 +71,16 @@ def chunk_indices(plan: Plan, pp_rank: int) -> list[int]:
     return list(range(pp_rank, plan.strategy.num_stages, plan.strategy.pp))
 
 
+def check_split(model: nn.Module, plan: Plan) -> None:
+    """Raise unless ``plan.stages`` can run as a pipeline of ``model`` (pure: call it
+    before any collective, so every rank fails alike)."""
+    problem = split_problem(model, plan.stages) if plan.strategy.pp > 1 else None
+    if problem is not None:
+        raise SpecError(
+            f"plan.stages cannot run as a pipeline of {type(model).__name__}: {problem}"
+        )
+
+
 def split(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> list[tuple[int, nn.Module]]:
     """This rank's chunks of ``model`` as ``(chunk index, module)`` pairs."""
     pp_rank = axis_rank(mesh, Axis.PP)
@@ -78,35 +91,12 @@ def split(model: nn.Module, mesh: DeviceMesh, plan: Plan) -> list[tuple[int, nn.
     return chunks
 
 
-def build_chunk(model: nn.Module, fqns: tuple[str, ...] | list[str]) -> nn.Module:
-    """A copy of ``model`` keeping only the modules named in ``fqns`` (and their parents)."""
-    chunk = copy.deepcopy(model)
-    _prune(chunk, "", set(fqns))
-    return chunk
-
-
-def _prune(module: nn.Module, prefix: str, keep: set[str]) -> None:
-    for name, _ in list(module.named_children()):
-        fqn = prefix + name
-        if fqn in keep:
-            continue
-        child = module.get_submodule(name)
-        if any(kept.startswith(fqn + ".") for kept in keep):
-            _prune(child, fqn + ".", keep)
-        else:
-            _remove(module, name, fqn)
-
-
-def _remove(parent: nn.Module, name: str, fqn: str) -> None:
-    if isinstance(parent, nn.ModuleDict):
-        del parent[name]
-    elif isinstance(parent, nn.ModuleList):
-        raise SpecError(
-            f"cannot drop {fqn!r} for a pipeline stage: its parent is an nn.ModuleList, whose "
-            "indices would shift; keep blocks in an nn.ModuleDict keyed '0'..'L-1'"
-        )
-    else:
-        setattr(parent, name, None)
+def install_stages(chunks: list[tuple[int, nn.Module]], plan: Plan) -> None:
+    """Make each chunk (wrapped by the parallel dimensions) run as its pipeline stage."""
+    last = plan.strategy.num_stages - 1
+    for index, chunk in chunks:
+        inner = chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+        install_stage_forward(inner, first=index == 0, last=index == last)
 
 
 def build_runner(
@@ -159,8 +149,10 @@ def _schedule(plan: Plan, stages: list[_PipelineStageBase], loss_fn: LossFn) -> 
 class PipelineRunner:
     """The pipeline-parallel model: ``step(inputs, targets) -> loss`` runs one schedule.
 
-    ``inputs``/``targets`` are this data-parallel rank's whole batch; the schedule cuts
-    them into micro-batches. Gradients are averaged over micro-batches.
+    ``inputs``/``targets`` are this data-parallel rank's whole batch, given on every
+    pipeline rank; the schedule cuts them into micro-batches (stages after the first get
+    their micro-batch's token ids as ``stage_ids``). Gradients are averaged over
+    micro-batches.
     """
 
     def __init__(
@@ -184,7 +176,9 @@ class PipelineRunner:
         """Forward and backward of all micro-batches; the mean loss, on every pp rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
+        kwargs: dict[str, Any] = {STAGE_IDS: inputs}
+        if self.has_last:
+            kwargs |= {"target": targets, "losses": losses}
         with self.loss_context():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.has_last:
@@ -199,14 +193,6 @@ class PipelineRunner:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return itertools.chain.from_iterable(module.named_parameters() for module in self.modules)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers under the whole model's FQNs."""
-        merged: dict[str, Any] = {}
-        for module in self.modules:
-            inner = module.module if isinstance(module, DistributedDataParallel) else module
-            merged.update(inner.state_dict())
-        return merged
 
     def train(self, mode: bool = True) -> PipelineRunner:
         for module in self.modules:

@@ -1,4 +1,4 @@
-"""Run ``plan run --json`` in a subprocess (optionally under torchrun) and read its losses."""
+"""Run a training command in a subprocess (optionally under torchrun) and read its losses."""
 
 from __future__ import annotations
 
@@ -15,19 +15,25 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def plan_run_losses(command: list[str]) -> list[float]:
-    """Losses per step printed by ``command`` (a ``plan run ... --json`` invocation).
+    """Losses per step printed by ``command`` (a ``plan run ... --json`` invocation)."""
+    return [step["loss"] for step in json.loads(run_printing(command, '"steps"'))["steps"]]
 
-    A run that printed its losses and then died of the teardown abort alone is run once
-    more (with a warning): any other failure, or the abort twice, fails the test.
+
+def run_printing(command: list[str], printed: str) -> str:
+    """The stdout of ``command``, which must succeed.
+
+    A run whose stdout holds ``printed`` (its results) and that then died of the teardown
+    abort alone is run once more (with a warning): any other failure, or the abort
+    twice, fails the test.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for attempt in range(2):
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-        aborted_after_work = TEARDOWN_ABORT in done.stderr and '"steps"' in done.stdout
+        aborted_after_work = TEARDOWN_ABORT in done.stderr and printed in done.stdout
         if done.returncode == 0 or not aborted_after_work or attempt == 1:
             break
         warnings.warn(
             f"gloo teardown abort after the run finished; rerunning: {command}", stacklevel=2
         )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [step["loss"] for step in json.loads(done.stdout)["steps"]]
+    return done.stdout

@@ -1,9 +1,12 @@
-"""A training loop written the way the README tells users to: ``planner.parallelize`` a
-model they built, then train it as usual (the loss inside ``loss_context(plan)``).
+"""A training loop that calls the model itself, as the README allows for ``pp = 1``: the
+forward ``parallel(inputs)``, the user's own loss inside ``parallel.loss_context()``,
+gradient clipping and the optimizer.
 
-``python tests/_user_loop.py MODEL PLAN STEPS`` prints the losses as JSON (rank 0);
+``python tests/_user_loop.py MODEL PLAN STEPS CLIP`` prints the losses as JSON (rank 0);
 under torchrun it joins the gloo process group first. MODEL is a ``module:function``
-path or a Hugging Face config directory.
+path or a Hugging Face config directory; CLIP is ``stock`` (``torch.nn.utils
+.clip_grad_norm_``: right for data parallel and FSDP, an error naming
+``parallel.clip_grad_norm_`` where it would be wrong) or ``parallel``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import planner
-from strategies.apply import loss_context
 
-VOCAB, BATCH, SEQ, LR = 256, 8, 16, 0.1
+LR, MAX_NORM = 0.1, 0.5
 
 
-def main(source: str, plan_path: str, steps: int) -> None:
+def main(source: str, plan_path: str, steps: int, clip: str) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same weights on every rank and in the reference
@@ -33,22 +35,31 @@ def main(source: str, plan_path: str, steps: int) -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
     else:
         model = planner.resolve_model(source, device="cpu", seed=0).module
-    plan = planner.load_document(planner.Plan, plan_path)
-    parallel = planner.parallelize(model, plan)
+    parallel = planner.parallelize(model, plan_path)
     optimizer = torch.optim.SGD(parallel.parameters(), lr=LR)
+    batch, seq = parallel.plan.training.global_batch_size, parallel.plan.seq_len
     losses = []
     for step in range(steps):
         tokens = torch.randint(
-            0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
+            0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(step)
         )
-        out = parallel(tokens[:, :-1])
+        inputs, targets = parallel.local_batch(tokens[:, :-1], tokens[:, 1:])
+        out = parallel(inputs)
         logits = out.logits if hasattr(out, "logits") else out
-        with loss_context(plan):
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        with parallel.loss_context():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
             loss.backward()
+        if clip == "stock":
+            torch.nn.utils.clip_grad_norm_(parallel.parameters(), MAX_NORM)
+        else:
+            parallel.clip_grad_norm_(MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+        value = loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()
+        if dist.is_initialized():  # each rank's loss is over its own share: average them
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(float(value))
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps({"steps": [{"loss": value} for value in losses]}))
     if dist.is_initialized():
@@ -57,4 +68,4 @@ def main(source: str, plan_path: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

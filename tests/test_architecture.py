@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "planner.calibrate.fit",
                    "planner.calibrate.options",
                    "planner.calibrate.profile", "planner.calibrate.refit", "planner.calibrate")),
-    ("torch", ("planner.models", "planner.hf", "planner.tracing", "planner.modules",
+    ("torch", ("planner.models", "planner.hf", "planner.tracing", "planner.modules", "planner.staging",
                "planner.rehearse", "planner.layouts", "planner.assemble", "planner.planning",
                "planner.scaling",
                "planner.calibrate.microbench", "planner.torch_dtypes")),

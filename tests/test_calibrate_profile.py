@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from planner.calibrate import measured_run_options, predict_plan
 from planner.calibrate.microbench import Sample, last_level_cache_bytes, memory_sweep
-from planner.calibrate.profile import Measurements, build_profile
+from planner.calibrate.profile import Measurements, build_profile, cpu_peak_tflops
 from planner.cost.communication import Collective, LinkModel, collective_time, latency_steps
 from planner.hardware import Link, load_profile
 from planner.spec import DType
@@ -135,5 +135,16 @@ def test_memory_tracker_counts_comm_hook_state() -> None:
     state.q_memory_dict[0] = torch.zeros(20)
     model = torch.nn.Linear(2, 2)
     model._comm_hooks = [(powerSGD_hook.powerSGD_hook, state)]  # as DDP keeps them
-    assert sorted(t.numel() for t in _comm_hook_tensors(model)) == [20, 30, 1000]
-    assert _comm_hook_tensors(torch.nn.Linear(2, 2)) == []
+    assert sorted(t.numel() for t in _comm_hook_tensors([model])) == [20, 30, 1000]
+    assert _comm_hook_tensors([torch.nn.Linear(2, 2)]) == []
+
+
+def test_a_cpu_peak_below_the_gemms_timed_is_raised_to_their_rate() -> None:
+    nominal, _ = cpu_peak_tflops(1)
+    rate = 3 * nominal * 1e12  # FLOP/s: faster than the reported clock allows
+    gemms = [Sample(f"gemm {n}", 2.0 * n**3, 2.0 * n**3 / rate + 5e-6) for n in (64, 256, 1024)]
+    peak, how = cpu_peak_tflops(1, gemms)
+    assert peak == pytest.approx(3 * nominal, rel=0.01)
+    assert "raised to" in how and "the rate the GEMM sweep reached" in how
+    slow = [Sample(f"gemm {n}", 2.0 * n**3, 4.0 * n**3 / (nominal * 1e12)) for n in (256, 1024)]
+    assert cpu_peak_tflops(1, slow) == cpu_peak_tflops(1)  # at half the estimate: kept

@@ -32,7 +32,8 @@ from planner.spec import Cluster, Plan, Strategy, TPStyle, Training, load_docume
 from planner.tracing import trace
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
-from strategies.runner import Trainer, local_slice, synthetic_batch
+from strategies.parallel_model import local_slice
+from strategies.runner import Trainer, synthetic_batch
 from tests.devices import write_tp_pays
 from tests.ranks import run_on_ranks
 from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write, by_family
@@ -187,7 +188,7 @@ def _plan(path: str, world_size: int, strategy: Strategy, layout=None) -> str:
 def _train(path: str, plan_json: str, rank: int) -> list[float]:
     plan = Plan.model_validate_json(plan_json)
     parallel = parallelize(_model(path), plan)
-    trainer = Trainer(parallel, plan, lr=LR, max_grad_norm=CLIP)
+    trainer = Trainer(parallel, lr=LR, max_grad_norm=CLIP)
     losses = []
     for step in range(STEPS):
         inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)

@@ -46,7 +46,8 @@ from planner.models import ModelHandle, resolve_model
 from planner.spec import Cluster, Plan, Strategy, Training
 from planner.validate import validate_plan_for_world
 from strategies.int8_reduce_scatter import BLOCK, Int8ReduceScatter
-from strategies.runner import Trainer, local_slice, synthetic_batch
+from strategies.parallel_model import local_slice
+from strategies.runner import Trainer, synthetic_batch
 from tests.ranks import Task, run_on_ranks
 
 MODEL = "tiny-llama"
@@ -120,7 +121,7 @@ def _train(run: Run, world_size: int, rank: int) -> dict[str, list[Any]]:
     """Global mean loss per step and, for replicated (DDP) models, parameter digests."""
     plan = _plan(run, world_size)
     parallel = planner.parallelize(_handle(run).module, plan)
-    trainer = Trainer(parallel, plan, lr=LR)
+    trainer = Trainer(parallel, lr=LR)
     replicated = plan.strategy.zero == 0
     losses, digests = [], []
     for step in range(run.steps):

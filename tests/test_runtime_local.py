@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import planner
@@ -19,7 +18,6 @@ from planner.errors import PlanMismatchError, SpecError
 from planner.models import resolve_model
 from planner.spec import Cluster, Plan, RecomputeMode, Strategy, Training
 from strategies.checkpointing import recompute_block
-from strategies.pipeline import build_chunk
 
 
 def _single_plan(model: str = "tiny-llama", **strategy: object) -> Plan:
@@ -67,28 +65,6 @@ def test_recompute_keeps_gradients(mode: RecomputeMode) -> None:
         torch.testing.assert_close(a.grad, b.grad, msg=name)
 
 
-def test_pipeline_chunk_keeps_names_and_drops_the_rest() -> None:
-    model = resolve_model("tiny-gpt", device="cpu", seed=0).module
-    chunk = build_chunk(model, ["layers.2", "layers.3", "norm", "output"])
-    assert list(chunk.layers.keys()) == ["2", "3"]
-    assert chunk.tok_embeddings is None and chunk.pos_embeddings is None
-    names = {name for name, _ in chunk.named_parameters()}
-    assert names == {
-        name
-        for name, _ in model.named_parameters()
-        if not name.startswith(("tok_", "pos_", "layers.0", "layers.1"))
-    }
-    hidden = torch.randn(1, 8, 64)
-    assert chunk(hidden).shape == (1, 8, 256)
-
-
-def test_pipeline_chunk_refuses_module_list() -> None:
-    model = nn.Module()
-    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
-    with pytest.raises(SpecError, match=r"nn\.ModuleList"):
-        build_chunk(model, ["blocks.1"])
-
-
 def test_plan_for_another_model_fails_before_any_collective(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(_single_plan("tiny-llama").to_json())
@@ -112,7 +88,7 @@ def test_meta_model_is_refused() -> None:
 
 def test_single_process_plan_returns_the_model() -> None:
     model = resolve_model("tiny-llama", device="cpu").module
-    assert planner.parallelize(model, _single_plan()) is model
+    assert planner.parallelize(model, _single_plan()).module is model
 
 
 class _OpCounter(TorchDispatchMode):

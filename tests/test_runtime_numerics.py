@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
 
 from planner.assemble import assemble_plan
 from planner.layouts import ModelLayouts
@@ -26,7 +28,8 @@ from planner.solve.layout import Roofline
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
 from planner.tracing import trace_for_training
 from strategies.apply import parallelize
-from strategies.runner import Trainer, local_slice, synthetic_batch
+from strategies.parallel_model import ParallelModel, local_slice
+from strategies.runner import Trainer, synthetic_batch
 from tests.ranks import run_on_ranks
 
 STEPS = 4
@@ -106,8 +109,52 @@ def build_handle(model: str) -> ModelHandle:
         module = build(spec, device="cpu", seed=0)
         return ModelHandle(model, f"tests:{model}", module, lambda b, s: (), spec)
     torch.manual_seed(0)
+    if model.removeprefix("hf-") in HF_FAMILIES:
+        return ModelHandle(model, f"tests:{model}", _hf_family(model[3:]), lambda b, s: ())
+    if model.startswith("user-gpt"):  # nanoGPT's shape (ModuleList blocks, fused qkv)
+        from tests.user_models import GPT, PositionGPT
+
+        kind = PositionGPT if model == "user-gpt-positions" else GPT  # forward(idx, position_ids)
+        return ModelHandle(model, f"tests:{model}", kind(n_layer=4), lambda b, s: ())
     module = TinyLM() if model == "tiny-lm" else _hf_llama()
     return ModelHandle(model, f"tests:{model}", module, lambda b, s: ())
+
+
+_FOUR_LAYERS = {"num_hidden_layers": 4}  # pipelines of 2 x 2 chunks (interleaved)
+HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {  # name: (model_type, config fields)
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {}),
+    "llama4": ("llama", _FOUR_LAYERS),
+    "qwen2-4": ("qwen2", _FOUR_LAYERS),
+    "mistral-4": ("mistral", _FOUR_LAYERS),
+    "gpt_neox": ("gpt_neox", {"num_hidden_layers": 4}),
+    "mixtral": ("mixtral", {**_FOUR_LAYERS, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # untied (tied weights would span the first and last stage), no dropout
+    "gpt2": (
+        "gpt2",
+        {
+            "n_layer": 4,
+            "tie_word_embeddings": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
+}
+
+
+def _hf_family(name: str) -> nn.Module:
+    """A tiny Hugging Face model from tests/test_hf.py's configs, SDPA attention, no cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.test_hf import CONFIGS
+
+    model_type, fields = HF_FAMILIES[name]
+    base = CONFIGS.get(model_type, CONFIGS["llama"])
+    # no KV cache: Hugging Face then derives its mask from the position ids (a packed-
+    # sequence mask under context parallel), where hf-llama's cache path has none
+    config = AutoConfig.for_model(model_type, **{**base, **fields}, use_cache=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 @dataclass(frozen=True)
@@ -139,23 +186,77 @@ class Case:
         )
 
 
-def train(case: Case, world_size: int, rank: int) -> dict[str, list[Any]]:
-    """Losses of ``STEPS`` steps of ``case`` (the global mean) and this rank's state keys."""
+def train(case: Case, world_size: int, rank: int) -> dict[str, Any]:
+    """Losses of ``STEPS`` steps of ``case`` (the global mean), this rank's state keys and,
+    after the last step, a digest of each parameter it holds (whole, gathered)."""
     plan = case.plan(world_size)
     model = build_handle(case.apply_to or case.model).module
     parallel = parallelize(model, plan)
-    trainer = Trainer(parallel, plan, lr=LR, max_grad_norm=CLIP)
+    trainer = Trainer(parallel, lr=LR, max_grad_norm=CLIP)
     losses = []
     for step in range(STEPS):
         inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)
         losses.append(trainer.step(*local_slice(plan, rank, inputs, targets)))
-    return {"losses": losses, "state_keys": sorted(parallel.state_dict())}
+    return {
+        "losses": losses,
+        "state_keys": sorted(parallel.state_dict()),
+        "parameters": parameter_digests(parallel),
+    }
+
+
+def parameter_digests(parallel: ParallelModel) -> dict[str, list[float]]:
+    """Per parameter this rank holds, gathered whole: its size, sum, sum of squares and a
+    projection on fixed random weights (differences show in any of them)."""
+    digests = {}
+    for name, param in parallel.named_parameters():
+        whole = _whole(param).detach().double().flatten()
+        probe = torch.randn(
+            whole.numel(),
+            generator=torch.Generator().manual_seed(whole.numel()),
+            dtype=torch.float64,
+        )
+        digests[name] = [
+            whole.numel(),
+            *map(float, (whole.sum(), whole.pow(2).sum(), whole @ probe)),
+        ]
+    return digests
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a (DTensor, or DDP-over-TP local shard) parameter."""
+    info = getattr(param, "_st_info", None)
+    value = param if info is None else _unflatten_tensor(param, info)
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+@functools.cache
+def reference_run(model: str, optimizer: str) -> dict[str, Any]:
+    """Single-process fp32 losses and parameter digests on the same global batch."""
+    case = Case("reference", model, {"micro_batch_size": BATCH}, optimizer=optimizer)
+    return train(case, 1, 0)
 
 
 def reference(model: str, optimizer: str) -> list[float]:
     """Single-process fp32 losses on the same global batch."""
-    case = Case("reference", model, {"micro_batch_size": BATCH}, optimizer=optimizer)
-    return train(case, 1, 0)["losses"]
+    return reference_run(model, optimizer)["losses"]
+
+
+def parameter_failures(case: Case, results: list[dict[str, Any]]) -> list[str]:
+    """SGD cases: every parameter, gathered from the ranks that hold it, equals the single
+    process's within ``case.bound`` per element (sums scaled by sqrt(size))."""
+    if case.optimizer != "sgd":  # Adam amplifies rounding where gradients are ~0
+        return []
+    expected = reference_run(case.model, case.optimizer)["parameters"]
+    held = {name: digest for result in results for name, digest in result["parameters"].items()}
+    if set(held) != set(expected):
+        return [f"{case.name}: parameters {sorted(set(held) ^ set(expected))} differ in name"]
+    worst = 0.0
+    for name, (size, *values) in held.items():
+        pairs = zip(values, expected[name][1:], strict=True)
+        diffs = [abs(a - b) / max(1.0, abs(b)) for a, b in pairs]
+        worst = max(worst, max(diffs) / max(1.0, size**0.5))
+    print(f"{case.name:<40} parameters: max scaled difference {worst:.2e}")
+    return [f"{case.name}: parameters differ by {worst:.2e}"] if worst > case.bound else []
 
 
 def run_cases(world_size: int, cases: list[Case], out: Path) -> dict[str, list[Any]]:
@@ -305,6 +406,7 @@ def _compare(cases: list[Case], per_case: dict[str, list[Any]]) -> list[str]:
             failures.append(f"{case.name}: raised\n{raised}")
             continue
         failures += _consistent_ranks(case, results)
+        failures += parameter_failures(case, results)
         losses = results[0]["losses"]
         expected = reference(case.model, case.optimizer)
         worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))

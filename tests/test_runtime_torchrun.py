@@ -5,11 +5,14 @@ the same losses as one process on the same batch."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _plan_run import TORCHRUN, plan_run_losses
+from _plan_run import TORCHRUN, plan_run_losses, run_printing
 
 import planner
 from planner.assemble import assemble_plan
@@ -27,13 +30,12 @@ LLAMA = {
 }  # fmt: skip
 
 
-def _write_plan(path: Path, strategy: Strategy) -> Path:
+def _write_plan(path: Path, strategy: Strategy, source: str = "tiny-gpt") -> Path:
     training = Training(
         global_batch_size=8, micro_batch_size=strategy.micro_batch_size, seq_len=16, dtype="fp32"
     )
     cluster = Cluster(gpu="cpu", num_gpus=strategy.world_size, gpus_per_node=strategy.world_size)
-    plan = assemble_plan(resolve_model("tiny-gpt"), cluster, training, strategy)
-    path.write_text(plan.to_json())
+    path.write_text(assemble_plan(resolve_model(source), cluster, training, strategy).to_json())
     return path
 
 
@@ -81,6 +83,78 @@ def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, 
     nanoGPT-style module, at tp 2 with sequence parallelism, trained as the README says."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     source, tensor_parallel, single = _user_plans(tmp_path, model)
-    distributed = plan_run_losses([*TORCHRUN, "2", USER_LOOP, source, str(tensor_parallel), "3"])
-    reference = plan_run_losses([sys.executable, USER_LOOP, source, str(single), "3"])
+    loop = [USER_LOOP, source, str(tensor_parallel), "3", "parallel"]
+    distributed = plan_run_losses([*TORCHRUN, "2", *loop])
+    reference = plan_run_losses([sys.executable, USER_LOOP, source, str(single), "3", "parallel"])
     assert distributed == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stock_clipping_is_right_or_fails_loudly(tmp_path, monkeypatch):
+    """Stock ``torch.nn.utils.clip_grad_norm_`` in a user's loop: under DDP it clips by the
+    whole model's norm (same losses as one process); over tensor-parallel shards it would
+    not, so it raises naming ``parallel.clip_grad_norm_`` before any step is taken."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    source = "tests.user_models:gpt"
+    single = _write_plan(tmp_path / "single.json", Strategy(micro_batch_size=8), source)
+    ddp = _write_plan(tmp_path / "ddp.json", Strategy(dp=2, micro_batch_size=4), source)
+    distributed = plan_run_losses([*TORCHRUN, "2", USER_LOOP, source, str(ddp), "3", "stock"])
+    reference = plan_run_losses([sys.executable, USER_LOOP, source, str(single), "3", "stock"])
+    assert distributed == pytest.approx(reference, abs=1e-5)
+    _, tensor_parallel, _ = _user_plans(tmp_path, "nanogpt-tied")
+    loop = [USER_LOOP, "tests.user_models:gpt_tied", str(tensor_parallel), "1", "stock"]
+    done = subprocess.run(
+        [*TORCHRUN, "2", *loop], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "tensor-parallel shards (tp = 2)" in done.stderr
+    assert "call parallel.clip_grad_norm_(max_norm)" in done.stderr
+
+
+def _readme_training_loop(tmp_path: Path) -> Path:
+    """The README's ``train.py`` block, written to a file."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"<!-- train-loop:begin -->\n```python\n(.*?)```\n<!-- train-loop:end -->", readme, re.S
+    )
+    assert found, "README has no train-loop block"
+    script = tmp_path / "train.py"
+    script.write_text(found.group(1))
+    return script
+
+
+def _printed_losses(stdout: str) -> list[float]:
+    return [float(m) for m in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pins", [planner.Pins(pp=2, cp=2), planner.Pins(pp=2, dp=2)], ids=["pp2 x cp2", "pp2 x dp2"]
+)
+def test_the_readme_training_loop_runs_a_pipeline(tmp_path, monkeypatch, pins):
+    """The README's loop, copied from the README, trains an HF Llama from its config under
+    a plan the search made with ``pins`` on 4 ranks, as one process does."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    config = tmp_path / "llama"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps(LLAMA))
+    handle = resolve_hf_config(config)
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    plans = []
+    for gpus, pinned in ((4, pins), (1, planner.Pins())):
+        cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus)
+        plan = planner.make_plan(handle, cluster, training, pins=pinned)
+        plans.append(tmp_path / f"plan-{gpus}.json")
+        plans[-1].write_text(plan.to_json())
+    script = str(_readme_training_loop(tmp_path))
+    distributed = run_printing([*TORCHRUN, "4", script, str(config), str(plans[0]), "3"], "step 2")
+    single = run_printing([sys.executable, script, str(config), str(plans[1]), "3"], "step 2")
+    assert len(_printed_losses(single)) == 3
+    assert _printed_losses(distributed) == pytest.approx(_printed_losses(single), abs=1e-5)
+    print(
+        f"README loop {pins}: max |loss - one process| = "
+        f"{max(abs(a - b) for a, b in zip(_printed_losses(distributed), _printed_losses(single), strict=True)):.2e}"
+    )

@@ -167,10 +167,8 @@ def test_pins_that_do_not_apply_are_errors_not_ignored():
     ("model", "reason"),
     [
         ("gpt2", r"pp\(2\): it has tied weights"),
-        (
-            "tests.user_models:gpt",
-            r"pp\(2\): its blocks sit in an nn.ModuleList \('transformer.h'\)",
-        ),
+        ("tests.user_models:gpt_tied", r"pp\(2\): it has tied weights"),
+        ("mlp", r"pp\(2\): the model has no repeated blocks"),
     ],
 )
 def test_a_pipeline_refusal_names_the_rule(model, reason):

@@ -138,13 +138,14 @@ def _case(model: str, root: Path, dp: int, tp: int, sp: bool) -> Case:
 def _train(case: Case, root: Path, out: Path, rank: int) -> dict[str, Any]:
     from strategies.apply import parallelize
     from strategies.comm_bytes import CollectiveBytes
-    from strategies.runner import Trainer, local_slice, synthetic_batch
+    from strategies.parallel_model import local_slice
+    from strategies.runner import Trainer, synthetic_batch
 
     plan = Plan.model_validate_json(case.plan)
     parallel = parallelize(build(case.model, root, "cpu").module, plan)
     unique = {id(p): p for p in parallel.parameters()}.values()
     local = sum(_tp_local_elements(p) for p in unique)
-    trainer = Trainer(parallel, plan, lr=LR)
+    trainer = Trainer(parallel, lr=LR)
     losses, counted = [], None
     for step in range(STEPS):
         batch = local_slice(plan, rank, *synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step))
@@ -185,7 +186,7 @@ def _reference(model: str, root: Path) -> tuple[list[float], dict[str, torch.Ten
     cluster = Cluster(gpu=str(root / "tp-pays.json"), num_gpus=1)
     plan = make_plan(build(model, root), cluster, TRAINING, pins=Pins(micro_batch_size=BATCH))
     parallel = parallelize(build(model, root, "cpu").module, plan)
-    trainer = Trainer(parallel, plan, lr=LR)
+    trainer = Trainer(parallel, lr=LR)
     losses = [
         trainer.step(*synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step))
         for step in range(STEPS)

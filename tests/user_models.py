@@ -2,7 +2,8 @@
 
 ``gpt`` is nanoGPT's shape: one fused ``c_attn`` projection split by the full width
 (``split(n_embd)``), views with the full head count, blocks in an ``nn.ModuleList``
-inside an ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head.
+inside an ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head;
+``gpt_positions`` takes ``position_ids`` (so it can run context parallel).
 Load them as ``--model tests.user_models:gpt``.
 """
 
@@ -89,8 +90,24 @@ class GPT(nn.Module):
         return (torch.zeros(batch_size, SEQ, dtype=torch.long, device=device),)
 
 
+class PositionGPT(GPT):
+    """``GPT`` whose forward takes the tokens' positions, as context parallel needs."""
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(idx.size(1), device=idx.device)[None, :]
+        x = self.transformer.wte(idx) + self.transformer.wpe(position_ids)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 def gpt() -> GPT:
     return GPT()
+
+
+def gpt_positions() -> PositionGPT:
+    return PositionGPT()
 
 
 def gpt_tied() -> GPT:

@@ -19,7 +19,7 @@ import contextlib
 import datetime
 import os
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -36,6 +36,7 @@ from planner.spec import DType, load_document
 if TYPE_CHECKING:  # the measuring and fitting machinery loads torch: imported on use
     import torch
 
+    from planner.calibrate.fit import Sample
     from planner.calibrate.profile import CalibrationReport, Measurements
     from planner.calibrate.refit import RefitReport, RunError
     from planner.cost.communication import Collective
@@ -146,7 +147,7 @@ def _microbenchmark(args: argparse.Namespace) -> int:
             measured = _measure(args, device, dtype, collectives, announce)
         if rank != 0:
             return 0
-        peak, peak_source = _peak(args, base, gpu, dtype)
+        peak, peak_source = _peak(args, base, gpu, dtype, measured.matmul)
         profile, report = build_profile(
             measured, name=args.name or args.output.stem, stamp=_stamp(),
             device_kind="gpu" if gpu else "cpu", base=base, peak_tflops=peak,
@@ -159,7 +160,11 @@ def _microbenchmark(args: argparse.Namespace) -> int:
 
 
 def _peak(
-    args: argparse.Namespace, base: HardwareProfile | None, gpu: bool, dtype: DType
+    args: argparse.Namespace,
+    base: HardwareProfile | None,
+    gpu: bool,
+    dtype: DType,
+    gemms: Sequence[Sample],
 ) -> tuple[float | None, str]:
     import torch
 
@@ -179,7 +184,7 @@ def _peak(
         raise CalibrationError(
             f"the CPU peak estimate is for fp32, not {dtype.value}: pass --peak-tflops"
         )
-    return cpu_peak_tflops(torch.get_num_threads())
+    return cpu_peak_tflops(torch.get_num_threads(), gemms)
 
 
 def _capacity(gpu: bool, ranks_per_node: int) -> float:

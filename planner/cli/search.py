@@ -133,7 +133,7 @@ def _lossy(args: argparse.Namespace) -> LossyCompression | None:
 
 
 class _LazyProgress:
-    """A progress bar on stderr that appears only once a search has run for a second."""
+    """A progress bar on stderr (a terminal) that appears once a search has run for a second."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
@@ -143,7 +143,7 @@ class _LazyProgress:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            if time.perf_counter() - self.started < 1.0:
+            if not self.console.is_terminal or time.perf_counter() - self.started < 1.0:
                 return
             self.bar = Progress(
                 TextColumn("searching"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -53,7 +55,9 @@ class ModelHandle:
     """A built model and how to feed it.
 
     ``make_inputs(batch_size, seq_len)`` returns the forward arguments on the model's
-    device (random token ids or activations; meta tensors on meta).
+    device (random token ids or activations; meta tensors on meta). ``example_seq_len``
+    is the sequence length of a user module's own example token ids (the default
+    length to trace it at), ``None`` for specs, configs and non-token models.
     """
 
     name: str
@@ -61,6 +65,7 @@ class ModelHandle:
     module: nn.Module
     make_inputs: Callable[[int, int], tuple[torch.Tensor, ...]]
     spec: ModelSpec | None = None
+    example_seq_len: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -107,13 +112,69 @@ def _from_module(name: str, source: str, module: nn.Module, inputs: object) -> M
                 f"model {source!r} returned a module without example inputs: return "
                 "(module, example_inputs) or give the module an example_inputs(batch_size) method"
             )
+        if _takes_seq_len(example):  # example_inputs(batch_size, seq_len): the user sizes them
+            return ModelHandle(name, source, module, lambda b, s: tuple(example(b, s)))
+        first = tuple(example(1))
+        return ModelHandle(
+            name, source, module, lambda b, s: _at_seq_len(source, tuple(example(b)), s),
+            example_seq_len=_token_seq_len(first),
+        )  # fmt: skip
+    fixed = cast(tuple[torch.Tensor, ...], inputs if isinstance(inputs, tuple) else (inputs,))
+    return ModelHandle(
+        name, source, module, lambda b, s: _at_seq_len(source, fixed, s),
+        example_seq_len=_token_seq_len(fixed),
+    )  # fmt: skip
 
-        def make(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-            return tuple(example(batch_size))
 
-        return ModelHandle(name, source, module, make)
-    fixed = inputs if isinstance(inputs, tuple) else (inputs,)
-    return ModelHandle(name, source, module, lambda batch_size, seq_len: fixed)
+def _takes_seq_len(function: Callable[..., object]) -> bool:
+    """Whether ``example_inputs`` takes a second (``seq_len``) argument."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def _token_seq_len(tensors: tuple[torch.Tensor, ...]) -> int | None:
+    """Dim 1 of the example's token ids (integer tensors of rank >= 2), if it has any."""
+    lengths = {t.shape[1] for t in tensors if t.ndim >= 2 and not t.is_floating_point()}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+def _at_seq_len(
+    source: str, tensors: tuple[torch.Tensor, ...], seq_len: int
+) -> tuple[torch.Tensor, ...]:
+    """``tensors`` with their token ids made ``seq_len`` long (zeros: only shapes matter).
+
+    Raises when the length cannot be changed safely: a non-token model asked for a
+    sequence length, or other tensors of the example's length (masks, features).
+    """
+    native = _token_seq_len(tensors)
+    if native is None:
+        if seq_len > 1:
+            raise SpecError(
+                f"seq_len = {seq_len}, but model {source!r} takes no token ids (its example "
+                "inputs have no integer tensor of shape (batch, seq)); leave --seq out, or "
+                "give the module example_inputs(batch_size, seq_len)"
+            )
+        return tensors
+    if seq_len == native:
+        return tensors
+    others = [t for t in tensors if t.is_floating_point() and t.ndim >= 2 and t.shape[1] == native]
+    if others:
+        raise SpecError(
+            f"seq_len = {seq_len}, but model {source!r}'s example inputs are {native} tokens "
+            "long and hold other tensors of that length; give the module "
+            "example_inputs(batch_size, seq_len) so it can be traced at any length"
+        )
+    return tuple(_resized(t, native, seq_len) for t in tensors)
+
+
+def _resized(value: torch.Tensor, native: int, seq_len: int) -> torch.Tensor:
+    if value.is_floating_point() or value.ndim < 2 or value.shape[1] != native:
+        return value
+    return value.new_zeros((value.shape[0], seq_len, *value.shape[2:]))
 
 
 def is_hf_model(module: nn.Module) -> bool:

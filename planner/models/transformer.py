@@ -7,16 +7,13 @@ row-sharding ``wo`` needs no change to the code. Blocks live in an ``nn.ModuleDi
 keyed ``"0".."L-1"`` so pipeline stages can delete blocks and keep FQNs, as torchtitan
 does. The model returns logits; the loss is computed outside.
 
-Context parallel: :meth:`Transformer.shard_sequence` hands the model a
-:class:`SequenceShard` (the runtime's, over the ``cp`` group). The model then sees one
-contiguous shard of the sequence: positions (RoPE, position embeddings) are offset to
-global ones, and attention gathers keys and values of the whole sequence, with the
-causal mask shifted to the shard's queries.
+``forward(tokens, position_ids=None)`` takes the tokens' positions (RoPE, position
+embeddings) as Hugging Face models do, so context parallel can hand a sequence shard its
+global positions (:mod:`strategies.context_parallel`); attention is plain
+``F.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,27 +21,14 @@ from torch import nn
 
 from planner.spec import Activation, Family, ModelSpec
 
-__all__ = ["Transformer", "Block", "SequenceShard"]
+__all__ = ["Transformer", "Block"]
 
 
-class SequenceShard(Protocol):
-    """This rank holds shard ``index`` of ``count`` equal contiguous shards of the sequence."""
-
-    @property
-    def index(self) -> int: ...
-
-    @property
-    def count(self) -> int: ...
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """All shards of ``x`` (batch, local seq, ...) joined on dim 1; gradients flow back."""
-        ...
-
-
-def global_positions(seq: int, shard: SequenceShard | None, device: torch.device) -> torch.Tensor:
-    """Positions in the whole sequence of the ``seq`` local tokens (shard ``index`` of ``count``)."""
-    offset = shard.index * seq if shard is not None else 0
-    return torch.arange(offset, offset + seq, device=device)
+def _positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``position_ids`` (batch or 1, seq), or ``0..seq-1`` for the tokens of ``x`` (batch, seq, ...)."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(x.shape[1], device=x.device)[None, :]
 
 
 class RMSNorm(nn.Module):
@@ -59,14 +43,15 @@ class RMSNorm(nn.Module):
 
 
 def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` shaped (batch, seq, heads, head_dim) at ``positions``."""
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim) at ``positions``
+    (batch or 1, seq)."""
     head_dim = x.shape[-1]
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim
     )
-    angles = torch.outer(positions.float(), inv_freq)
-    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[None, :, None, :]
-    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[None, :, None, :]
+    angles = positions.float()[..., None] * inv_freq
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[:, :, None, :]
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1)[:, :, None, :]
     half = head_dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).type_as(x)
@@ -85,35 +70,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
         self.wv = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
         self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
-        self.sequence_shard: SequenceShard | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.rope_theta is not None:
-            positions = global_positions(seq, self.sequence_shard, x.device)
+            positions = _positions(position_ids, x)
             q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
-        if self.sequence_shard is not None:
-            k, v = self.sequence_shard.gather(k), self.sequence_shard.gather(v)
         if self.kv_groups > 1:
             k = k.repeat_interleave(self.kv_groups, dim=2)
             v = v.repeat_interleave(self.kv_groups, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.sequence_shard is not None and self.causal:
-            mask = self._shard_causal_mask(self.sequence_shard, seq, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-    @staticmethod
-    def _shard_causal_mask(shard: SequenceShard, seq: int, device: torch.device) -> torch.Tensor:
-        """(local queries, all keys) boolean mask: a query sees keys at or before its position."""
-        queries = global_positions(seq, shard, device)
-        keys = torch.arange(seq * shard.count, device=device)
-        return keys[None, :] <= queries[:, None]
 
 
 class FeedForward(nn.Module):
@@ -147,46 +118,39 @@ class Block(nn.Module):
         self.ffn_norm = _norm(spec)
         self.feed_forward = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), position_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab).
 
-    Every part is optional after construction (``None``), so a pipeline stage keeps
-    only its own embedding, blocks or head.
+    ``position_ids`` (batch or 1, seq) are the tokens' positions, ``0..seq-1`` when not
+    given.
     """
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.pos_embeddings: nn.Embedding | None = (
             nn.Embedding(spec.seq_len, spec.hidden_size)
             if spec.family is not Family.LLAMA
             else None
         )
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
-        self.norm: nn.Module | None = _norm(spec)
-        self.output: nn.Linear | None = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.norm = _norm(spec)
+        self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.sequence_shard: SequenceShard | None = None
 
-    def shard_sequence(self, shard: SequenceShard) -> None:
-        """Context parallel: inputs are from now on shard ``shard.index`` of the sequence."""
-        self.sequence_shard = shard
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.sequence_shard = shard
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(global_positions(h.shape[1], self.sequence_shard, h.device))
-        for block in self.layers.values():
-            h = block(h)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+            h = h + self.pos_embeddings(_positions(position_ids, h))
+        for block in self.layers.values():  # without positions, traced as block(h) alone
+            h = block(h) if position_ids is None else block(h, position_ids)
+        return self.output(self.norm(h))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -330,15 +331,19 @@ def _fx_param_of(root: nn.Module) -> Callable[[torch.fx.Node], nn.Parameter | No
     return param_of
 
 
-def _symbolic_trace(root: nn.Module, block_ids: frozenset[int]) -> torch.fx.GraphModule:
-    graph = _Tracer(block_ids).trace(root)
+def _symbolic_trace(root: nn.Module, block_ids: frozenset[int], given: int) -> torch.fx.GraphModule:
+    """``root`` traced for a call with ``given`` positional inputs: later ``forward``
+    parameters that default to ``None`` (such as ``position_ids``) are traced as ``None``."""
+    parameters = list(inspect.signature(root.forward).parameters.values())[given:]
+    unset = {p.name: None for p in parameters if p.default is None}
+    graph = _Tracer(block_ids).trace(root, concrete_args=unset)
     return torch.fx.GraphModule(root, graph)
 
 
 def _trace_block(
     block: nn.Module, inputs: tuple[torch.Tensor, ...], grads: Sequence[bool]
 ) -> tuple[RawOp, ...]:
-    gm = _symbolic_trace(block, frozenset())
+    gm = _symbolic_trace(block, frozenset(), len(inputs))
     _ShapeProp(gm).run(*inputs)
     reader = _GraphReader(block, grads, _fx_param_of(block))
     return tuple(op for _, op in reader.read(gm.graph))
@@ -357,7 +362,7 @@ def trace_fx(
     Raises whatever fx or shape propagation raises; :func:`planner.trace` turns
     that into a fallback or a :class:`~planner.errors.TraceError`.
     """
-    gm = _symbolic_trace(root, frozenset(id(b) for b in blocks.values()))
+    gm = _symbolic_trace(root, frozenset(id(b) for b in blocks.values()), len(inputs))
     _ShapeProp(gm, {id(b): structural_hash(b) for b in blocks.values()}).run(*inputs)
     reader = _GraphReader(root, [t.requires_grad for t in inputs], _fx_param_of(root))
     items: list[RawOp | BlockCall] = []

@@ -108,7 +108,9 @@ def _default_seq_len(handle: ModelHandle) -> int:
     if isinstance(seq, int):
         logger.info("seq_len not given: using the config's max_position_embeddings (%d)", seq)
         return seq
-    return 1  # not a sequence model: make_inputs ignores it
+    if handle.example_seq_len is not None:
+        return handle.example_seq_len
+    return 1  # not a sequence model
 
 
 def _check_arguments(handle: ModelHandle, batch_size: int, seq_len: int, dtype: str) -> None:

@@ -1,0 +1,280 @@
+"""What :func:`planner.parallelize` returns: the parallel model, which knows its plan.
+
+A :class:`ParallelModel` feeds, steps and clips the model the way the plan was priced:
+
+- :meth:`~ParallelModel.local_batch` cuts the global batch (the same on every rank) to
+  this rank's data-parallel share and, under context parallel, its sequence shard;
+- :meth:`~ParallelModel.step` runs forward and backward over the plan's micro-batches
+  (the pipeline schedule when ``pp > 1``) and returns the global mean loss;
+- :meth:`~ParallelModel.clip_grad_norm_` clips by the norm of the whole model on every
+  mesh (stock ``clip_grad_norm_`` raises where it would be wrong:
+  :mod:`strategies.clipping`);
+- calling it (``parallel(inputs)``, not for pipelines) runs the forward as usual.
+
+The first training step checks the local batch and sequence lengths against the plan, so
+a loop that feeds every rank the whole batch, or the whole sequence under context
+parallel, fails with the fix instead of training wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from planner.errors import SpecError
+from planner.spec import Axis, Plan
+from planner.torch_dtypes import mixed_precision_dtype
+from strategies import clipping
+from strategies.compression import after_step_callback
+from strategies.context_parallel import sequence_slice
+from strategies.mesh import coordinates, device_type, dp_rank_of
+from strategies.pipeline import LossFn, PipelineRunner, full_value
+
+__all__ = ["ParallelModel", "local_slice", "loss_context"]
+
+
+def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
+    """Where vocabulary-sharded logits meet the loss: ``loss_parallel()`` when the plan's
+    layout hands the head's logits on sharded (``plan.loss_parallel``)."""
+    return loss_parallel() if plan.loss_parallel else contextlib.nullcontext()
+
+
+def local_slice(plan: Plan, rank: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``rank``'s data-parallel share (dim 0) and context-parallel shard (dim 1) of each
+    tensor of a global batch."""
+    dp, cp = plan.strategy.dp, plan.strategy.cp
+    index = dp_rank_of(plan, rank)
+    shards = tuple(t.chunk(dp)[index] for t in tensors)
+    if cp == 1:
+        return shards
+    cp_index = coordinates(plan, rank).get(Axis.CP, 0)
+    return tuple(sequence_slice(t, cp_index, cp) for t in shards)
+
+
+class ParallelModel:
+    """The model with ``plan`` applied on this rank: ``module`` (``pp = 1``) or ``runner``."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        parallel: nn.Module | PipelineRunner,
+        *,
+        mesh: DeviceMesh | None,
+        loss_fn: LossFn,
+    ) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._parallel = parallel
+        self._checked = False
+        # Taken once, before any forward: DDP over tensor-parallel shards swaps the modules'
+        # parameters for new objects each forward (torch's _pre_dp_module_transform); the
+        # ones here are those gradients reach, and carry the shard layout (_st_info).
+        self._named_parameters = [
+            (name, param) for m in self.modules for name, param in _unwrapped(m).named_parameters()
+        ]
+        problem = clipping.stock_clipping_problem(plan.strategy.pp, plan.strategy.tp)
+        if problem is not None:
+            clipping.guard_stock_clipping(self.parameters(), problem)
+        self._after_step = (
+            None if isinstance(parallel, PipelineRunner) else after_step_callback(parallel, plan)
+        )
+        if self._after_step is not None:
+            register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    # ---- what the model is on this rank
+
+    @property
+    def runner(self) -> PipelineRunner | None:
+        """The pipeline schedule's runner when ``pp > 1``."""
+        return self._parallel if isinstance(self._parallel, PipelineRunner) else None
+
+    @property
+    def module(self) -> nn.Module:
+        """The parallel module (DDP/FSDP/TP-wrapped); pipelines have :attr:`modules`."""
+        if isinstance(self._parallel, PipelineRunner):
+            raise SpecError(
+                f"plan.strategy.pp = {self.plan.strategy.pp}: this rank holds pipeline chunks, "
+                "not one module; use parallel.modules or parallel.step(inputs, targets)"
+            )
+        return self._parallel
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """This rank's root modules: the model, or its pipeline chunks."""
+        runner = self.runner
+        return list(runner.modules) if runner is not None else [self.module]
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: give ``DistributedSampler(num_replicas=dp_size, rank=dp_rank)``."""
+        return self.plan.strategy.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas."""
+        return dp_rank_of(self.plan, self.rank)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters: what to give the optimizer."""
+        return (param for _, param in self._named_parameters)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the whole model's FQNs (no wrapper prefixes)."""
+        return iter(self._named_parameters)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers under the whole model's FQNs."""
+        merged: dict[str, Any] = {}
+        for module in self.modules:
+            merged.update(_unwrapped(module).state_dict())
+        return merged
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        for module in self.modules:
+            module.train(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        return self.modules[0].training
+
+    # ---- data
+
+    def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's share of a global batch (``global_batch_size`` sequences, equal on
+        every rank): its data-parallel slice, and under context parallel its sequence shard."""
+        expected = self.plan.training.global_batch_size
+        for index, tensor in enumerate(tensors):
+            if tensor.ndim == 0 or tensor.shape[0] != expected:
+                raise SpecError(
+                    f"local_batch: tensor {index} has shape {tuple(tensor.shape)}, but "
+                    f"plan.training.global_batch_size = {expected}: pass the whole global batch "
+                    "(the same on every rank); a loader that already shards by data-parallel "
+                    "rank should use parallel.dp_rank and parallel.dp_size instead"
+                )
+        return local_slice(self.plan, self.rank, *tensors)
+
+    def _check_local(self, tensor: torch.Tensor, where: str, *, whole: bool) -> None:
+        """On the first training call: at most this rank's share of the global batch (all
+        of it when ``whole``), and under context parallel its share of each sequence."""
+        if self._checked or not self.training:
+            return
+        self._checked = True
+        strategy, seq, local = self.plan.strategy, self.plan.seq_len, self._local_batch_size
+        batch = tensor.shape[0] if tensor.ndim else 0
+        if batch > local or (whole and batch != local):
+            raise SpecError(
+                f"{where}: inputs have batch {batch} but this rank's share of the global batch "
+                f"{self.plan.training.global_batch_size} over dp({strategy.dp}) is {local} "
+                "sequences; cut each global batch with parallel.local_batch(inputs, targets)"
+            )
+        cp = strategy.cp
+        if cp > 1 and seq is not None and (tensor.ndim < 2 or tensor.shape[1] != seq // cp):
+            raise SpecError(
+                f"{where}: inputs have shape {tuple(tensor.shape)} but under cp({cp}) each "
+                f"rank holds {seq // cp} of the {seq} tokens of a sequence; cut each global "
+                "batch with parallel.local_batch(inputs, targets)"
+            )
+
+    @property
+    def _local_batch_size(self) -> int:
+        return self.plan.training.global_batch_size // self.plan.strategy.dp
+
+    # ---- forward, step, clip
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module  # raises for pipelines
+        if args and isinstance(args[0], torch.Tensor):
+            self._check_local(args[0], "parallel(inputs)", whole=False)
+        return module(*args, **kwargs)
+
+    def loss_context(self) -> contextlib.AbstractContextManager[object]:
+        """Enter around the loss and backward when calling the model yourself (loss-parallel
+        heads hand on vocabulary-sharded logits)."""
+        return loss_context(self.plan)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's batch over the plan's micro-batches (the
+        pipeline schedule when ``pp > 1``), in the plan's precision; returns the mean loss
+        of the global batch (a detached float32 scalar, equal on every rank)."""
+        self._check_local(inputs, "parallel.step(inputs, targets)", whole=True)
+        device = torch.device(device_type())
+        inputs, targets = inputs.to(device), targets.to(device)
+        with self._autocast(device):
+            runner = self.runner
+            if runner is not None:
+                loss = runner.step(inputs, targets)
+            else:
+                loss = self._accumulate(inputs, targets)
+        return _global_mean(loss)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip gradients to a global L2 norm of ``max_norm`` (the whole model's, on every
+        mesh); returns the norm before clipping, equal on every rank."""
+        runner = self.runner
+        groups = (runner.group,) if runner is not None else ()
+        return clipping.clip_grad_norm_(self.parameters(), max_norm, extra_groups=groups)
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+        dtype = mixed_precision_dtype(self.plan.training.dtype)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Gradient accumulation over the plan's micro-batches; the mean micro-batch loss."""
+        model, count = self.module, self.plan.strategy.num_microbatches
+        losses = []
+        for index, (x, y) in enumerate(zip(inputs.chunk(count), targets.chunk(count), strict=True)):
+            with _gradient_sync(model, sync=index == count - 1), self.loss_context():
+                loss = self.loss_fn(model(x), y) / count
+                loss.backward()
+            losses.append(full_value(loss).float())
+        return torch.stack(losses).sum()
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Local SGD's periodic averaging, after any optimizer step over this model."""
+        ours = {id(p) for p in self.parameters()}
+        steps_ours = any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+        if steps_ours and self._after_step is not None:
+            self._after_step()
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside DDP's wrapper (whose names carry a ``module.`` prefix)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Reduce gradients only on the last micro-batch (DDP ``no_sync``, FSDP2 flag)."""
+    if isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+        return
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def _global_mean(loss: torch.Tensor) -> torch.Tensor:
+    total = loss.detach().float().clone()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total

@@ -1,0 +1,128 @@
+"""What ``planner.parallelize`` returns, in one process: it knows its plan, cuts global
+batches, refuses inputs of the wrong shape with the fix, guards stock clipping; and
+``--seq`` re-traces a user module at that length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from planner.assemble import assemble_plan
+from planner.errors import SpecError
+from planner.models import resolve_model
+from planner.spec import Cluster, Strategy, Training
+from planner.tracing import trace
+from strategies import clipping
+from strategies.parallel_model import ParallelModel
+from tests.test_runtime_numerics import TinyLM
+
+USER_GPT = "tests.user_models:gpt"
+
+
+def _parallel(batch: int = 8, seq: int = 16) -> ParallelModel:
+    model = resolve_model("tiny-gpt", device="cpu", seed=0).module
+    training = Training(global_batch_size=batch, micro_batch_size=batch, seq_len=seq, dtype="fp32")
+    cluster = Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1)
+    plan = assemble_plan(
+        resolve_model("tiny-gpt"), cluster, training, Strategy(micro_batch_size=batch)
+    )
+    return planner.parallelize(model, plan)
+
+
+def test_the_parallel_model_knows_its_plan_and_steps_like_the_model() -> None:
+    parallel = _parallel()
+    assert parallel.plan.training.global_batch_size == 8
+    assert (parallel.dp_size, parallel.dp_rank) == (1, 0)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = parallel.local_batch(tokens[:, :-1], tokens[:, 1:])
+    assert inputs.shape == (8, 16)
+    loss = parallel.step(inputs, targets)
+    expected = torch.nn.functional.cross_entropy(parallel(inputs).flatten(0, 1), targets.flatten())
+    assert float(loss) == pytest.approx(float(expected.detach()), abs=1e-6)
+    norm = parallel.clip_grad_norm_(1e-3)
+    clipped = torch.sqrt(sum(p.grad.pow(2).sum() for p in parallel.parameters()))
+    assert float(norm) > 1e-3 and float(clipped) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_a_batch_that_is_not_the_global_batch_names_the_fix() -> None:
+    parallel = _parallel()
+    with pytest.raises(SpecError, match=r"global_batch_size = 8: pass the whole global batch"):
+        parallel.local_batch(torch.zeros(4, 16, dtype=torch.long))
+
+
+def test_a_step_on_the_wrong_batch_fails_before_training() -> None:
+    parallel = _parallel()
+    with pytest.raises(SpecError, match=r"inputs have batch 16 .* is 8 sequences; cut each"):
+        parallel.step(torch.zeros(16, 16, dtype=torch.long), torch.zeros(16, 16, dtype=torch.long))
+
+
+def test_a_forward_on_more_than_this_ranks_share_fails() -> None:
+    parallel = _parallel(batch=4)
+    with pytest.raises(SpecError, match=r"parallel\(inputs\): inputs have batch 8"):
+        parallel(torch.zeros(8, 16, dtype=torch.long))
+
+
+def test_stock_clipping_of_guarded_parameters_raises_with_the_fix() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    other = torch.nn.Parameter(torch.ones(3))
+    other.grad = torch.ones(3)
+    clipping.guard_stock_clipping([weight], "pipeline stages (pp = 2) each see only theirs")
+    with pytest.raises(SpecError, match=r"pp = 2\) each see only theirs.*parallel.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_([other, weight], 1.0)
+    norm = torch.nn.utils.clip_grad_norm_([other], 1.0)  # unguarded parameters: stock
+    assert float(norm) == pytest.approx(3**0.5)
+
+
+@pytest.mark.parametrize(
+    ("pp", "tp", "problem"),
+    [(1, 1, None), (2, 1, "pipeline stages"), (1, 2, "tensor-parallel shards"), (2, 2, "pipeline")],
+)
+def test_stock_clipping_is_guarded_where_it_would_be_wrong(pp, tp, problem) -> None:
+    found = clipping.stock_clipping_problem(pp, tp)
+    assert (found is None) if problem is None else (problem in found)
+
+
+def _forward_flops(seq_len: int | None) -> float:
+    return trace(resolve_model(USER_GPT), batch_size=1, seq_len=seq_len).flops_fwd
+
+
+def test_seq_retraces_a_user_module_at_that_length() -> None:
+    """tests.user_models:gpt's example inputs are 16 tokens; at 64 the linear layers do 4x
+    the work and attention more (the old trace kept 16 and priced 4x the tokens/s)."""
+    native, longer = _forward_flops(None), _forward_flops(64)
+    assert graph_seq(None) == 16 and graph_seq(64) == 64
+    assert longer / native > 4.0
+
+
+def graph_seq(seq_len: int | None) -> int:
+    return trace(resolve_model(USER_GPT), batch_size=1, seq_len=seq_len).seq_len
+
+
+def test_seq_on_a_model_without_token_ids_names_the_fix() -> None:
+    with pytest.raises(SpecError, match=r"seq_len = 32.*takes no token ids.*example_inputs"):
+        trace(resolve_model("mlp"), batch_size=1, seq_len=32)
+
+
+def test_example_inputs_taking_seq_len_are_asked_for_it() -> None:
+    class Sized(TinyLM):
+        def example_inputs(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor]:  # type: ignore[override]
+            return (torch.zeros(batch_size, seq_len, dtype=torch.long),)
+
+    handle = planner.models.handle_for_module(Sized())
+    assert handle.make_inputs(2, 48)[0].shape == (2, 48)
+
+
+def test_one_shot_plans_a_hugging_face_model_at_the_training_length() -> None:
+    """No example_inputs needed: the plan is made at ``training.seq_len`` and returned."""
+    from tests.test_runtime_numerics import build_handle
+
+    model = build_handle("hf-qwen2").module
+    training = Training(global_batch_size=4, seq_len=48, dtype="fp32")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    parallel = planner.parallelize(model, cluster=cluster, training=training)
+    assert parallel.plan.seq_len == 48 and parallel.module is model
+    tokens = torch.randint(0, 256, (4, 49))
+    loss = parallel.step(*parallel.local_batch(tokens[:, :-1], tokens[:, 1:]))
+    assert torch.isfinite(loss)
