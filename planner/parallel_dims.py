@@ -177,11 +177,22 @@ class ParallelDims:
         blocker = self.ddp_blocker(tied=tied)
         return None if blocker is None else f"compression.kind = {kind.value!r}: {blocker}"
 
-    def schedule_blocker(self, schedule: Schedule, num_microbatches: int) -> str | None:
-        """Why ``schedule`` cannot run ``num_microbatches`` per step on ``pp`` ranks: 1F1B
-        needs a micro-batch per stage, interleaved 1F1B whole rounds of ``pp``."""
+    def schedule_blocker(
+        self, schedule: Schedule, num_microbatches: int, *, selective: bool = False
+    ) -> str | None:
+        """Why ``schedule`` cannot run ``num_microbatches`` per step on ``pp`` ranks (with
+        ``selective`` recompute on some stage): 1F1B needs a micro-batch per stage,
+        interleaved 1F1B whole rounds of ``pp``; zero-bubble runs two backward passes over
+        each micro-batch, which torch's selective activation checkpoint does not allow."""
         if self.pp == 1:
             return None
+        if schedule is Schedule.ZERO_BUBBLE and selective:
+            return (
+                "strategy.schedule = 'zero-bubble' with recompute 'selective': zero-bubble "
+                "runs two backward passes over each micro-batch (input, then weight "
+                "gradients) and selective activation checkpointing allows one; use "
+                "recompute 'full' or 'none', or another schedule"
+            )
         if schedule is Schedule.ONE_F_ONE_B and num_microbatches < self.pp:
             return (
                 f"strategy.num_microbatches = {num_microbatches} < pp({self.pp}): the 1f1b "

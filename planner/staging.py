@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,13 +51,14 @@ __all__ = [
     "StagedForward",
     "build_chunk",
     "install_stage_forward",
+    "logits_problem",
     "modules_around",
+    "output_logits",
     "split_problem",
     "stage_problem",
 ]
 
 STAGE_IDS = "stage_ids"  # the keyword that hands a later stage its micro-batch's token ids
-_CHECK_BATCH = 2  # sequences in the plan-time stage check (meta tensors: no cost)
 
 
 # ---- chunks
@@ -263,7 +265,7 @@ class StagedForward:
             self.received = None
         if not self.last:
             raise SpecError("the model's forward returned before this stage's last block ran")
-        return _logits(output)
+        return output_logits(output)
 
     def take_received(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -317,9 +319,25 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return found
 
 
-def _logits(output: Any) -> torch.Tensor:
+def output_logits(output: Any) -> torch.Tensor:
+    """The logits in a model's output: its ``.logits`` (Hugging Face), the output itself,
+    or the first tensor of a tuple (nanoGPT's ``(logits, loss)``)."""
     logits = getattr(output, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
+
+
+def logits_problem(logits: torch.Size, tokens: torch.Size) -> str | None:
+    """Why logits shaped ``logits`` are not one row per token of ``tokens`` (batch, seq),
+    as the training loss needs, or ``None``."""
+    rows = math.prod(logits[:-1]) if len(logits) >= 2 else 0
+    if rows == math.prod(tokens):
+        return None
+    return (
+        f"the model's forward returns logits of shape {tuple(logits)} for token ids of shape "
+        f"{tuple(tokens)}, not one row of logits per token (a forward that returns only the "
+        "last position's logits when called without targets, as nanoGPT's does, cannot be "
+        "trained that way); return the logits of every position"
+    )
 
 
 # ---- stage splits
@@ -543,7 +561,8 @@ def _chain_problem(
 ) -> str | None:
     """Run a first stage (embeddings, block 0), a middle one (block 1) and a last one (last
     block, head) one after the other as the runtime does (the blocks between are skips:
-    a few blocks, whatever the depth); none may use a module of another stage."""
+    a few blocks, whatever the depth); none may use a module of another stage, and the
+    last hands on a row of logits per token."""
     before, after = modules_around(model)
     middle = [("a middle stage", [blocks[1]])] if len(blocks) > 2 else []
     stages = [("the first stage", [*before, blocks[0]]), *middle,
@@ -567,7 +586,8 @@ def _chain_problem(
                 "connection that bypasses the blocks)"
             )
         hidden = output
-    return None
+    assert hidden is not None  # at least a first and a last stage ran
+    return logits_problem(hidden.shape, ids.shape)
 
 
 def _watch_stand_ins(chunk: nn.Module) -> list[_StandIn]:

@@ -202,8 +202,12 @@ def _check_pipeline(plan: Plan) -> None:
     twice = sorted({fqn for fqn in placed if placed.count(fqn) > 1})
     if twice:
         raise SpecError(f"plan.stages places {', '.join(twice)} in more than one chunk")
+    selective = any(
+        strategy.recompute_for_stage(stage) is RecomputeMode.SELECTIVE
+        for stage in range(strategy.pp)
+    )
     blocker = ParallelDims.of(strategy).schedule_blocker(
-        strategy.schedule, strategy.num_microbatches
+        strategy.schedule, strategy.num_microbatches, selective=selective
     )
     if blocker is not None:
         raise SpecError(blocker)

@@ -30,6 +30,7 @@ from planner.errors import SpecError
 from planner.layouts import check_plan_layout
 from planner.modules import check_model_against_plan
 from planner.spec import Axis, Plan
+from planner.staging import logits_problem, output_logits
 from planner.validate import validate_plan_for_world
 from strategies import (
     checkpointing,
@@ -50,9 +51,15 @@ log = logging.getLogger(__name__)
 
 
 def token_cross_entropy(output: object, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over all tokens; ``output`` is logits or has ``.logits`` (Hugging Face)."""
-    logits = getattr(output, "logits", output)
-    assert isinstance(logits, torch.Tensor)
+    """Mean cross entropy over all tokens; ``output`` holds the logits
+    (:func:`planner.staging.output_logits`: a tensor, ``.logits``, or a tuple's first)."""
+    logits = output_logits(output)
+    problem = logits_problem(logits.shape, targets.shape)
+    if problem is not None:
+        raise SpecError(
+            f"the loss cannot be computed: {problem}, or give "
+            "planner.parallelize(model, plan, loss_fn=...) a loss for its output"
+        )
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from planner.cost import CostModel, graph_from_spec
 from planner.errors import PlannerError
 from planner.graph import OpGraph
-from planner.models import get_preset
+from planner.models import get_preset, resolve_model
 from planner.parallel_dims import ParallelDims
 from planner.solve.search import ModelLimits, in_search_space
 from planner.spec import (
@@ -115,6 +115,29 @@ def test_compression_where_it_runs():
     assert ddp.compression_blocker(CompressionKind.POWERSGD, tied=True) is not None
     cp_only = ParallelDims(cp=2, zero=1)  # ZeRO shards over the cp ranks
     assert cp_only.compression_blocker(CompressionKind.INT8) is None
+
+
+def test_zero_bubble_runs_no_selective_recompute():
+    """Zero-bubble's two backward passes per micro-batch (input, then weight gradients)
+    meet torch's selective checkpoint, which allows one: refused with the fix."""
+    dims = ParallelDims(pp=2)
+    message = dims.schedule_blocker(Schedule.ZERO_BUBBLE, 4, selective=True)
+    assert message is not None
+    assert "recompute 'selective'" in message and "use recompute 'full' or 'none'" in message
+    assert dims.schedule_blocker(Schedule.ZERO_BUBBLE, 4) is None
+    assert dims.schedule_blocker(Schedule.ONE_F_ONE_B, 4, selective=True) is None
+    assert ParallelDims().schedule_blocker(Schedule.ZERO_BUBBLE, 4, selective=True) is None
+
+
+def test_the_search_says_why_zero_bubble_and_selective_recompute_are_not_planned():
+    from planner.planning import make_plan
+    from planner.solve.search import Pins
+
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    pins = Pins(pp=2, schedule=Schedule.ZERO_BUBBLE, recompute=RecomputeMode.SELECTIVE)
+    with pytest.raises(PlannerError, match="selective activation checkpointing allows one"):
+        make_plan(resolve_model("tiny-llama"), cluster, training, pins=pins)
 
 
 def test_local_sgd_group_divides_dp_and_is_smaller():

@@ -57,6 +57,22 @@ def test_a_step_on_the_wrong_batch_fails_before_training() -> None:
         parallel.step(torch.zeros(16, 16, dtype=torch.long), torch.zeros(16, 16, dtype=torch.long))
 
 
+def test_a_model_returning_the_last_positions_logits_cannot_be_stepped() -> None:
+    """nanoGPT's forward without targets returns ``(logits of the last position, None)``:
+    the loss says so, instead of an assertion or a shape error from cross entropy."""
+    from tests.test_pipeline_any_model import _LM
+
+    module = _LM("last position")
+    training = Training(global_batch_size=4, micro_batch_size=4, seq_len=8, dtype="fp32")
+    parallel = planner.parallelize(
+        module, cluster=Cluster(gpu="h100-sxm-80gb", num_gpus=1), training=training
+    )
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    with pytest.raises(SpecError, match=r"logits of shape \(4, 1, 64\) .* loss_fn=") as caught:
+        parallel.step(tokens, tokens)
+    assert "return the logits of every position" in str(caught.value)
+
+
 def test_a_forward_on_more_than_this_ranks_share_fails() -> None:
     parallel = _parallel(batch=4)
     with pytest.raises(SpecError, match=r"parallel\(inputs\): inputs have batch 8"):

@@ -66,6 +66,7 @@ WORLD2 = [
     _pp("hf-gpt2 (untied) 1f1b", "hf-gpt2"),
     _pp("hf-gpt-neox zero-bubble", "hf-gpt_neox", "zero-bubble"),
     _pp("hf-llama 1f1b recompute full", "hf-llama4", recompute="full"),
+    _pp("user gpt zero-bubble recompute full", "user-gpt", "zero-bubble", recompute="full"),
     _pp("hf-qwen2 interleaved recompute selective", "hf-qwen2-4", "interleaved-1f1b",
         recompute="selective"),
     _pp("tiny-llama 1f1b", "tiny-llama"),
@@ -209,6 +210,8 @@ class _LM(nn.Module):
                 x = x * 0.5
         if self.wiring == "long skip":
             x = x + embedded  # the head's input reaches back to the embeddings
+        if self.wiring == "last position":  # nanoGPT's forward without targets
+            return self.head(x[:, [-1], :]), None
         return self.head(x)
 
     def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
@@ -221,6 +224,7 @@ class _LM(nn.Module):
         ("shared block", r"block 'blocks.0' runs 2 times in one forward"),
         ("scaled between blocks", r"does not take block 'blocks.0''s output as its first input"),
         ("long skip", r"the last stage uses the output of .embed., which sits on another stage"),
+        ("last position", r"logits of shape \(2, 1, 64\) for token ids of shape \(2, 8\)"),
     ],
 )
 def test_a_forward_that_cannot_run_as_stages_gets_no_pipeline_plan(

@@ -508,6 +508,10 @@ class _Space:
             params = work.param_count / pp
             kept = (self.limits.num_blocks // pp) * work.least_block_activation_bytes
             for schedule, virtual, fill, in_flight in schedules:
+                if ParallelDims(pp=pp).schedule_blocker(
+                    Schedule(schedule), microbatches, selective=mode is RecomputeMode.SELECTIVE
+                ):
+                    continue
                 activations = kept * in_flight
                 fitting: list[_Sharding] = []
                 floors: list[float] = []
@@ -795,6 +799,10 @@ def _no_candidates(
             f"schedule {pins.schedule or Schedule.INTERLEAVED_1F1B} with virtual_stages "
             f"{pins.virtual_stages or 1} needs a pipeline (pp > 1), but {why}"
         )
+    if pins.schedule is not None and pins.recompute is RecomputeMode.SELECTIVE:
+        blocker = ParallelDims(pp=2).schedule_blocker(pins.schedule, 2, selective=True)
+        if blocker is not None:  # the schedule itself, whatever the pipeline's depth
+            reasons.append(blocker)
     if pins.cp is not None and pins.cp > 1 and limits.context_parallel_problem:
         reasons.append(f"cp({pins.cp}): {limits.context_parallel_problem}")
     if pins.dp is not None and batch % pins.dp:
