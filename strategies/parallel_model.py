@@ -3,7 +3,9 @@
 A :class:`ParallelModel` feeds, steps and clips the model the way the plan was priced:
 
 - :meth:`~ParallelModel.local_batch` cuts the global batch (the same on every rank) to
-  this rank's data-parallel share and, under context parallel, its sequence shard;
+  this rank's data-parallel share and, under context parallel, its sequence shard
+  (:meth:`~ParallelModel.sequence_shard` cuts the share a loader sharded by
+  :attr:`~ParallelModel.dp_rank` gives);
 - :meth:`~ParallelModel.step` runs forward and backward over the plan's micro-batches
   (the pipeline schedule when ``pp > 1``) and returns the global mean loss;
 - :meth:`~ParallelModel.clip_grad_norm_` clips by the norm of the whole model on every
@@ -40,7 +42,7 @@ from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
 from strategies.pipeline import LossFn, PipelineRunner, full_value
 
-__all__ = ["ParallelModel", "local_slice", "loss_context"]
+__all__ = ["ParallelModel", "local_slice", "sequence_shards", "loss_context"]
 
 
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
@@ -52,13 +54,18 @@ def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
 def local_slice(plan: Plan, rank: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``rank``'s data-parallel share (dim 0) and context-parallel shard (dim 1) of each
     tensor of a global batch."""
-    dp, cp = plan.strategy.dp, plan.strategy.cp
     index = dp_rank_of(plan, rank)
-    shards = tuple(t.chunk(dp)[index] for t in tensors)
+    return sequence_shards(plan, rank, *(t.chunk(plan.strategy.dp)[index] for t in tensors))
+
+
+def sequence_shards(plan: Plan, rank: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``rank``'s context-parallel shard (dim 1) of each tensor (the tensors themselves when
+    ``cp = 1``)."""
+    cp = plan.strategy.cp
     if cp == 1:
-        return shards
+        return tensors
     cp_index = coordinates(plan, rank).get(Axis.CP, 0)
-    return tuple(sequence_slice(t, cp_index, cp) for t in shards)
+    return tuple(sequence_slice(t, cp_index, cp) for t in tensors)
 
 
 class ParallelModel:
@@ -164,10 +171,26 @@ class ParallelModel:
                 raise SpecError(
                     f"local_batch: tensor {index} has shape {tuple(tensor.shape)}, but "
                     f"plan.training.global_batch_size = {expected}: pass the whole global batch "
-                    "(the same on every rank); a loader that already shards by data-parallel "
-                    "rank should use parallel.dp_rank and parallel.dp_size instead"
+                    "(the same on every rank); a loader that already shards by "
+                    "parallel.dp_rank and parallel.dp_size gives its batches to "
+                    "parallel.sequence_shard"
                 )
         return local_slice(self.plan, self.rank, *tensors)
+
+    def sequence_shard(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's shard of each sequence (context parallel; unchanged when ``cp = 1``)
+        of its data-parallel share (``global_batch_size / dp`` sequences), as a loader
+        sharded by :attr:`dp_rank` over :attr:`dp_size` yields it."""
+        expected = self._local_batch_size
+        for index, tensor in enumerate(tensors):
+            if tensor.ndim < 2 or tensor.shape[0] != expected:
+                raise SpecError(
+                    f"sequence_shard: tensor {index} has shape {tuple(tensor.shape)}, but this "
+                    f"rank's share of the global batch {self.plan.training.global_batch_size} "
+                    f"over dp({self.plan.strategy.dp}) is {expected} sequences: pass this "
+                    "rank's share (batch, seq), or the global batch to parallel.local_batch"
+                )
+        return sequence_shards(self.plan, self.rank, *tensors)
 
     def _check_local(self, tensor: torch.Tensor, where: str, *, whole: bool) -> None:
         """On the first training call: at most this rank's share of the global batch (all

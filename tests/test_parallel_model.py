@@ -14,7 +14,8 @@ from planner.models import resolve_model
 from planner.spec import Cluster, Strategy, Training
 from planner.tracing import trace
 from strategies import clipping
-from strategies.parallel_model import ParallelModel
+from strategies.mesh import dp_rank_of
+from strategies.parallel_model import ParallelModel, local_slice, sequence_shards
 from tests.test_runtime_numerics import TinyLM
 
 USER_GPT = "tests.user_models:gpt"
@@ -71,6 +72,30 @@ def test_a_model_returning_the_last_positions_logits_cannot_be_stepped() -> None
     with pytest.raises(SpecError, match=r"logits of shape \(4, 1, 64\) .* loss_fn=") as caught:
         parallel.step(tokens, tokens)
     assert "return the logits of every position" in str(caught.value)
+
+
+def test_a_loader_sharded_by_dp_rank_gets_the_same_shards_as_local_batch() -> None:
+    """dp 2 x cp 2: each rank's dp share (as a DistributedSampler by dp_rank gives it) cut
+    by sequence_shards equals local_batch's cut of the global batch."""
+    training = Training(global_batch_size=8, micro_batch_size=4, seq_len=16, dtype="fp32")
+    cluster = Cluster(gpu="cpu", num_gpus=4, gpus_per_node=4)
+    plan = assemble_plan(
+        resolve_model("tiny-gpt"), cluster, training, Strategy(dp=2, cp=2, micro_batch_size=4)
+    )
+    tokens = torch.arange(8 * 16).view(8, 16)
+    for rank in range(4):
+        (share,) = local_slice(plan, rank, tokens)
+        dp_share = tokens.chunk(2)[dp_rank_of(plan, rank)]
+        (cut,) = sequence_shards(plan, rank, dp_share)
+        assert share.shape == (4, 8) and torch.equal(cut, share)
+
+
+def test_a_sequence_shard_of_the_wrong_batch_names_the_fix() -> None:
+    parallel = _parallel(batch=8)
+    with pytest.raises(SpecError, match=r"is 8 sequences: pass this rank's share"):
+        parallel.sequence_shard(torch.zeros(16, 16, dtype=torch.long))
+    (same,) = parallel.sequence_shard(torch.ones(8, 16))
+    assert same.shape == (8, 16)
 
 
 def test_a_forward_on_more_than_this_ranks_share_fails() -> None:
