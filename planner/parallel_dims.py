@@ -183,7 +183,8 @@ class ParallelDims:
         """Why ``schedule`` cannot run ``num_microbatches`` per step on ``pp`` ranks (with
         ``selective`` recompute on some stage): 1F1B needs a micro-batch per stage,
         interleaved 1F1B whole rounds of ``pp``; zero-bubble runs two backward passes over
-        each micro-batch, which torch's selective activation checkpoint does not allow."""
+        each micro-batch, which torch's selective activation checkpoint does not allow
+        (torchtitan's own zero-bubble tests run full recompute)."""
         if self.pp == 1:
             return None
         if schedule is Schedule.ZERO_BUBBLE and selective:

@@ -146,7 +146,7 @@ STAGES_VIRTUAL = [
 HAND_BUILT = [
     ("torchtitan", {"dp": 4, "zero": 2, "dp_shard": 2, "pp": 2, "schedule": Schedule.ZERO_BUBBLE,
                     "num_microbatches": 4, "micro_batch_size": 2,
-                    "recompute": RecomputeMode.SELECTIVE}, {"grad_clip": False}, None),
+                    "recompute": RecomputeMode.FULL}, {"grad_clip": False}, None),
     ("torchtitan==0.2", {"dp": 8, "zero": 3, "micro_batch_size": 2, "num_microbatches": 3},
      {"dtype": DType.FP8}, None),
     ("torchtitan", {"dp": 2, "zero": 1, "tp": 2, "sequence_parallel": True, "cp": 2, "pp": 2,
