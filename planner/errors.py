@@ -18,6 +18,7 @@ __all__ = [
     "InfeasibleError",
     "PlanMismatchError",
     "ExportError",
+    "one_line",
 ]
 
 
@@ -55,3 +56,11 @@ class PlanMismatchError(PlannerError):
 
 class ExportError(PlannerError):
     """A plan uses something the target framework cannot express; the message says what."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``TypeName: message`` of ``exc`` on one line (at most 300 characters), for messages
+    that quote an error the user's code raised."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -41,9 +41,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from planner.errors import SpecError
+from planner.errors import SpecError, one_line
 from planner.hf import expected_load_experts
-from planner.models import _one_line, is_hf_model
+from planner.models import is_hf_model
 from planner.modules import find_blocks
 
 __all__ = [
@@ -457,7 +457,7 @@ def stage_problem(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str | 
                 model, ids, blocks, fake=hf
             )
     except Exception as exc:  # the user's forward failed as a stage: that is the reason
-        return f"{name}: a pipeline stage's forward fails on the meta device ({_one_line(exc)})"
+        return f"{name}: a pipeline stage's forward fails on the meta device ({one_line(exc)})"
     return None if problem is None else f"{name}: {problem}"
 
 

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from planner.errors import SpecError, UnknownNameError
+from planner.errors import SpecError, UnknownNameError, one_line
 from planner.models.small import MLPMixer, MLPStack, SmallCNN
 from planner.models.transformer import Block, Transformer
 from planner.presets import ALIASES, PRESETS, get_preset
@@ -195,13 +195,6 @@ def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHan
     return _from_module(name or type(module).__name__, "module", module, None)
 
 
-def _one_line(exc: BaseException) -> str:
-    """``TypeName: message`` on one line (at most 300 characters)."""
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _import_function(path: str) -> Callable[[], object]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
@@ -219,7 +212,7 @@ def _import_function(path: str) -> Callable[[], object]:
         ) from None
     except Exception as exc:  # the user's module failed while it was imported
         raise SpecError(
-            f"importing {module_name!r} from model path {path!r} raised {_one_line(exc)}; "
+            f"importing {module_name!r} from model path {path!r} raised {one_line(exc)}; "
             f"fix the module (python -c 'import {module_name}' shows the traceback)"
         ) from None
     function = getattr(module, attr, None)
@@ -236,7 +229,7 @@ def _call_model_function(path: str) -> object:
     except Exception as exc:
         module_name, _, attr = path.partition(":")
         raise SpecError(
-            f"model function {path!r} raised {_one_line(exc)}; fix the function (call "
+            f"model function {path!r} raised {one_line(exc)}; fix the function (call "
             f"{module_name}.{attr}() in Python to see the traceback)"
         ) from None
 
