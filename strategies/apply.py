@@ -4,12 +4,14 @@
    layout by the planner's rules and a rehearsal on fake tensors, and its pipeline
    stages (pure; before any collective)
 2. build the device mesh
-3. pipeline split (this rank's chunks; each runs as its stage once steps 4-8 wrapped it)
+3. pipeline split (this rank's chunks; each runs as its stage once steps 4-10 wrapped it)
 4. context parallel (attention gathers keys and values over cp; global positions)
 5. tensor / sequence parallel
 6. activation recompute
-7. FSDP (ZeRO >= 1, sharding over dp_shard x cp) or DDP (ZeRO 0, over dp_replicate x cp)
-8. gradient-compression hooks
+7. FSDP (ZeRO >= 1, sharding over dp_shard x cp)
+8. deferred initialisation of a meta-device model: this rank's shards only
+9. DDP (ZeRO 0, over dp_replicate x cp)
+10. gradient-compression hooks
 
 The same order as torchtitan's ``parallelize_llama``: each later step wraps what the
 earlier ones produced (FSDP shards DTensor-TP parameters into 2-D DTensors, DDP's hooks
@@ -19,6 +21,7 @@ see the final parameters).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ from strategies import (
     context_parallel,
     data_parallel,
     fsdp,
+    materialize,
     pipeline,
     tensor_parallel,
 )
@@ -68,39 +72,49 @@ def parallelize(
     plan: Plan,
     *,
     loss_fn: LossFn = token_cross_entropy,
+    seed: int = 0,
+    init: materialize.Init | None = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on the current process group (or a single process).
 
     Returns a :class:`~strategies.parallel_model.ParallelModel`: the parallel model (or,
     for ``pp > 1``, this rank's pipeline chunks behind the schedule), which knows the
     plan; its ``step(inputs, targets)`` runs forward and backward with ``loss_fn``.
+
+    A model built on the meta device is initialised after the plan cut and sharded it,
+    each rank allocating only its shards (:mod:`strategies.materialize`): ``init(module)``
+    sets a module's own tensors (default: ``reset_parameters`` then the root's
+    ``_init_weights``), seeded per module from ``seed``, so the weights are the same
+    under any plan.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
     check_plan_layout(plan, model)
     pipeline.check_split(model, plan)
-    _check_materialised(model)
+    materialize.check_deferrable(model)
+    deferred = _Deferred(seed, init) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
     if mesh is not None and plan.strategy.pp > 1:
         pp_rank = axis_rank(mesh, Axis.PP)
         chunks = [
-            (index, _apply_dimensions(chunk, mesh, plan, pp_rank))
+            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, deferred))
             for index, chunk in pipeline.split(model, mesh, plan)
         ]
         pipeline.install_stages(chunks, plan)
         runner = pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
         return ParallelModel(plan, runner, mesh=mesh, loss_fn=loss_fn)
-    return ParallelModel(plan, _apply_dimensions(model, mesh, plan, 0), mesh=mesh, loss_fn=loss_fn)
+    return ParallelModel(
+        plan, _apply_dimensions(model, mesh, plan, 0, deferred), mesh=mesh, loss_fn=loss_fn
+    )
 
 
-def _check_materialised(model: nn.Module) -> None:
-    on_meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
-    if on_meta is not None:
-        raise SpecError(
-            f"parameter {on_meta!r} is on the meta device (no values to train): build the "
-            "model on a real device, e.g. resolve_model(name, device='cpu', seed=0)"
-        )
+@dataclass(frozen=True)
+class _Deferred:
+    """How a meta-device model is initialised once sharded."""
+
+    seed: int
+    init: materialize.Init | None
 
 
 def _apply_dimensions(
@@ -108,12 +122,23 @@ def _apply_dimensions(
     mesh: DeviceMesh | None,
     plan: Plan,
     pp_rank: int,
+    deferred: _Deferred | None,
 ) -> nn.Module:
-    if device_type() == "cuda":
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+    device = _device()
+    if deferred is None and device.type == "cuda":
+        model.to(device)
     model = context_parallel.apply(model, mesh, plan)
     model = tensor_parallel.apply(model, mesh, plan)
     model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
     model = fsdp.apply(model, mesh, plan)
+    if deferred is not None:
+        model = materialize.apply(model, device, seed=deferred.seed, init=deferred.init)
     model = data_parallel.apply(model, mesh, plan)
     return compression.apply(model, mesh, plan)
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (``torch.cuda.set_device`` chose it), else CPU."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -100,7 +100,8 @@ def _optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.
 
 
 def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator[StepRecord]:
-    """Build the plan's model, apply the plan and train ``steps`` steps on synthetic tokens."""
+    """Build the plan's model on the meta device, apply the plan (each rank initialises only
+    its shards, seeded by ``seed``) and train ``steps`` steps on synthetic tokens."""
     if plan.model is None:
         raise SpecError(
             f"plan for {plan.model_name!r} has no model spec: 'plan run' trains zoo or "
@@ -110,8 +111,7 @@ def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator
     validate_plan_for_world(plan, world)  # before building a model that may not fit here
     seq_len = plan.seq_len
     assert seq_len is not None  # a plan with a model spec has one
-    model = build(plan.model, device="cpu", seed=seed)
-    parallel = parallelize(model, plan)
+    parallel = parallelize(build(plan.model, device="meta"), plan, seed=seed)
     trainer = Trainer(parallel, lr=lr)
     for step in range(steps):
         inputs, targets = parallel.local_batch(

@@ -37,3 +37,9 @@ def run_printing(command: list[str], printed: str) -> str:
         )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def loss_falls(losses: list[float]) -> bool:
+    """Whether the mean of the last three losses is below that of the first three (each
+    step trains on a new batch, so single steps are noisy)."""
+    return sum(losses[-3:]) < sum(losses[:3])

@@ -202,7 +202,7 @@ WALKTHROUGH_KEY_LINES: dict[str, tuple[str, ...]] = {
         r"wrote plan\.json",
     ),
     r"^plan explain plan\.json$": (r"Plan for tiny-llama on 2 x my-cpu\.json", r"│ mesh +│"),
-    r"-m planner run plan\.json --steps 5$": (r"step +0  loss 5\.7006\d\d  time [\d.]+ s", r"step +4  loss"),
+    r"-m planner run plan\.json --steps 5$": (r"step +0  loss 5\.6558\d\d  time [\d.]+ s", r"step +4  loss"),
     r"-m planner measure plan\.json .*-o measured\.json$": (
         r"tiny-llama: dp", r"step time: median [\d.]+ ms", r"wrote measured\.json",
     ),

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import planner
 from planner.assemble import assemble_plan
 from planner.cli import main
-from planner.errors import PlanMismatchError, SpecError
+from planner.errors import PlanMismatchError
 from planner.models import resolve_model
 from planner.spec import Cluster, Plan, RecomputeMode, Strategy, Training
 from strategies.checkpointing import recompute_block
@@ -81,9 +81,9 @@ def test_wrong_world_size_fails_before_any_collective() -> None:
     assert not dist.is_initialized()
 
 
-def test_meta_model_is_refused() -> None:
-    with pytest.raises(SpecError, match="meta device"):
-        planner.parallelize(resolve_model("tiny-llama").module, _single_plan())
+def test_meta_model_is_initialised_in_place() -> None:
+    parallel = planner.parallelize(resolve_model("tiny-llama").module, _single_plan(), seed=3)
+    assert not any(p.is_meta or p.isnan().any() for p in parallel.parameters())
 
 
 def test_single_process_plan_returns_the_model() -> None:

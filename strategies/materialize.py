@@ -1,0 +1,155 @@
+"""Deferred initialisation: a model built on the meta device gets values only for this
+rank's shards, after the plan cut and sharded it (as torchtitan does).
+
+:func:`apply` runs between FSDP and DDP in :mod:`strategies.apply` (DDP broadcasts
+values, so it needs them): ``to_empty`` allocates this rank's local shards on the
+device, then every module that holds tensors of its own is initialised on a full-size
+CPU twin (its own parameters and buffers, not its children's) under a seed drawn from
+``seed`` and the module's name, and this rank's slice of each tensor is copied in. So
+the same seed gives the same full weights under any plan and world size (each rank
+draws the full tensors of the modules it holds: time grows with its pipeline stage,
+memory with one module).
+
+The default initialiser does what building the model normally does: the module's
+``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, norms), then the root's
+``_init_weights(module)`` (Hugging Face models, nanoGPT-style modules), which also
+recomputes Hugging Face's rotary buffers. A tensor neither sets fails with its name and
+the fix (``init=``).
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from planner.errors import SpecError
+
+__all__ = ["Init", "is_deferred", "check_deferrable", "apply", "module_seed"]
+
+Init = Callable[[nn.Module], None]  # sets a module's own parameters and buffers in place
+
+
+def is_deferred(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (its parameters hold no values)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def check_deferrable(model: nn.Module) -> None:
+    """Raise unless every parameter and buffer is on the meta device, or none is."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    on_meta = [name for name, t in tensors if t.is_meta]
+    if on_meta and len(on_meta) != len(tensors):
+        real = next(name for name, t in tensors if not t.is_meta)
+        raise SpecError(
+            f"{on_meta[0]!r} is on the meta device but {real!r} is not: build the whole model "
+            "under torch.device('meta') for deferred initialisation, or on a real device"
+        )
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of the module named ``name`` (its FQN in the whole model)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def apply(model: nn.Module, device: torch.device, *, seed: int, init: Init | None) -> nn.Module:
+    """Allocate this rank's shards of meta ``model`` on ``device`` and initialise them."""
+    model.to_empty(device=device)
+    initialise = init if init is not None else _default_init(model)
+    for name, module in _holders(model):
+        _initialise_module(module, name, initialise, seed)
+    return model
+
+
+def _holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Modules with parameters or buffers of their own, with their names."""
+    for name, module in model.named_modules():
+        if module._parameters or module._buffers:
+            yield name, module
+
+
+def _default_init(root: nn.Module) -> Init:
+    whole_model = getattr(root, "_init_weights", None)
+
+    def initialise(module: nn.Module) -> None:
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        if callable(whole_model):
+            whole_model(module)
+
+    return initialise
+
+
+def _initialise_module(module: nn.Module, name: str, initialise: Init, seed: int) -> None:
+    twin = _full_twin(module)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(module_seed(seed, name))
+        initialise(twin)
+    for key, target in _own_tensors(module):
+        value = _tensor_of(twin, key)
+        if value.is_floating_point() and torch.isnan(value).any():
+            where = f"{name}.{key}" if name else key
+            raise SpecError(
+                f"{where!r} ({type(module).__name__}) was not initialised: it has no "
+                "reset_parameters() and the model's _init_weights does not set it; give "
+                "planner.parallelize(..., init=fn) where fn(module) sets a module's own "
+                "parameters and buffers in place"
+            )
+        _local(target).copy_(_local_slice(target, value))
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(module._parameters.items()) + list(module._buffers.items())
+    return [(key, tensor) for key, tensor in named if tensor is not None]
+
+
+def _full_twin(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` without children whose own tensors are full-size CPU
+    tensors (floating ones NaN, so an initialiser that skips one is caught)."""
+    twin = copy.copy(module)
+    twin._modules = {}
+    full: dict[str, torch.Tensor] = {}
+    for key, tensor in _own_tensors(module):
+        value = torch.empty(tensor.shape, dtype=tensor.dtype)
+        if value.is_floating_point():
+            value.fill_(float("nan"))
+        full[key] = value
+    twin._parameters = {
+        key: nn.Parameter(full[key], requires_grad=p.requires_grad) if p is not None else None
+        for key, p in module._parameters.items()
+    }
+    twin._buffers = {key: full.get(key) for key in module._buffers}
+    return twin
+
+
+def _tensor_of(twin: nn.Module, key: str) -> torch.Tensor:
+    """The twin's tensor ``key`` after initialisation (an initialiser may rebind it)."""
+    param = twin._parameters.get(key)
+    if param is not None:
+        return param.data
+    buffer = twin._buffers[key]
+    assert buffer is not None  # _own_tensors lists only tensors that are set
+    return buffer
+
+
+def _local(target: torch.Tensor) -> torch.Tensor:
+    data = target.data if isinstance(target, nn.Parameter) else target
+    return data.to_local() if isinstance(data, DTensor) else data
+
+
+def _local_slice(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``: the shard ``target`` (a DTensor) holds, else all."""
+    data = target.data if isinstance(target, nn.Parameter) else target
+    if not isinstance(data, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(
+        data.shape, data.device_mesh, data.placements
+    )
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    return full[index]

@@ -1,0 +1,215 @@
+"""Deferred initialisation: a model built on the meta device, parallelised, gets only its
+shards and the same full weights under every plan, then trains like one process.
+
+Each case builds its model under ``torch.device("meta")``, applies a plan on gloo ranks
+(every strategy the runtime has, the zoo Llama, a user module and a Hugging Face Llama)
+and reports the gathered weights right after initialisation and the losses of
+``STEPS`` steps; the single-process reference initialises the same meta model with the
+same seed.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from planner.errors import SpecError
+from planner.models import build, get_preset
+from strategies.apply import parallelize
+from strategies.runner import Trainer, synthetic_batch
+from tests.ranks import run_on_ranks
+from tests.test_runtime_numerics import (
+    BATCH,
+    CLIP,
+    LR,
+    SEQ,
+    STEPS,
+    VOCAB,
+    Case,
+    _per_rank,
+    build_handle,
+    local_slice,
+    parameter_digests,
+)
+
+SEED = 7
+
+
+def meta_model(model: str) -> nn.Module:
+    """The case's model built on the meta device (no values)."""
+    if model == "tiny-llama":
+        return build(get_preset(model), device="meta")
+    with torch.device("meta"):
+        return build_handle(model).module
+
+
+def train_deferred(case: Case, world_size: int, rank: int) -> dict[str, Any]:
+    """Gathered weights after deferred initialisation, then the losses of ``STEPS`` steps."""
+    plan = case.plan(world_size)
+    parallel = parallelize(meta_model(case.model), plan, seed=SEED)
+    initial = parameter_digests(parallel)
+    trainer = Trainer(parallel, lr=LR, max_grad_norm=CLIP)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)
+        losses.append(trainer.step(*local_slice(plan, rank, inputs, targets)))
+    return {"initial": initial, "losses": losses}
+
+
+@functools.cache
+def reference(model: str) -> dict[str, Any]:
+    return train_deferred(Case("reference", model, {"micro_batch_size": BATCH}), 1, 0)
+
+
+def _cases(model: str, *, pipelines: bool = True, cp: bool = True) -> list[Case]:
+    layout = None if model == "tiny-llama" else "ilp"  # the sharding ILP's layout
+    cases = [
+        Case(f"{model} ddp", model, _per_rank(4)),
+        Case(f"{model} fsdp", model, _per_rank(4, zero=3)),
+        Case(f"{model} hsdp 2x2", model, _per_rank(4, zero=3, dp_shard=2)),
+        Case(f"{model} tp2 x fsdp2", model, _per_rank(2, tp=2, zero=3), layout=layout),
+        Case(f"{model} ddp over tp", model, _per_rank(2, tp=2), layout=layout),
+    ]
+    if pipelines:
+        cases += [
+            Case(
+                f"{model} pp2 1f1b x zero2", model, _per_rank(2, pp=2, zero=2, num_microbatches=2)
+            ),
+            Case(
+                f"{model} pp2 interleaved x tp2",
+                model,
+                _per_rank(
+                    1, pp=2, tp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2
+                ),
+                layout=layout,
+            ),
+        ]
+    if cp:
+        cases.append(Case(f"{model} cp2 x fsdp2", model, _per_rank(2, cp=2, zero=3)))
+    return cases
+
+
+WORLD4 = _cases("tiny-llama") + _cases("tiny-lm", cp=False) + _cases("hf-llama", pipelines=False)
+WORLD2 = [Case("hf-llama pp2 1f1b", "hf-llama", _per_rank(1, pp=2, num_microbatches=2))]
+WORLD8 = [
+    Case("tiny-llama pp2 x tp2 x fsdp2", "tiny-llama",
+         _per_rank(2, pp=2, tp=2, zero=3, num_microbatches=2)),
+]  # fmt: skip
+
+
+def _failures(cases: list[Case], per_case: dict[str, list[Any]]) -> list[str]:
+    failures = []
+    for case in cases:
+        results = per_case[case.name]
+        raised = next((r for r in results if isinstance(r, str)), None)
+        if raised is not None:
+            failures.append(f"{case.name}: raised\n{raised}")
+            continue
+        expected = reference(case.model)
+        held = {name: d for result in results for name, d in result["initial"].items()}
+        if held != expected["initial"]:
+            wrong = sorted(n for n in expected["initial"] if held.get(n) != expected["initial"][n])
+            failures.append(f"{case.name}: initial weights differ from one process: {wrong}")
+        losses = results[0]["losses"]
+        worst = max(abs(a - b) for a, b in zip(losses, expected["losses"], strict=True))
+        print(f"{case.name:<36} weights equal; max |loss - reference| = {worst:.2e}")
+        if worst > 1e-5:
+            failures.append(f"{case.name}: losses {losses} vs {expected['losses']}")
+    return failures
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "cases"),
+    [(2, WORLD2), (4, WORLD4), (8, WORLD8)],
+    ids=["world2", "world4", "world8"],
+)
+def test_deferred_init_matches_single_process(
+    world_size: int, cases: list[Case], tmp_path: Path
+) -> None:
+    tasks = {case.name: functools.partial(train_deferred, case, world_size) for case in cases}
+    failures = _failures(cases, run_on_ranks(world_size, tasks, tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+def test_same_seed_same_weights_and_different_seed_differs() -> None:
+    plan = Case("one", "tiny-lm", {"micro_batch_size": BATCH}).plan(1)
+    first = parameter_digests(parallelize(meta_model("tiny-lm"), plan, seed=1))
+    again = parameter_digests(parallelize(meta_model("tiny-lm"), plan, seed=1))
+    other = parameter_digests(parallelize(meta_model("tiny-lm"), plan, seed=2))
+    assert first == again
+    assert first["embed.weight"] != other["embed.weight"]
+
+
+def test_hf_rotary_buffers_recomputed() -> None:
+    plan = Case("one", "hf-llama", {"micro_batch_size": BATCH}).plan(1)
+    parallel = parallelize(meta_model("hf-llama"), plan, seed=0)
+    built = build_handle("hf-llama").module
+    ours = dict(parallel.module.named_buffers())
+    for name, buffer in built.named_buffers():
+        assert torch.equal(ours[name], buffer), name
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class _Uninitialisable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.scale = _Scale()
+        self.head = nn.Linear(4, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.scale(self.embed(tokens)))
+
+
+def _one_process_plan(model: nn.Module) -> Any:
+    from planner.assemble import assemble_plan
+    from planner.models import ModelHandle
+    from planner.spec import Cluster, Strategy, Training
+
+    handle = ModelHandle("m", "tests:m", model, lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
+    training = Training(global_batch_size=2, micro_batch_size=2, seq_len=4, dtype="fp32")
+    return assemble_plan(
+        handle, Cluster(gpu="cpu", num_gpus=1), training, Strategy(micro_batch_size=2)
+    )
+
+
+def test_a_tensor_no_initialiser_sets_is_named_with_the_fix() -> None:
+    plan = _one_process_plan(_Uninitialisable())
+    with torch.device("meta"):
+        model = _Uninitialisable()
+    with pytest.raises(SpecError, match=r"'scale.weight' \(_Scale\) was not initialised.*init="):
+        parallelize(model, plan)
+    with torch.device("meta"):
+        model = _Uninitialisable()
+
+    def init(module: nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            nn.init.normal_(param)
+
+    parallel = parallelize(model, plan, init=init)
+    assert not any(p.isnan().any() for p in parallel.parameters())
+
+
+def test_a_half_meta_model_is_refused() -> None:
+    model = _Uninitialisable()
+    plan = _one_process_plan(model)
+    model.head.to("meta")
+    with pytest.raises(
+        SpecError, match=r"'head\.weight' is on the meta device but 'embed\.weight'"
+    ):
+        parallelize(model, plan)
