@@ -45,7 +45,7 @@ from strategies import (
     pipeline,
     tensor_parallel,
 )
-from strategies.mesh import axis_rank, build_mesh, device_type
+from strategies.mesh import axis_rank, build_mesh, local_device
 from strategies.parallel_model import ParallelModel, loss_context
 from strategies.pipeline import LossFn
 
@@ -124,7 +124,7 @@ def _apply_dimensions(
     pp_rank: int,
     deferred: _Deferred | None,
 ) -> nn.Module:
-    device = _device()
+    device = local_device()
     if deferred is None and device.type == "cuda":
         model.to(device)
     model = context_parallel.apply(model, mesh, plan)
@@ -135,10 +135,3 @@ def _apply_dimensions(
         model = materialize.apply(model, device, seed=deferred.seed, init=deferred.init)
     model = data_parallel.apply(model, mesh, plan)
     return compression.apply(model, mesh, plan)
-
-
-def _device() -> torch.device:
-    """This rank's device: its GPU under NCCL (``torch.cuda.set_device`` chose it), else CPU."""
-    if device_type() == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -101,7 +101,8 @@ def _initialise_module(module: nn.Module, name: str, initialise: Init, seed: int
                 "planner.parallelize(..., init=fn) where fn(module) sets a module's own "
                 "parameters and buffers in place"
             )
-        _local(target).copy_(_local_slice(target, value))
+        local, index = _local_part(target)
+        local.copy_(value[index])
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -138,18 +139,13 @@ def _tensor_of(twin: nn.Module, key: str) -> torch.Tensor:
     return buffer
 
 
-def _local(target: torch.Tensor) -> torch.Tensor:
-    data = target.data if isinstance(target, nn.Parameter) else target
-    return data.to_local() if isinstance(data, DTensor) else data
-
-
-def _local_slice(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full``: the shard ``target`` (a DTensor) holds, else all."""
+def _local_part(target: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The tensor this rank holds of ``target`` and where it lies in the full tensor: a
+    DTensor's local shard at its offset, else all of it."""
     data = target.data if isinstance(target, nn.Parameter) else target
     if not isinstance(data, DTensor):
-        return full
+        return data, ()
     shape, offset = compute_local_shape_and_global_offset(
         data.shape, data.device_mesh, data.placements
     )
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    return full[index]
+    return data.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))

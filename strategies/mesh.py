@@ -13,6 +13,7 @@ from planner.spec import Axis, Plan
 __all__ = [
     "build_mesh",
     "device_type",
+    "local_device",
     "axis_size",
     "axis_rank",
     "coordinates",
@@ -29,6 +30,13 @@ def device_type() -> str:
     if dist.is_initialized():
         return "cuda" if dist.get_backend() == "nccl" else "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def local_device() -> torch.device:
+    """This rank's device: its GPU under NCCL (``torch.cuda.set_device`` chose it), else CPU."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def build_mesh(plan: Plan) -> DeviceMesh | None:

@@ -18,9 +18,12 @@ import pytest
 import torch
 from torch import nn
 
+from planner.assemble import assemble_plan
 from planner.errors import SpecError
-from planner.models import build, get_preset
+from planner.models import ModelHandle, build, get_preset
+from planner.spec import Cluster, Plan, Strategy, Training
 from strategies.apply import parallelize
+from strategies.parallel_model import local_slice
 from strategies.runner import Trainer, synthetic_batch
 from tests.ranks import run_on_ranks
 from tests.test_runtime_numerics import (
@@ -33,7 +36,6 @@ from tests.test_runtime_numerics import (
     Case,
     _per_rank,
     build_handle,
-    local_slice,
     parameter_digests,
 )
 
@@ -176,11 +178,7 @@ class _Uninitialisable(nn.Module):
         return self.head(self.scale(self.embed(tokens)))
 
 
-def _one_process_plan(model: nn.Module) -> Any:
-    from planner.assemble import assemble_plan
-    from planner.models import ModelHandle
-    from planner.spec import Cluster, Strategy, Training
-
+def _one_process_plan(model: nn.Module) -> Plan:
     handle = ModelHandle("m", "tests:m", model, lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
     training = Training(global_batch_size=2, micro_batch_size=2, seq_len=4, dtype="fp32")
     return assemble_plan(
