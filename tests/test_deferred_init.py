@@ -96,7 +96,17 @@ def _cases(model: str, *, pipelines: bool = True, cp: bool = True) -> list[Case]
     return cases
 
 
-WORLD4 = _cases("tiny-llama") + _cases("tiny-lm", cp=False) + _cases("hf-llama", pipelines=False)
+NANOGPT = [  # nanoGPT's shape: fused qkv, ModuleList blocks, its own forward
+    Case("user-gpt fsdp", "user-gpt", _per_rank(4, zero=3)),
+    Case("user-gpt ddp over tp", "user-gpt", _per_rank(2, tp=2), layout="ilp"),
+    Case("user-gpt pp2 1f1b x zero2", "user-gpt", _per_rank(2, pp=2, zero=2, num_microbatches=2)),
+]
+WORLD4 = (
+    _cases("tiny-llama")
+    + _cases("tiny-lm", cp=False)
+    + _cases("hf-llama", pipelines=False)
+    + NANOGPT
+)
 WORLD2 = [Case("hf-llama pp2 1f1b", "hf-llama", _per_rank(1, pp=2, num_microbatches=2))]
 WORLD8 = [
     Case("tiny-llama pp2 x tp2 x fsdp2", "tiny-llama",
