@@ -12,6 +12,7 @@
 8. deferred initialisation of a meta-device model: this rank's shards only
 9. DDP (ZeRO 0, over dp_replicate x cp)
 10. gradient-compression hooks
+11. weights from a checkpoint or Hugging Face safetensors: each rank reads its shards
 
 The same order as torchtitan's ``parallelize_llama``: each later step wraps what the
 earlier ones produced (FSDP shards DTensor-TP parameters into 2-D DTensors, DDP's hooks
@@ -21,7 +22,9 @@ see the final parameters).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,7 @@ from strategies import (
     fsdp,
     materialize,
     pipeline,
+    state,
     tensor_parallel,
 )
 from strategies.mesh import axis_rank, build_mesh, local_device
@@ -74,6 +78,7 @@ def parallelize(
     loss_fn: LossFn = token_cross_entropy,
     seed: int = 0,
     init: materialize.Init | None = None,
+    weights: str | Path | None = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on the current process group (or a single process).
 
@@ -86,6 +91,12 @@ def parallelize(
     sets a module's own tensors (default: ``reset_parameters`` then the root's
     ``_init_weights``), seeded per module from ``seed``, so the weights are the same
     under any plan.
+
+    ``weights`` names a Hugging Face model directory (``*.safetensors``; the zoo Llama's
+    tensors under Hugging Face's names) or a checkpoint from :meth:`ParallelModel.save`:
+    each rank reads only its shards of each tensor, after the plan cut and sharded the
+    model (a meta-device model then initialises only what the checkpoint lacks, such as
+    non-persistent buffers).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
@@ -93,8 +104,23 @@ def parallelize(
     check_plan_layout(plan, model)
     pipeline.check_split(model, plan)
     materialize.check_deferrable(model)
-    deferred = _Deferred(seed, init) if materialize.is_deferred(model) else None
+    source = state.weight_source(weights, model) if weights is not None else None
+    loaded = frozenset(source.names) if source is not None else frozenset()
+    deferred = _Deferred(seed, init, loaded) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
+    parallel = _parallel_model(model, mesh, plan, loss_fn, deferred)
+    if source is not None:
+        state.load_weights(parallel.model_state, source)
+    return parallel
+
+
+def _parallel_model(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: Plan,
+    loss_fn: LossFn,
+    deferred: _Deferred | None,
+) -> ParallelModel:
     if mesh is not None and plan.strategy.pp > 1:
         pp_rank = axis_rank(mesh, Axis.PP)
         chunks = [
@@ -115,6 +141,7 @@ class _Deferred:
 
     seed: int
     init: materialize.Init | None
+    loaded: Collection[str]  # FQNs a checkpoint gives: not initialised
 
 
 def _apply_dimensions(
@@ -132,6 +159,8 @@ def _apply_dimensions(
     model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
     model = fsdp.apply(model, mesh, plan)
     if deferred is not None:
-        model = materialize.apply(model, device, seed=deferred.seed, init=deferred.init)
+        model = materialize.apply(
+            model, device, seed=deferred.seed, init=deferred.init, loaded=deferred.loaded
+        )
     model = data_parallel.apply(model, mesh, plan)
     return compression.apply(model, mesh, plan)

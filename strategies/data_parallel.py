@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 from torch.nn.parallel import DistributedDataParallel
 
@@ -27,7 +28,7 @@ from planner.spec import Plan
 from strategies import fsdp
 from strategies.mesh import replicate_mesh
 
-__all__ = ["apply"]
+__all__ = ["apply", "as_shard_of"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,23 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
     return wrapped
 
 
+def as_shard_of(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (shaped like ``param``'s local shard) as the DTensor it is a shard of,
+    when ``param`` is a tensor-parallel shard handed to DDP (it carries its layout as
+    ``_st_info``); else ``tensor``. The DTensor shares ``tensor``'s storage."""
+    spec = getattr(param, "_st_info", None)
+    if spec is None:
+        return tensor
+    return DTensor.from_local(
+        tensor.detach(),
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
+    )
+
+
 def _over_tensor_parallel_shards(model: nn.Module) -> None:
     """Hand DDP the local shards of ``model``'s DTensor parameters (torch's
     ``_pre_dp_module_transform``), keeping ``state_dict`` whole.
@@ -57,6 +75,6 @@ def _over_tensor_parallel_shards(model: nn.Module) -> None:
 
     def add_shards(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         for name, shard in shards.items():
-            state.setdefault(prefix + name, _unflatten_tensor(shard.detach(), shard._st_info))
+            state.setdefault(prefix + name, as_shard_of(shard, shard))
 
     model.register_state_dict_post_hook(add_shards)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import copy
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from planner.errors import SpecError
+from strategies.state import local_part
 
 __all__ = ["Init", "is_deferred", "check_deferrable", "apply", "module_seed"]
 
@@ -57,12 +56,20 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
 
 
-def apply(model: nn.Module, device: torch.device, *, seed: int, init: Init | None) -> nn.Module:
-    """Allocate this rank's shards of meta ``model`` on ``device`` and initialise them."""
+def apply(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int,
+    init: Init | None,
+    loaded: Collection[str] = (),
+) -> nn.Module:
+    """Allocate this rank's shards of meta ``model`` on ``device`` and initialise them,
+    but for the tensors named in ``loaded`` (FQNs whose values a checkpoint gives)."""
     model.to_empty(device=device)
     initialise = init if init is not None else _default_init(model)
     for name, module in _holders(model):
-        _initialise_module(module, name, initialise, seed)
+        _initialise_module(module, name, initialise, seed, loaded)
     return model
 
 
@@ -86,22 +93,30 @@ def _default_init(root: nn.Module) -> Init:
     return initialise
 
 
-def _initialise_module(module: nn.Module, name: str, initialise: Init, seed: int) -> None:
+def _initialise_module(
+    module: nn.Module, name: str, initialise: Init, seed: int, loaded: Collection[str]
+) -> None:
+    targets = [
+        (key, where, target)
+        for key, target in _own_tensors(module)
+        if (where := f"{name}.{key}" if name else key) not in loaded
+    ]
+    if not targets:
+        return
     twin = _full_twin(module)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(module_seed(seed, name))
         initialise(twin)
-    for key, target in _own_tensors(module):
+    for key, where, target in targets:
         value = _tensor_of(twin, key)
         if value.is_floating_point() and torch.isnan(value).any():
-            where = f"{name}.{key}" if name else key
             raise SpecError(
                 f"{where!r} ({type(module).__name__}) was not initialised: it has no "
                 "reset_parameters() and the model's _init_weights does not set it; give "
                 "planner.parallelize(..., init=fn) where fn(module) sets a module's own "
                 "parameters and buffers in place"
             )
-        local, index = _local_part(target)
+        local, index = local_part(target)
         local.copy_(value[index])
 
 
@@ -137,15 +152,3 @@ def _tensor_of(twin: nn.Module, key: str) -> torch.Tensor:
     buffer = twin._buffers[key]
     assert buffer is not None  # _own_tensors lists only tensors that are set
     return buffer
-
-
-def _local_part(target: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """The tensor this rank holds of ``target`` and where it lies in the full tensor: a
-    DTensor's local shard at its offset, else all of it."""
-    data = target.data if isinstance(target, nn.Parameter) else target
-    if not isinstance(data, DTensor):
-        return data, ()
-    shape, offset = compute_local_shape_and_global_offset(
-        data.shape, data.device_mesh, data.placements
-    )
-    return data.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))

@@ -11,7 +11,9 @@ A :class:`ParallelModel` feeds, steps and clips the model the way the plan was p
 - :meth:`~ParallelModel.clip_grad_norm_` clips by the norm of the whole model on every
   mesh (stock ``clip_grad_norm_`` raises where it would be wrong:
   :mod:`strategies.clipping`);
-- calling it (``parallel(inputs)``, not for pipelines) runs the forward as usual.
+- calling it (``parallel(inputs)``, not for pipelines) runs the forward as usual;
+- :meth:`~ParallelModel.save` and :meth:`~ParallelModel.load` write and read a
+  checkpoint (model and optimizer) that any other plan can load (:mod:`strategies.state`).
 
 The first training step checks the local batch and sequence lengths against the plan, so
 a loop that feeds every rank the whole batch, or the whole sequence under context
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from planner.errors import SpecError
 from planner.spec import Axis, Plan
 from planner.torch_dtypes import mixed_precision_dtype
-from strategies import clipping
+from strategies import clipping, state
 from strategies.compression import after_step_callback
 from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
@@ -91,6 +94,7 @@ class ParallelModel:
         self._named_parameters = [
             (name, param) for m in self.modules for name, param in _unwrapped(m).named_parameters()
         ]
+        self._state = state.model_state(_unwrapped(m) for m in self.modules)
         problem = clipping.stock_clipping_problem(plan.strategy.pp, plan.strategy.tp)
         if problem is not None:
             clipping.guard_stock_clipping(self.parameters(), problem)
@@ -147,6 +151,41 @@ class ParallelModel:
         for module in self.modules:
             merged.update(_unwrapped(module).state_dict())
         return merged
+
+    @property
+    def model_state(self) -> state.ModelState:
+        """This rank's parameters and persistent buffers as checkpoints see them."""
+        return self._state
+
+    def save(
+        self,
+        directory: str | Path,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        step: int,
+    ) -> Path:
+        """Checkpoint the model (and ``optimizer``) after ``step`` optimizer steps, on
+        every rank: ``directory/step-<step>`` becomes ``directory``'s latest once complete
+        (a save cut short leaves the previous one latest). Returns the checkpoint's path."""
+        return state.save(
+            directory,
+            self._state,
+            optimizer=optimizer,
+            step=step,
+            plan=self.plan.strategy.describe(),
+        )
+
+    def load(
+        self,
+        directory: str | Path,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        step: int | None = None,
+    ) -> int:
+        """Load the latest checkpoint of ``directory`` (or the one at ``step``) into the
+        model (and ``optimizer``, built over :meth:`parameters`) in place, on every rank,
+        whatever plan saved it; returns its step."""
+        return state.load(directory, self._state, optimizer=optimizer, step=step)
 
     def train(self, mode: bool = True) -> ParallelModel:
         for module in self.modules:

@@ -1,0 +1,512 @@
+"""This rank's training state as Distributed Checkpoint (DCP) sees it: save, resume under
+any plan, and model weights from a checkpoint or a Hugging Face safetensors directory.
+
+Every tensor of the model and the optimizer goes to DCP as what it is of the whole
+model, under the whole model's FQN (pipeline chunks keep them): a DTensor over the
+plan's mesh (FSDP/HSDP and tensor-parallel shards; DDP-over-TP shards wrapped back from
+their locals, :func:`strategies.data_parallel.as_shard_of`) or a plain tensor (a
+replica: DCP writes one copy). DCP writes each rank's shards and reads, for each rank,
+the overlap of what was saved with what the rank holds. So a checkpoint saved under one
+plan loads under any other, and a rank's peak host memory while loading is its shards
+plus one saved chunk (at most one tensor).
+
+A checkpoint root holds ``step-00000100/`` (one DCP checkpoint) per save and ``latest``
+(the name of the newest complete one). A save writes ``step-N.partial``, renames it once
+every rank finished, then replaces ``latest`` atomically, so a save killed half-way
+leaves the previous checkpoint the latest. Keys, as DCP flattens them:
+
+- ``model.<fqn>``: parameters and persistent buffers;
+- ``optimizer.<fqn>.<key>``: each parameter's optimizer state (``exp_avg``, ``step``...);
+- ``param_groups.<fqn>.<key>``: the hyperparameters of its group (``lr``, ``betas``...);
+- ``meta.step``, ``meta.plan``: the step and the plan it was saved under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from planner.errors import SpecError
+from planner.io import dumps_json, write_text_atomic
+from planner.models.hf_layout import hf_names_for
+from strategies.data_parallel import as_shard_of
+
+__all__ = [
+    "ModelState",
+    "model_state",
+    "local_part",
+    "save",
+    "load",
+    "checkpoint_path",
+    "WeightSource",
+    "weight_source",
+    "load_weights",
+    "export_hf",
+    "LATEST",
+]
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"  # the file naming the newest complete checkpoint of a root
+_PARTIAL = ".partial"
+_METADATA = ".metadata"  # DCP's index of a checkpoint
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """This rank's model tensors as DCP sees them: ``tensors`` maps each FQN of the whole
+    model to a DTensor of the whole tensor, or a plain replica, sharing storage with what
+    the rank trains; ``names`` gives the (first) FQN of each parameter or buffer object."""
+
+    tensors: dict[str, torch.Tensor]
+    names: dict[int, str]
+
+
+def model_state(modules: Iterable[nn.Module]) -> ModelState:
+    """Parameters and persistent buffers of ``modules`` (the rank's model or pipeline
+    chunks, unwrapped), tied ones under each of their names."""
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for module in modules:
+        for fqn, tensor in module.state_dict(keep_vars=True).items():
+            tensors[fqn] = as_shard_of(tensor.detach(), tensor)
+            names.setdefault(id(tensor), fqn)
+    return ModelState(tensors, names)
+
+
+def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The part of ``tensor`` this rank holds and where it lies in the whole tensor: a
+    DTensor's local shard at its offset, else all of it."""
+    data = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+    if not isinstance(data, DTensor):
+        return data, ()
+    shape, offset = compute_local_shape_and_global_offset(
+        data.shape, data.device_mesh, data.placements
+    )
+    return data.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+# ---- save and resume
+
+
+def save(
+    root: str | Path,
+    model: ModelState,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    plan: str,
+) -> Path:
+    """Write a checkpoint of ``model`` (and ``optimizer``'s state) at ``step`` under
+    ``root`` on every rank, atomically; returns its directory. ``plan`` says what saved it."""
+    if step < 0:
+        raise SpecError(f"save: step = {step}; give the number of optimizer steps taken (>= 0)")
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    partial = final.with_name(final.name + _PARTIAL)
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a save killed before
+        partial.mkdir(parents=True)
+    _barrier()
+    state: dict[str, Any] = {
+        "model": dict(model.tensors),
+        "meta": {"step": step, "plan": plan},
+    }
+    if optimizer is not None:
+        state["optimizer"], state["param_groups"] = _optimizer_state(optimizer, model)
+    dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=_alone())
+    _barrier()
+    if _rank() == 0:
+        _publish(root, final, partial)
+    _barrier()
+    log.info("checkpoint: step %d saved to %s", step, final)
+    return final
+
+
+def _publish(root: Path, final: Path, partial: Path) -> None:
+    """Make ``partial`` the checkpoint ``final`` and the latest, each by one rename."""
+    if final.exists():  # saved again at the same step: the old one goes once replaced
+        stale = final.with_name(final.name + ".old")
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale)
+    else:
+        partial.rename(final)
+    write_text_atomic(root / LATEST, final.name + "\n", option="checkpoint")
+
+
+def checkpoint_path(root: str | Path, step: int | None = None) -> Path:
+    """The checkpoint directory of ``root`` at ``step`` (the latest when ``None``); ``root``
+    may be a checkpoint directory itself."""
+    root = Path(root)
+    if (root / _METADATA).is_file() and step is None:
+        return root
+    if step is not None:
+        path = root / f"step-{step:08d}"
+    elif (root / LATEST).is_file():
+        path = root / (root / LATEST).read_text().strip()
+    else:
+        raise SpecError(
+            f"checkpoint {str(root)!r} has no {LATEST!r} file and is not a checkpoint "
+            "directory: give the directory parallel.save wrote (or plan run --checkpoint-dir)"
+        )
+    if not (path / _METADATA).is_file():
+        saved = sorted(p.name for p in root.glob("step-*") if (p / _METADATA).is_file())
+        raise SpecError(
+            f"checkpoint {str(path)!r} does not exist or is incomplete; complete ones in "
+            f"{str(root)!r}: {', '.join(saved) or 'none'}"
+        )
+    return path
+
+
+def load(
+    root: str | Path,
+    model: ModelState,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+) -> int:
+    """Read the checkpoint of ``root`` at ``step`` (the latest when ``None``) into
+    ``model`` and ``optimizer`` in place, whatever plan saved it; returns its step."""
+    path = checkpoint_path(root, step)
+    metadata = FileSystemReader(path).read_metadata()
+    _check_covers(path, metadata, model.tensors, _checkpoint_keys(model.tensors))
+    state: dict[str, Any] = {
+        "model": dict(model.tensors),
+        "meta": {"step": 0, "plan": ""},
+    }
+    groups: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        _fill_state(optimizer)
+        state["optimizer"], groups = _optimizer_state(optimizer, model)
+        state["optimizer"] = _saved_part(state["optimizer"], "optimizer", metadata, path)
+        state["param_groups"] = _saved_part(groups, "param_groups", metadata, path)
+    dcp.load(state, storage_reader=FileSystemReader(path), no_dist=_alone())
+    if optimizer is not None:
+        _set_hyperparameters(optimizer, model, state["param_groups"])
+    step_loaded = int(state["meta"]["step"])
+    log.info("checkpoint: step %d loaded from %s (saved under %s)", step_loaded, path,
+             state["meta"]["plan"])  # fmt: skip
+    return step_loaded
+
+
+def _checkpoint_keys(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each model FQN's key in a :func:`save` checkpoint."""
+    return {fqn: f"model.{fqn}" for fqn in tensors}
+
+
+def _check_covers(
+    path: Path, metadata: Metadata, tensors: dict[str, torch.Tensor], names: dict[str, str]
+) -> None:
+    """Raise unless the checkpoint holds every tensor of the model, whole-shaped alike."""
+    saved = metadata.state_dict_metadata
+    missing = [fqn for fqn in tensors if names[fqn] not in saved]
+    if missing:
+        raise SpecError(
+            f"checkpoint {str(path)!r} has no {names[missing[0]]!r} for the model's "
+            f"{missing[0]!r} ({len(missing)} of {len(tensors)} tensors missing): it was "
+            "saved from another model; load it into the model that saved it"
+        )
+    for fqn, tensor in tensors.items():
+        entry = saved[names[fqn]]
+        size = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        if size != tuple(tensor.shape):
+            raise SpecError(
+                f"checkpoint {str(path)!r}: {names[fqn]!r} has shape {size} but the model's "
+                f"{fqn!r} has {tuple(tensor.shape)}: the checkpoint is of another model size"
+            )
+
+
+# ---- optimizer state
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, model: ModelState
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each parameter's optimizer state (tensors shaped like it laid out as it is) and its
+    group's hyperparameters, keyed by the parameter's FQN."""
+    state: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        hyper = {key: value for key, value in group.items() if key != "params"}
+        for param in group["params"]:
+            fqn = model.names.get(id(param))
+            if fqn is None:
+                raise SpecError(
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} that is "
+                    "not the model's: give the optimizer parallel.parameters()"
+                )
+            groups[fqn] = hyper
+            state[fqn] = {
+                key: as_shard_of(value, param) if _is_tensor_like(value, param) else value
+                for key, value in optimizer.state.get(param, {}).items()
+            }
+    return state, groups
+
+
+def _is_tensor_like(value: object, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and value.ndim > 0
+
+
+def _fill_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state (one step at learning rate 0 on zero
+    gradients, which changes no parameter), so loading has tensors to write into."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    with _without_step_hooks(optimizer):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad
+
+
+@contextlib.contextmanager
+def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """No optimizer-step hooks (local SGD's averaging) around a step that is not one."""
+    from torch.optim import optimizer as optim_module
+
+    kept_global = dict(optim_module._global_optimizer_post_hooks)
+    kept_own = dict(optimizer._optimizer_step_post_hooks)
+    optim_module._global_optimizer_post_hooks.clear()
+    optimizer._optimizer_step_post_hooks.clear()
+    try:
+        yield
+    finally:
+        optim_module._global_optimizer_post_hooks.update(kept_global)
+        optimizer._optimizer_step_post_hooks.update(kept_own)
+
+
+def _saved_part(
+    part: dict[str, dict[str, Any]], prefix: str, metadata: Metadata, path: Path
+) -> dict[str, dict[str, Any]]:
+    """``part`` with only the entries the checkpoint holds; raise when it holds a
+    parameter's state under other keys (another optimizer)."""
+    saved = metadata.state_dict_metadata
+    kept: dict[str, dict[str, Any]] = {}
+    for fqn, entries in part.items():
+        present = {key: v for key, v in entries.items() if f"{prefix}.{fqn}.{key}" in saved}
+        if present and len(present) != len(entries):
+            absent = next(key for key in entries if key not in present)
+            raise SpecError(
+                f"checkpoint {str(path)!r} has {prefix} entries for {fqn!r} but no {absent!r}: "
+                "it was saved with another optimizer; build the one that saved it"
+            )
+        if present:
+            kept[fqn] = present
+    return kept
+
+
+def _set_hyperparameters(
+    optimizer: torch.optim.Optimizer, model: ModelState, loaded: dict[str, dict[str, Any]]
+) -> None:
+    """Each group's hyperparameters from its first parameter's saved group."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            saved = loaded.get(model.names[id(param)])
+            if saved is not None:
+                group.update(saved)
+                break
+
+
+# ---- model weights from a checkpoint or a Hugging Face directory
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a model's weights come from: ``names`` maps each of the model's FQNs to its
+    key in the checkpoint at ``path`` (a :func:`save` checkpoint, or Hugging Face
+    ``*.safetensors`` files)."""
+
+    path: Path
+    hugging_face: bool
+    names: dict[str, str]
+
+    def reader(self) -> FileSystemReader:
+        if self.hugging_face:
+            from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+            return HuggingFaceStorageReader(str(self.path))
+        return FileSystemReader(self.path)
+
+    def describe(self) -> str:
+        kind = "Hugging Face safetensors" if self.hugging_face else "checkpoint"
+        return f"{kind} {str(self.path)!r}"
+
+
+def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
+    """Where ``model``'s weights are in ``path``, checked against the model (reads only
+    the files' headers: call it before any collective).
+
+    ``path`` is a checkpoint root or directory from :func:`save`, or a directory of
+    Hugging Face ``*.safetensors`` files, named as
+    :func:`planner.models.hf_layout.hf_names_for` says; a weight tied to another loads
+    from the other's name when its own is absent (Hugging Face omits ``lm_head.weight``
+    under ``tie_word_embeddings``).
+    """
+    path = Path(path)
+    tensors = model_state([model]).tensors
+    if not path.is_dir():
+        raise SpecError(
+            f"weights {str(path)!r}: no such directory; give a Hugging Face model directory "
+            "(*.safetensors) or a checkpoint directory from parallel.save"
+        )
+    if any(path.glob("*.safetensors")):
+        source = WeightSource(path, True, {})
+        metadata = source.reader().read_metadata()
+        rename = hf_names_for(model)
+        names = {fqn: rename(fqn) for fqn in tensors}
+        names = _tied_names(model, names, metadata)
+    else:
+        source = WeightSource(checkpoint_path(path), False, {})
+        metadata = source.reader().read_metadata()
+        names = _checkpoint_keys(tensors)
+    _check_covers(source.path, metadata, tensors, names)
+    return WeightSource(source.path, source.hugging_face, names)
+
+
+def _tied_names(model: nn.Module, names: dict[str, str], metadata: Metadata) -> dict[str, str]:
+    """``names`` with each tied weight absent from the checkpoint read from the name of
+    the weight it is tied to."""
+    saved = metadata.state_dict_metadata
+    first: dict[int, str] = {}
+    resolved = dict(names)
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), fqn)
+        if names[fqn] not in saved and names[owner] in saved:
+            resolved[fqn] = names[owner]
+    return resolved
+
+
+def load_weights(model: ModelState, source: WeightSource) -> None:
+    """Read this rank's part of each of ``model``'s tensors from ``source`` in place
+    (collective)."""
+    state: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []  # tensors read under a key already taken
+    for fqn, tensor in model.tensors.items():
+        key = source.names[fqn]
+        if key in state:
+            copies.append((tensor, key))
+        else:
+            state[key] = tensor
+    dcp.load(state, storage_reader=source.reader(), no_dist=_alone())
+    for target, key in copies:
+        destination, _ = local_part(target)
+        origin, _ = local_part(state[key])
+        if destination.data_ptr() != origin.data_ptr():
+            destination.copy_(origin)
+    log.info("weights: %d tensors loaded from %s", len(model.tensors), source.describe())
+
+
+def _alone() -> bool:
+    """No process group: DCP reads and writes as one process."""
+    return not dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- export
+
+
+def export_hf(
+    checkpoint: str | Path,
+    directory: str | Path,
+    *,
+    rename: Callable[[str], str] | None = None,
+    config: dict[str, Any] | None = None,
+    max_shard_bytes: int = 2**30,
+) -> Path:
+    """Write the model of a :func:`save` checkpoint as a Hugging Face safetensors directory
+    (full tensors, in one process, whatever plan saved it), with ``config`` as
+    ``config.json``.
+
+    Tensors are read from the checkpoint a shard file at a time (at most
+    ``max_shard_bytes`` of them, or one tensor if larger), so memory stays bounded by one
+    shard; ``rename(fqn)`` gives each tensor's name (unchanged when ``None``). The
+    directory appears whole or not at all (written beside it, then renamed).
+    """
+    from safetensors.torch import save_file
+
+    path = checkpoint_path(checkpoint)
+    out = Path(directory)
+    if out.exists():
+        raise SpecError(f"export directory {str(out)!r} exists: give a new directory")
+    staging = out.with_name(out.name + _PARTIAL)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    rename = rename or (lambda fqn: fqn)
+    shards = _export_shards(FileSystemReader(path).read_metadata(), max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for number, keys in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = _read_whole(path, keys)
+        save_file({rename(key): tensor for key, tensor in tensors.items()}, staging / name,
+                  metadata={"format": "pt"})  # fmt: skip
+        weight_map |= {rename(key): name for key in tensors}
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (staging / "model.safetensors.index.json").write_text(dumps_json(index, what="the index"))
+    if config is not None:
+        (staging / "config.json").write_text(dumps_json(config, what="the config"))
+    staging.rename(out)
+    log.info("export: %d tensors, %d bytes in %d files to %s", len(weight_map), total,
+             len(shards), out)  # fmt: skip
+    return out
+
+
+def _export_shards(metadata: Metadata, max_bytes: int) -> list[list[str]]:
+    """The model's FQNs in file order, cut into shards of at most ``max_bytes``."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith("model.") or not isinstance(entry, TensorStorageMetadata):
+            continue
+        nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key.removeprefix("model."))
+        size += nbytes
+    return shards
+
+
+def _read_whole(path: Path, fqns: list[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors ``fqns`` of the model in checkpoint ``path`` (one process)."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    state: dict[str, torch.Tensor] = {}
+    for fqn in fqns:
+        entry = saved[f"model.{fqn}"]
+        assert isinstance(entry, TensorStorageMetadata)
+        state[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    dcp.load({"model": state}, storage_reader=FileSystemReader(path), no_dist=True)
+    return state
