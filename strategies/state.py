@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,7 @@ def save(
     }
     if optimizer is not None:
         state["optimizer"], state["param_groups"] = _optimizer_state(optimizer, model)
-    dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=_alone())
+    _dcp_save(state, FileSystemWriter(partial))
     _barrier()
     if _rank() == 0:
         _publish(root, final, partial)
@@ -196,7 +197,7 @@ def load(
         state["optimizer"], groups = _optimizer_state(optimizer, model)
         state["optimizer"] = _saved_part(state["optimizer"], "optimizer", metadata, path)
         state["param_groups"] = _saved_part(groups, "param_groups", metadata, path)
-    dcp.load(state, storage_reader=FileSystemReader(path), no_dist=_alone())
+    _dcp_load(state, FileSystemReader(path))
     if optimizer is not None:
         _set_hyperparameters(optimizer, model, state["param_groups"])
     step_loaded = int(state["meta"]["step"])
@@ -411,7 +412,7 @@ def load_weights(model: ModelState, source: WeightSource) -> None:
             copies.append((tensor, key))
         else:
             state[key] = tensor
-    dcp.load(state, storage_reader=source.reader(), no_dist=_alone())
+    _dcp_load(state, source.reader())
     for target, key in copies:
         destination, _ = local_part(target)
         origin, _ = local_part(state[key])
@@ -420,9 +421,25 @@ def load_weights(model: ModelState, source: WeightSource) -> None:
     log.info("weights: %d tensors loaded from %s", len(model.tensors), source.describe())
 
 
-def _alone() -> bool:
-    """No process group: DCP reads and writes as one process."""
-    return not dist.is_initialized()
+def _dcp_save(state: dict[str, Any], writer: FileSystemWriter) -> None:
+    with _quiet_when_alone():
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+
+
+def _dcp_load(
+    state: dict[str, Any], reader: FileSystemReader, *, one_process: bool = False
+) -> None:
+    """DCP's load; ``one_process`` reads on this rank alone (no collective)."""
+    with _quiet_when_alone():
+        dcp.load(state, storage_reader=reader, no_dist=one_process or not dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_when_alone() -> Iterator[None]:
+    """Without DCP's warning that it runs as one process (it always says so)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
 
 
 def _rank() -> int:
@@ -508,5 +525,5 @@ def _read_whole(path: Path, fqns: list[str]) -> dict[str, torch.Tensor]:
         entry = saved[f"model.{fqn}"]
         assert isinstance(entry, TensorStorageMetadata)
         state[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    dcp.load({"model": state}, storage_reader=FileSystemReader(path), no_dist=True)
+    _dcp_load({"model": state}, FileSystemReader(path), one_process=True)
     return state

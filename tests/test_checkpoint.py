@@ -1,0 +1,366 @@
+"""Checkpoints: save and resume under another plan, weights from Hugging Face safetensors
+or a checkpoint into each rank's shards, export to safetensors, and atomic saves.
+
+Resumed runs are compared with one process training the same steps without a break; a
+model loaded on several ranks with one process that loaded the same weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from planner.errors import SpecError
+from planner.models import build, get_preset
+from planner.models.hf_layout import hf_llama_config, hf_name, zoo_name
+from planner.spec import ModelSpec
+from strategies.apply import parallelize
+from strategies.parallel_model import ParallelModel, local_slice
+from strategies.runner import Trainer, synthetic_batch
+from strategies.state import LATEST, export_hf
+from tests.ranks import run_on_ranks
+from tests.test_deferred_init import _one_process_plan, meta_model
+from tests.test_runtime_numerics import (
+    BATCH,
+    CLIP,
+    LR,
+    SEQ,
+    VOCAB,
+    Case,
+    _per_rank,
+    parameter_digests,
+)
+
+transformers = pytest.importorskip("transformers")
+
+SAVED_AT = 3  # steps before the checkpoint
+TOTAL = 6  # steps in all
+RESUME_BOUND = 1e-6
+
+
+def run_steps(parallel: ParallelModel, trainer: Trainer, rank: int, steps: range) -> list[float]:
+    plan = parallel.plan
+    return [
+        trainer.step(*local_slice(plan, rank, *synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=s)))
+        for s in steps
+    ]
+
+
+def one_process(case: Case) -> Case:
+    return Case(f"{case.model} one process", case.model, {"micro_batch_size": BATCH})
+
+
+@functools.cache
+def uninterrupted(model: str) -> list[float]:
+    """Losses of ``TOTAL`` steps in one process, from seed 1."""
+    plan = one_process(Case("", model, {})).plan(1)
+    parallel = parallelize(meta_model(model), plan, seed=1)
+    return run_steps(parallel, Trainer(parallel, lr=LR, max_grad_norm=CLIP), 0, range(TOTAL))
+
+
+def save_then_resume(
+    before: Case, after: Case, directory: Path, world_size: int, rank: int
+) -> list[float]:
+    """``SAVED_AT`` steps under ``before`` from seed 1, saved; then a model from another
+    seed under ``after`` loads it and trains to ``TOTAL``: all the losses."""
+    first = parallelize(meta_model(before.model), before.plan(world_size), seed=1)
+    trainer = Trainer(first, lr=LR, max_grad_norm=CLIP)
+    losses = run_steps(first, trainer, rank, range(SAVED_AT))
+    first.save(directory, trainer.optimizer, step=SAVED_AT)
+    second = parallelize(meta_model(after.model), after.plan(world_size), seed=2)
+    trainer = Trainer(second, lr=LR, max_grad_norm=CLIP)
+    step = second.load(directory, trainer.optimizer)
+    assert step == SAVED_AT, step
+    return losses + run_steps(second, trainer, rank, range(step, TOTAL))
+
+
+# ---- one process
+
+
+def test_resume_in_one_process_continues_exactly(tmp_path: Path) -> None:
+    case = one_process(Case("", "tiny-llama", {}))
+    losses = save_then_resume(case, case, tmp_path, 1, 0)
+    assert losses == uninterrupted("tiny-llama")
+    assert (tmp_path / LATEST).read_text().strip() == f"step-{SAVED_AT:08d}"
+
+
+def test_a_later_save_becomes_latest_and_an_earlier_step_still_loads(tmp_path: Path) -> None:
+    plan = one_process(Case("", "tiny-lm", {})).plan(1)
+    parallel = parallelize(meta_model("tiny-lm"), plan, seed=1)
+    trainer = Trainer(parallel, lr=LR)
+    saved = {}
+    for step in range(3):
+        parallel.save(tmp_path, trainer.optimizer, step=step)
+        saved[step] = parameter_digests(parallel)
+        run_steps(parallel, trainer, 0, range(step, step + 1))
+    fresh = parallelize(meta_model("tiny-lm"), plan, seed=5)
+    assert fresh.load(tmp_path) == 2
+    assert parameter_digests(fresh) == saved[2]
+    assert fresh.load(tmp_path, step=0) == 0
+    assert parameter_digests(fresh) == saved[0]
+    with pytest.raises(SpecError, match=r"step-00000009.*complete ones.*step-00000000"):
+        fresh.load(tmp_path, step=9)
+
+
+def test_loading_needs_a_checkpoint_of_the_same_model(tmp_path: Path) -> None:
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    with pytest.raises(SpecError, match="has no 'latest' file"):
+        parallelize(meta_model("tiny-llama"), plan).load(tmp_path)
+    parallelize(meta_model("tiny-lm"), one_process(Case("", "tiny-lm", {})).plan(1)).save(
+        tmp_path, step=1
+    )
+    with pytest.raises(SpecError, match="saved from another model"):
+        parallelize(meta_model("tiny-llama"), plan).load(tmp_path)
+
+
+def test_an_optimizer_of_another_kind_is_refused(tmp_path: Path) -> None:
+    case = one_process(Case("", "tiny-lm", {}))
+    parallel = parallelize(meta_model("tiny-lm"), case.plan(1), seed=1)
+    adam = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    run_steps(parallel, Trainer(parallel, lr=LR), 0, range(1))
+    adam.step()
+    parallel.save(tmp_path, adam, step=1)
+    sgd = torch.optim.SGD(parallel.parameters(), lr=LR, momentum=0.9)
+    with pytest.raises(SpecError, match="saved with another optimizer"):
+        parallel.load(tmp_path, sgd)
+
+
+def hf_llama_dir(directory: Path, spec: ModelSpec, *, seed: int = 3) -> Path:
+    """A random ``LlamaForCausalLM`` equal in shape to the zoo's ``spec``, saved as
+    safetensors in several files (with an index)."""
+    config = transformers.LlamaConfig(**hf_llama_config(spec))
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    return directory
+
+
+def tied_llama() -> ModelSpec:
+    return get_preset("tiny-llama").model_copy(update={"tied_embeddings": True})
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hugging_face_llama_weights_load_into_the_zoo_llama(tmp_path: Path, tied: bool) -> None:
+    spec = tied_llama() if tied else get_preset("tiny-llama")
+    directory = hf_llama_dir(tmp_path, spec)
+    assert len(list(directory.glob("*.safetensors"))) > 1
+    hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    model = build(spec, device="meta")
+    zoo = parallelize(model, _one_process_plan(model), weights=directory).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        assert torch.equal(zoo(tokens), hf(tokens).logits)
+
+
+def test_a_meta_hugging_face_model_loads_its_safetensors(tmp_path: Path) -> None:
+    directory = hf_llama_dir(tmp_path, get_preset("tiny-llama"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf.config)
+    loaded = parallelize(model, _one_process_plan(model), weights=directory).eval()
+    tokens = torch.randint(0, hf.config.vocab_size, (2, SEQ))
+    with torch.no_grad():  # rotary inv_freq is no checkpoint tensor: initialised as HF does
+        assert torch.equal(loaded(tokens).logits, hf(tokens).logits)
+
+
+def test_weights_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    with pytest.raises(SpecError, match="no such directory"):
+        parallelize(meta_model("tiny-llama"), plan, weights=tmp_path / "absent")
+    wider = get_preset("tiny-llama").model_copy(update={"vocab_size": VOCAB * 2})
+    directory = hf_llama_dir(tmp_path / "wide", wider)
+    with pytest.raises(SpecError, match=r"'model\.embed_tokens\.weight' has shape"):
+        parallelize(meta_model("tiny-llama"), plan, weights=directory)
+    gpt = build(get_preset("tiny-gpt"), device="meta")
+    gpt_plan = one_process(Case("", "tiny-gpt", {})).plan(1)
+    with pytest.raises(SpecError, match="only zoo llama models load from or export to"):
+        parallelize(gpt, gpt_plan, weights=directory)
+
+
+def test_zoo_and_hugging_face_names_map_both_ways() -> None:
+    for fqn in ("tok_embeddings.weight", "layers.11.feed_forward.w3.weight", "output.weight"):
+        assert zoo_name(hf_name(fqn)) == fqn
+    assert hf_name("layers.2.attention.wk.weight") == "model.layers.2.self_attn.k_proj.weight"
+    with pytest.raises(SpecError, match="no counterpart"):
+        hf_name("layers.0.attention.rotary.inv_freq")
+
+
+def test_export_writes_safetensors_hugging_face_loads(tmp_path: Path) -> None:
+    spec = get_preset("tiny-llama")
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    parallel = parallelize(meta_model("tiny-llama"), plan, seed=4).eval()
+    checkpoint = parallel.save(tmp_path / "ckpt", step=0)
+    out = export_hf(
+        tmp_path / "ckpt", tmp_path / "hf", rename=hf_name, config=hf_llama_config(spec),
+        max_shard_bytes=200_000,
+    )  # fmt: skip
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {hf_name(f) for f in parallel.model_state.tensors}
+    assert len(set(index["weight_map"].values())) > 1
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        assert torch.equal(hf(tokens).logits, parallel(tokens))
+    with pytest.raises(SpecError, match="exists"):
+        export_hf(checkpoint, out)
+    assert not (tmp_path / "hf.partial").exists()
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import torch.distributed.checkpoint.filesystem as filesystem
+from pathlib import Path
+from strategies.apply import parallelize
+from tests.test_checkpoint import one_process, meta_model, Case
+from tests.test_runtime_numerics import parameter_digests
+import json
+
+root = Path(sys.argv[1])
+plan = one_process(Case("", "tiny-llama", {})).plan(1)
+parallel = parallelize(meta_model("tiny-llama"), plan, seed=1)
+parallel.save(root, step=1)
+(root / "digests.json").write_text(json.dumps(parameter_digests(parallel)))
+written = filesystem._write_item
+
+def write_then_die(*args, **kwargs):
+    result = written(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 with the second save half-written
+    return result
+
+filesystem._write_item = write_then_die
+for param in parallel.parameters():
+    param.data.add_(1.0)
+parallel.save(root, step=2)
+"""
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
+    script = tmp_path / "killed_save.py"
+    script.write_text(textwrap.dedent(_KILLED_SAVE))
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script), str(root)], env=env, timeout=300)
+    assert done.returncode == -signal.SIGKILL
+    assert (root / "step-00000002.partial").is_dir()  # the half-written save
+    assert any((root / "step-00000002.partial").iterdir())
+    assert (root / LATEST).read_text().strip() == "step-00000001"
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    fresh = parallelize(meta_model("tiny-llama"), plan, seed=9)
+    assert fresh.load(root) == 1
+    assert parameter_digests(fresh) == json.loads((root / "digests.json").read_text())
+    fresh.save(root, step=2)  # a later save replaces the stale partial one
+    assert (root / LATEST).read_text().strip() == "step-00000002"
+    assert not (root / "step-00000002.partial").exists()
+
+
+# ---- several ranks
+
+
+def _ilp(model: str) -> str | None:
+    return None if model == "tiny-llama" else "ilp"
+
+
+def _pairs(model: str) -> list[tuple[Case, Case]]:
+    layout = _ilp(model)
+    dp4 = Case("dp4", model, _per_rank(4))
+    ddp_tp = Case("dp2 x tp2", model, _per_rank(2, tp=2), layout=layout)
+    pp_dp = Case("pp2 x dp2 zero2", model, _per_rank(2, pp=2, zero=2, num_microbatches=2))
+    fsdp4 = Case("fsdp4", model, _per_rank(4, zero=3))
+    hsdp = Case("hsdp 2x2", model, _per_rank(4, zero=3, dp_shard=2))
+    tp_fsdp = Case("tp2 x fsdp2", model, _per_rank(2, tp=2, zero=3), layout=layout)
+    interleaved = Case(
+        "pp2 interleaved x tp2", model,
+        _per_rank(1, pp=2, tp=2, num_microbatches=4, schedule="interleaved-1f1b",
+                  virtual_stages=2),
+        layout=layout,
+    )  # fmt: skip
+    cp = Case("cp2 x fsdp2", model, _per_rank(2, cp=2, zero=3))
+    return [
+        (dp4, ddp_tp),
+        (ddp_tp, pp_dp),
+        (pp_dp, fsdp4),
+        (fsdp4, hsdp),
+        (tp_fsdp, interleaved),
+        (interleaved, cp),
+    ]
+
+
+RESHARD = [
+    *[(f"tiny-llama {a.name} -> {b.name}", a, b) for a, b in _pairs("tiny-llama")],
+    *[(f"user-gpt {a.name} -> {b.name}", a, b) for a, b in _pairs("user-gpt")[:3]],
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_under_another_plan_continues_the_uninterrupted_run(tmp_path: Path) -> None:
+    tasks = {
+        name: functools.partial(save_then_resume, before, after, tmp_path / f"ckpt{i}", 4)
+        for i, (name, before, after) in enumerate(RESHARD)
+    }
+    results = run_on_ranks(4, tasks, tmp_path)
+    failures = []
+    for name, before, _ in RESHARD:
+        losses = results[name][0]
+        if isinstance(losses, str):
+            failures.append(f"{name}: raised\n{losses}")
+            continue
+        expected = uninterrupted(before.model)
+        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        print(f"{name:<48} max |loss - uninterrupted| = {worst:.2e}")
+        if worst > RESUME_BOUND:
+            failures.append(f"{name}: losses {losses} vs uninterrupted {expected}")
+    assert not failures, "\n".join(failures)
+
+
+def load_and_train(case: Case, directory: str, world_size: int, rank: int) -> dict[str, Any]:
+    """Gathered weights of the zoo Llama loaded from ``directory``, and 4 steps' losses."""
+    parallel = parallelize(meta_model("tiny-llama"), case.plan(world_size), weights=directory)
+    weights = parameter_digests(parallel)
+    trainer = Trainer(parallel, lr=LR, max_grad_norm=CLIP)
+    return {"weights": weights, "losses": run_steps(parallel, trainer, rank, range(4))}
+
+
+LOADS = [
+    Case("fsdp4", "tiny-llama", _per_rank(4, zero=3)),
+    Case("dp2 x tp2 (ddp over tp)", "tiny-llama", _per_rank(2, tp=2)),
+    Case("tp2 x fsdp2", "tiny-llama", _per_rank(2, tp=2, zero=3)),
+    Case("pp2 x dp2 zero2", "tiny-llama", _per_rank(2, pp=2, zero=2, num_microbatches=2)),
+    Case("cp2 x fsdp2", "tiny-llama", _per_rank(2, cp=2, zero=3)),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hugging_face_weights_load_sharded_and_train_as_one_process(tmp_path: Path) -> None:
+    directory = str(hf_llama_dir(tmp_path / "hf", get_preset("tiny-llama")))
+    expected = load_and_train(one_process(LOADS[0]), directory, 1, 0)
+    tasks = {case.name: functools.partial(load_and_train, case, directory, 4) for case in LOADS}
+    results = run_on_ranks(4, tasks, tmp_path)
+    failures = []
+    for case in LOADS:
+        per_rank = results[case.name]
+        raised = next((r for r in per_rank if isinstance(r, str)), None)
+        if raised is not None:
+            failures.append(f"{case.name}: raised\n{raised}")
+            continue
+        held = {name: d for result in per_rank for name, d in result["weights"].items()}
+        if held != expected["weights"]:
+            failures.append(f"{case.name}: loaded weights differ from one process's")
+        worst = max(
+            abs(a - b) for a, b in zip(per_rank[0]["losses"], expected["losses"], strict=True)
+        )
+        print(f"{case.name:<28} weights equal; max |loss - one process| = {worst:.2e}")
+        if worst > 1e-5:
+            failures.append(f"{case.name}: losses {per_rank[0]['losses']} vs {expected}")
+    assert not failures, "\n".join(failures)
