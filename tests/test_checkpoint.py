@@ -27,7 +27,7 @@ from planner.spec import ModelSpec
 from strategies.apply import parallelize
 from strategies.parallel_model import ParallelModel, local_slice
 from strategies.runner import Trainer, synthetic_batch
-from strategies.state import LATEST, export_hf
+from strategies.state import LATEST, export_hf, local_part
 from tests.ranks import run_on_ranks
 from tests.test_deferred_init import _one_process_plan, meta_model
 from tests.test_runtime_numerics import (
@@ -135,13 +135,15 @@ def test_an_optimizer_of_another_kind_is_refused(tmp_path: Path) -> None:
         parallel.load(tmp_path, sgd)
 
 
-def hf_llama_dir(directory: Path, spec: ModelSpec, *, seed: int = 3) -> Path:
+def hf_llama_dir(
+    directory: Path, spec: ModelSpec, *, seed: int = 3, max_shard_size: str = "100KB"
+) -> Path:
     """A random ``LlamaForCausalLM`` equal in shape to the zoo's ``spec``, saved as
     safetensors in several files (with an index)."""
     config = transformers.LlamaConfig(**hf_llama_config(spec))
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(directory, max_shard_size="100KB")
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory
 
 
@@ -298,6 +300,7 @@ def _pairs(model: str) -> list[tuple[Case, Case]]:
 RESHARD = [
     *[(f"tiny-llama {a.name} -> {b.name}", a, b) for a, b in _pairs("tiny-llama")],
     *[(f"user-gpt {a.name} -> {b.name}", a, b) for a, b in _pairs("user-gpt")[:3]],
+    *[(f"hf-llama {a.name} -> {b.name}", a, b) for a, b in _pairs("hf-llama")[:1]],
 ]
 
 
@@ -363,4 +366,74 @@ def test_hugging_face_weights_load_sharded_and_train_as_one_process(tmp_path: Pa
         print(f"{case.name:<28} weights equal; max |loss - one process| = {worst:.2e}")
         if worst > 1e-5:
             failures.append(f"{case.name}: losses {per_rank[0]['losses']} vs {expected}")
+    assert not failures, "\n".join(failures)
+
+
+# ---- memory while loading
+
+BIG = ModelSpec(
+    name="rss-llama", family="llama", num_layers=16, hidden_size=1024, num_heads=16,
+    num_kv_heads=4, vocab_size=8192, seq_len=64,
+)  # fmt: skip  # 200M parameters: 0.80 GB in fp32, 0.20 GB per rank at world 4
+LOAD_OVERHEAD = 48 * 2**20  # bytes per rank beyond its shards and the largest tensor
+
+
+def _plan_for(spec: ModelSpec, world_size: int, **strategy: Any) -> Any:
+    from planner.assemble import assemble_plan
+    from planner.models import ModelHandle, _token_inputs
+    from planner.spec import Cluster, Strategy, Training
+
+    handle = ModelHandle(spec.name, "tests", build(spec, device="meta"),
+                         _token_inputs(spec.vocab_size, torch.device("meta")), spec)  # fmt: skip
+    training = Training(global_batch_size=world_size, micro_batch_size=1, seq_len=spec.seq_len)
+    cluster = Cluster(gpu="cpu", num_gpus=world_size, gpus_per_node=world_size)
+    return assemble_plan(handle, cluster, training, Strategy(micro_batch_size=1, **strategy))
+
+
+def _resident_bytes(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    line = next(line for line in text.splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def load_peak(source: str, world_size: int, rank: int) -> dict[str, int]:
+    """Peak resident memory above the start while ``BIG`` is built on meta and its weights
+    loaded from ``source`` under FSDP; this rank's shard and the largest tensor."""
+    plan = _plan_for(BIG, world_size, dp=world_size, zero=3)
+    model = build(BIG, device="meta")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+    start = _resident_bytes("VmRSS")
+    parallel = parallelize(model, plan, weights=source)
+    peak = _resident_bytes("VmHWM") - start
+    tensors = parallel.model_state.tensors.values()
+    shard = sum(local_part(t)[0].numel() * t.element_size() for t in tensors)
+    largest = max(t.numel() * t.element_size() for t in tensors)
+    return {"peak": peak, "shard": shard, "largest": largest}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_loading_holds_a_rank_to_its_shard_plus_one_tensor(tmp_path: Path) -> None:
+    hf = hf_llama_dir(tmp_path / "hf", BIG, max_shard_size="100MB")
+    one = parallelize(build(BIG, device="meta"), _plan_for(BIG, 1), weights=hf)
+    checkpoint = one.save(tmp_path / "dcp", step=0)
+    model_bytes = sum(t.numel() * t.element_size() for t in one.model_state.tensors.values())
+    del one
+    sources = {"hugging face": str(hf), "checkpoint": str(checkpoint)}
+    tasks = {name: functools.partial(load_peak, path, 4) for name, path in sources.items()}
+    results = run_on_ranks(4, tasks, tmp_path)
+    failures = []
+    for name in sources:
+        for rank, figures in enumerate(results[name]):
+            if isinstance(figures, str):
+                failures.append(f"{name}: raised\n{figures}")
+                continue
+            bound = figures["shard"] + figures["largest"] + LOAD_OVERHEAD
+            print(
+                f"{name:<13} rank {rank}: peak {figures['peak'] / 2**20:.0f} MiB above start; "
+                f"shard {figures['shard'] / 2**20:.0f} MiB, largest tensor "
+                f"{figures['largest'] / 2**20:.0f} MiB, model {model_bytes / 2**20:.0f} MiB"
+            )
+            if figures["peak"] > bound:
+                failures.append(f"{name} rank {rank}: peak {figures['peak']} > {bound}")
     assert not failures, "\n".join(failures)
