@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -99,9 +100,23 @@ def _optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
 
 
-def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator[StepRecord]:
+def run_plan(
+    plan: Plan,
+    *,
+    steps: int,
+    seed: int,
+    lr: float = 1e-3,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    save_every: int | None = None,
+) -> Iterator[StepRecord]:
     """Build the plan's model on the meta device, apply the plan (each rank initialises only
-    its shards, seeded by ``seed``) and train ``steps`` steps on synthetic tokens."""
+    its shards, seeded by ``seed``) and train up to step ``steps`` on synthetic tokens.
+
+    With ``checkpoint_dir``, the model and optimizer are saved there after the last step
+    and every ``save_every`` steps; ``resume`` first loads its latest checkpoint (saved
+    under any plan) and goes on from its step, with the data the uninterrupted run sees.
+    """
     if plan.model is None:
         raise SpecError(
             f"plan for {plan.model_name!r} has no model spec: 'plan run' trains zoo or "
@@ -113,7 +128,16 @@ def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator
     assert seq_len is not None  # a plan with a model spec has one
     parallel = parallelize(build(plan.model, device="meta"), plan, seed=seed)
     trainer = Trainer(parallel, lr=lr)
-    for step in range(steps):
+    start = 0
+    if resume:
+        assert checkpoint_dir is not None  # the CLI asks for both
+        start = parallel.load(checkpoint_dir, trainer.optimizer)
+        if start >= steps:
+            raise SpecError(
+                f"steps = {steps} (plan run --steps), but the checkpoint in {checkpoint_dir} "
+                f"is at step {start}: nothing is left to train; give more than {start} steps"
+            )
+    for step in range(start, steps):
         inputs, targets = parallel.local_batch(
             *synthetic_batch(
                 plan.model.vocab_size,
@@ -123,9 +147,15 @@ def run_plan(plan: Plan, *, steps: int, seed: int, lr: float = 1e-3) -> Iterator
                 step=step,
             )
         )
-        start = time.perf_counter()
+        began = time.perf_counter()
         loss = trainer.step(inputs, targets)
-        yield StepRecord(step=step, loss=loss, step_time_s=time.perf_counter() - start)
+        record = StepRecord(step=step, loss=loss, step_time_s=time.perf_counter() - began)
+        done = step + 1
+        if checkpoint_dir is not None and (
+            done == steps or (save_every and done % save_every == 0)
+        ):
+            parallel.save(checkpoint_dir, trainer.optimizer, step=done)
+        yield record
 
 
 @contextlib.contextmanager

@@ -40,6 +40,31 @@ def test_plan_run_single_process_prints_json(
     assert all(5.0 < step["loss"] < 6.5 and step["step_time_s"] > 0 for step in report["steps"])
 
 
+def test_plan_run_saves_resumes_and_refuses_what_cannot_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, checkpoints = tmp_path / "plan.json", str(tmp_path / "ckpt")
+    path.write_text(_single_plan().to_json())
+    assert main(["run", str(path), "--steps", "2", "--checkpoint-dir", checkpoints]) == 0
+    assert main(["run", str(path), "--steps", "2", "--checkpoint-dir", checkpoints,
+                 "--resume"]) == 2  # fmt: skip
+    assert "is at step 2: nothing is left to train" in capsys.readouterr().err
+    assert main(["run", str(path), "--steps", "3", "--resume"]) == 2
+    assert "--resume needs --checkpoint-dir DIR" in capsys.readouterr().err
+    gpt = tmp_path / "gpt.json"
+    gpt.write_text(_single_plan("tiny-gpt").to_json())
+    assert main(["run", str(gpt), "--checkpoint-dir", checkpoints, "--export-hf",
+                 str(tmp_path / "out")]) == 2  # fmt: skip
+    assert "only zoo llama models load from or export to" in capsys.readouterr().err
+    assert main(["run", str(path), "--steps", "4", "--checkpoint-dir", checkpoints,
+                 "--resume", "--save-every", "1", "--json"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert [step["step"] for step in report["steps"]] == [2, 3]
+    assert sorted(p.name for p in Path(checkpoints).glob("step-*")) == [
+        "step-00000002", "step-00000003", "step-00000004",
+    ]  # fmt: skip
+
+
 def test_plan_run_rejects_multi_rank_plan_without_torchrun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

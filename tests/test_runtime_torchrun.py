@@ -51,6 +51,34 @@ def test_plan_run_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     assert loss_falls(distributed)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plan_run_resumes_under_another_plan_and_exports(tmp_path: Path) -> None:
+    """4 steps of FSDP over 2 ranks saved, then resumed in one process to step 8: the
+    losses of the uninterrupted run; the exported safetensors load in transformers."""
+    transformers = pytest.importorskip("transformers")
+    model = "tiny-llama"
+    fsdp = _write_plan(tmp_path / "fsdp.json", Strategy(dp=2, zero=3, micro_batch_size=4), model)
+    single = _write_plan(tmp_path / "single.json", Strategy(micro_batch_size=8), model)
+    args = ["run", "--json", "--lr", "0.01"]
+    checkpoints, out = str(tmp_path / "ckpt"), tmp_path / "hf"
+    before = plan_run_losses(
+        [*TORCHRUN, "2", "-m", "planner", *args, "--steps", "4", "--checkpoint-dir", checkpoints,
+         str(fsdp)]
+    )  # fmt: skip
+    after = plan_run_losses(
+        [sys.executable, "-m", "planner", *args, "--steps", "8", "--checkpoint-dir", checkpoints,
+         "--resume", "--export-hf", str(out), str(single)]
+    )  # fmt: skip
+    reference = plan_run_losses(
+        [sys.executable, "-m", "planner", *args, "--steps", "8", str(single)]
+    )
+    assert before + after == pytest.approx(reference, abs=1e-6)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000008"
+    hf = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert hf.config.num_hidden_layers == 4
+
+
 def _user_plans(tmp_path: Path, model: str) -> tuple[str, Path, Path]:
     """The model's source and its plans at tp 2 with SP (2 ranks) and on one rank, made
     on a device where tensor parallelism pays even for tiny layers."""

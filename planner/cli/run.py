@@ -5,6 +5,11 @@ Launch under torchrun for a multi-rank plan::
     torchrun --nproc-per-node 8 -m planner run plan.json --steps 20
 
 A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``.
+
+``--checkpoint-dir D`` saves the model and optimizer to ``D`` after the last step (and
+every ``--save-every`` steps); ``--resume`` loads ``D``'s latest checkpoint first, saved
+under any plan, and trains on from its step to ``--steps``. ``--export-hf OUT`` writes
+the trained zoo Llama as a Hugging Face safetensors directory.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.cli.common import MAX_STEPS, count, positive_float, seed
+from planner.errors import SpecError
 from planner.io import dumps_json
 from planner.spec import Plan, load_document
 from planner.validate import check_plan
@@ -33,6 +39,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=seed, default=0, help="weights and data seed (default: 0)")
     parser.add_argument("--lr", type=positive_float(), default=1e-3,
                         help="learning rate, a positive number (default: 1e-3)")  # fmt: skip
+    parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                        help="save model and optimizer here after the last step (DCP, any plan "
+                        "can resume it)")  # fmt: skip
+    parser.add_argument("--save-every", type=count(MAX_STEPS), metavar="N",
+                        help="also save every N steps (needs --checkpoint-dir)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true",
+                        help="load the latest checkpoint of --checkpoint-dir first and train on "
+                        "from its step to --steps")  # fmt: skip
+    parser.add_argument("--export-hf", type=Path, metavar="DIR",
+                        help="after training, write the model as a Hugging Face safetensors "
+                        "directory (zoo llama models; needs --checkpoint-dir)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document at the end")
     parser.set_defaults(func=run)
 
@@ -40,11 +57,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     plan = load_document(Plan, args.plan)
     check_plan(plan)  # before any process group starts
+    _check_checkpointing(args, plan)
     from strategies import runner  # the runtime: torch.distributed only there
 
     with runner.process_group_from_env() as rank:
-        records = runner.run_plan(plan, steps=args.steps, seed=args.seed, lr=args.lr)
+        records = runner.run_plan(
+            plan, steps=args.steps, seed=args.seed, lr=args.lr,
+            checkpoint_dir=args.checkpoint_dir, resume=args.resume, save_every=args.save_every,
+        )  # fmt: skip
         steps = [_report(record, show=rank == 0 and not args.json) for record in records]
+        if rank == 0 and args.export_hf is not None:
+            _export_hf(plan, args.checkpoint_dir, args.export_hf, show=not args.json)
         if rank == 0 and args.json:
             summary = {
                 "plan": plan.strategy.describe(),
@@ -52,8 +75,36 @@ def run(args: argparse.Namespace) -> int:
                 "world_size": plan.strategy.world_size,
                 "steps": steps,
             }
+            if args.checkpoint_dir is not None:
+                summary["checkpoint"] = str(args.checkpoint_dir)
             print(dumps_json(summary, what="the run summary"))
     return 0
+
+
+def _check_checkpointing(args: argparse.Namespace, plan: Plan) -> None:
+    """Raise on checkpoint options that cannot work, before any process group starts."""
+    for flag, given in (("--resume", args.resume), ("--save-every", args.save_every),
+                        ("--export-hf", args.export_hf)):  # fmt: skip
+        if given and args.checkpoint_dir is None:
+            raise SpecError(f"{flag} needs --checkpoint-dir DIR (where checkpoints are kept)")
+    if args.export_hf is not None:
+        from planner.models.hf_layout import check_hf_layout  # loads torch: not for --help
+
+        if plan.model is not None:
+            check_hf_layout(plan.model)
+        if args.export_hf.exists():
+            raise SpecError(f"--export-hf {args.export_hf} exists: give a new directory")
+
+
+def _export_hf(plan: Plan, checkpoint_dir: Path, out: Path, *, show: bool) -> None:
+    """Write the latest checkpoint's model as a Hugging Face directory (this rank alone)."""
+    from planner.models.hf_layout import hf_llama_config, hf_name
+    from strategies.state import export_hf
+
+    assert plan.model is not None  # run_plan trains only plans with a model spec
+    export_hf(checkpoint_dir, out, rename=hf_name, config=hf_llama_config(plan.model))
+    if show:
+        print(f"exported to {out} (Hugging Face LlamaForCausalLM safetensors)")
 
 
 def _report(record: Any, *, show: bool) -> dict[str, Any]:
