@@ -114,7 +114,8 @@ def parallelize(
     instead of a plan, and the model is planned first (:func:`make_plan`, with
     ``pins`` and the ``lossy`` compression it may choose); every rank computes the same
     plan. ``options`` go to
-    :func:`strategies.apply.parallelize` (``loss_fn``). Raises
+    :func:`strategies.apply.parallelize` (``loss_fn``; ``seed`` and ``init`` for a model
+    built on the meta device; ``weights``, a Hugging Face directory or checkpoint). Raises
     :class:`PlannerError` before any collective when the plan does not fit the model
     or the world size.
     """

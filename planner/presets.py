@@ -44,6 +44,8 @@ PRESETS: dict[str, ModelSpec] = {
         _spec("llama2-13b", Family.LLAMA, 40, 5120, 40, ffn_hidden_size=13824, **_LLAMA2),
         _spec("llama2-70b", Family.LLAMA, 80, 8192, 64, num_kv_heads=8, ffn_hidden_size=28672,
               **_LLAMA2),
+        _spec("llama3.2-1b", Family.LLAMA, 16, 2048, 32, num_kv_heads=8, ffn_hidden_size=8192,
+              **_LLAMA3, tied_embeddings=True),
         _spec("llama3-8b", Family.LLAMA, 32, 4096, 32, num_kv_heads=8, ffn_hidden_size=14336,
               **_LLAMA3),
         _spec("llama3-70b", Family.LLAMA, 80, 8192, 64, num_kv_heads=8, ffn_hidden_size=28672,

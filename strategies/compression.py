@@ -15,10 +15,18 @@ ranks, and a ``PeriodicModelAverager`` averages the parameters over all of them 
 ``period`` optimizer steps. The averager must run after every optimizer step: a
 training loop gets it from :func:`after_step_callback` (the
 :class:`~strategies.runner.Trainer` does).
+
+PowerSGD (its iteration and random state) and local SGD (its iteration and the
+averager's step) carry state from step to step: :func:`carried_state` and
+:func:`restore_carried_state` move it through checkpoints. Under local SGD the replicas
+of different local groups differ (parameters between averaging steps, optimizer states
+always), so checkpoints keep each rank's own as well (:mod:`strategies.state`).
 """
 
+import io
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +52,10 @@ __all__ = [
     "bfloat16_allreduce_hook",
     "ordered_powersgd_hook",
     "POWERSGD_MIN_START_ITER",
+    "PeriodicAveraging",
+    "hook_states",
+    "carried_state",
+    "restore_carried_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,7 +143,18 @@ def _refusal(plan: Plan, fallback: str) -> SpecError:
     return SpecError(f"strategy.compression.kind = {kind.value!r} {fallback}")
 
 
-def after_step_callback(model: nn.Module, plan: Plan) -> Callable[[], None] | None:
+@dataclass(frozen=True)
+class PeriodicAveraging:
+    """Local SGD's parameter averaging, to call after every optimizer step."""
+
+    averager: PeriodicModelAverager
+    params: list[nn.Parameter]
+
+    def __call__(self) -> None:
+        self.averager.average_parameters(iter(self.params))
+
+
+def after_step_callback(model: nn.Module, plan: Plan) -> PeriodicAveraging | None:
     """What a training loop must call after every optimizer step, or ``None``.
 
     For ``local_sgd`` it is the ``PeriodicModelAverager`` over ``model``'s data-parallel
@@ -148,8 +171,65 @@ def after_step_callback(model: nn.Module, plan: Plan) -> Callable[[], None] | No
         warmup_steps=compression.warmup_steps,
         process_group=model.process_group,
     )
-    params = list(model.parameters())
-    return lambda: averager.average_parameters(iter(params))
+    return PeriodicAveraging(averager, list(model.parameters()))
+
+
+def hook_states(model: nn.Module) -> list[object]:
+    """The states of the communication hooks registered on ``model`` (a DDP model)."""
+    return [state for _hook, state in getattr(model, "_comm_hooks", [])]
+
+
+def _carriers(model: nn.Module, averaging: PeriodicAveraging | None) -> list[object]:
+    """What carries compression state from step to step: ``model``'s DDP hook states and
+    the ``averaging``'s averager."""
+    return hook_states(model) + ([averaging.averager] if averaging is not None else [])
+
+
+def carried_state(model: nn.Module, averaging: PeriodicAveraging | None) -> bytes | None:
+    """What ``model``'s compression (and local SGD's ``averaging``) carries from step to
+    step, serialised (``None`` when it carries nothing), for a checkpoint: the iterations
+    (PowerSGD's, local SGD's and its averager's) and PowerSGD's random state."""
+    carried: dict[str, Any] = {}
+    for carrier in _carriers(model, averaging):
+        if isinstance(carrier, powerSGD_hook.PowerSGDState):
+            carried["powersgd"] = {"iter": carrier.iter, "rng": carrier.rng.get_state()}
+        elif isinstance(carrier, post_localSGD_hook.PostLocalSGDState):
+            carried["local_sgd_iter"] = carrier.iter
+        elif isinstance(carrier, PeriodicModelAverager):
+            carried["averager_step"] = carrier.step
+    if not carried:
+        return None
+    buffer = io.BytesIO()
+    torch.save(carried, buffer)
+    return buffer.getvalue()
+
+
+def restore_carried_state(
+    model: nn.Module, averaging: PeriodicAveraging | None, saved: bytes
+) -> None:
+    """Give ``model``'s compression (and ``averaging``) the state :func:`carried_state` saved.
+
+    PowerSGD's error feedback and warm-start factors are not carried: they are flat
+    per gradient bucket, and a new DDP lays its buckets out afresh (in another order
+    until its first step rebuilds them), so they restart from zero, as at PowerSGD's
+    first compressed step (logged); the run goes on close to, not equal to, the
+    uninterrupted one.
+    """
+    carried = torch.load(io.BytesIO(saved), weights_only=False)
+    for carrier in _carriers(model, averaging):
+        if isinstance(carrier, powerSGD_hook.PowerSGDState) and "powersgd" in carried:
+            carrier.iter = carried["powersgd"]["iter"]
+            carrier.rng.set_state(carried["powersgd"]["rng"])
+            if carrier.iter >= carrier.start_powerSGD_iter:
+                log.warning(
+                    "powersgd: resumed at iteration %d; its error feedback restarts from zero "
+                    "(it is kept per DDP gradient bucket, which a new process lays out afresh)",
+                    carrier.iter,
+                )
+        elif isinstance(carrier, post_localSGD_hook.PostLocalSGDState):
+            carrier.iter = carried.get("local_sgd_iter", carrier.iter)
+        elif isinstance(carrier, PeriodicModelAverager):
+            carrier.step = carried.get("averager_step", carrier.step)
 
 
 def _local_sgd_state(

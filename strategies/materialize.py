@@ -66,11 +66,35 @@ def apply(
 ) -> nn.Module:
     """Allocate this rank's shards of meta ``model`` on ``device`` and initialise them,
     but for the tensors named in ``loaded`` (FQNs whose values a checkpoint gives)."""
+    tied = _tied_places(model)
     model.to_empty(device=device)
+    _retie(tied)
     initialise = init if init is not None else _default_init(model)
+    done: set[int] = set()  # a tied tensor is initialised once, by its first holder
     for name, module in _holders(model):
-        _initialise_module(module, name, initialise, seed, loaded)
+        _initialise_module(module, name, initialise, seed, loaded, done)
     return model
+
+
+Place = tuple[nn.Module, str]  # a module and the name of one of its own parameters
+
+
+def _tied_places(model: nn.Module) -> list[list[Place]]:
+    """Each parameter held by more than one module (tied embeddings), as its places."""
+    places: dict[int, list[Place]] = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, key))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie(tied: list[list[Place]]) -> None:
+    """Point every place of a tied parameter at its first place's parameter again
+    (``to_empty`` gives each module a parameter of its own)."""
+    for (first, first_key), *others in tied:
+        for module, key in others:
+            module._parameters[key] = first._parameters[first_key]
 
 
 def _holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -94,13 +118,19 @@ def _default_init(root: nn.Module) -> Init:
 
 
 def _initialise_module(
-    module: nn.Module, name: str, initialise: Init, seed: int, loaded: Collection[str]
+    module: nn.Module,
+    name: str,
+    initialise: Init,
+    seed: int,
+    loaded: Collection[str],
+    done: set[int],
 ) -> None:
     targets = [
         (key, where, target)
         for key, target in _own_tensors(module)
-        if (where := f"{name}.{key}" if name else key) not in loaded
+        if (where := f"{name}.{key}" if name else key) not in loaded and id(target) not in done
     ]
+    done.update(id(target) for _, _, target in targets)
     if not targets:
         return
     twin = _full_twin(module)

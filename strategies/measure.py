@@ -41,6 +41,7 @@ from planner.models import build
 from planner.spec import Plan
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
+from strategies.compression import hook_states
 from strategies.mesh import device_type
 from strategies.parallel_model import ParallelModel, local_slice
 from strategies.runner import Trainer, synthetic_batch
@@ -262,7 +263,7 @@ def _comm_hook_tensors(roots: list[nn.Module]) -> list[torch.Tensor]:
     P and Q), which persist from earlier steps and so are not seen being allocated."""
     tensors = []
     for root in roots:
-        for _hook, state in getattr(root, "_comm_hooks", []):
+        for state in hook_states(root):
             slots = getattr(type(state), "__slots__", ())
             fields = [getattr(state, name, None) for name in slots]
             fields += list(getattr(state, "__dict__", {}).values())
@@ -301,8 +302,8 @@ def _run(
 ) -> tuple[list[float], dict[str, float], float, float, str]:
     """Step times, profiled phases and their step's wall time, peak GiB and its method."""
     assert plan.model is not None
-    model = build(plan.model, device="cpu", seed=seed)
-    trainer = Trainer(parallelize(model, plan), lr=lr)
+    model = build(plan.model, device="meta")  # each rank allocates only its shards
+    trainer = Trainer(parallelize(model, plan, seed=seed), lr=lr)
     batches = _Batches(plan, seed)
     for step in range(warmup):
         _timed_step(trainer, batches, step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -33,10 +34,13 @@ def device_type() -> str:
 
 
 def local_device() -> torch.device:
-    """This rank's device: its GPU under NCCL (``torch.cuda.set_device`` chose it), else CPU."""
-    if device_type() == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's device, made current: under NCCL its GPU on the node (``LOCAL_RANK``, as
+    torchrun sets it; else the current one), else the CPU. Untested on GPUs so far."""
+    if device_type() != "cuda":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def build_mesh(plan: Plan) -> DeviceMesh | None:

@@ -37,10 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.errors import SpecError
-from planner.spec import Axis, Plan
+from planner.spec import Axis, CompressionKind, Plan
 from planner.torch_dtypes import mixed_precision_dtype
 from strategies import clipping, state
-from strategies.compression import after_step_callback
+from strategies.compression import after_step_callback, carried_state, restore_carried_state
 from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
 from strategies.pipeline import LossFn, PipelineRunner, full_value
@@ -94,7 +94,6 @@ class ParallelModel:
         self._named_parameters = [
             (name, param) for m in self.modules for name, param in _unwrapped(m).named_parameters()
         ]
-        self._state = state.model_state(_unwrapped(m) for m in self.modules)
         problem = clipping.stock_clipping_problem(plan.strategy.pp, plan.strategy.tp)
         if problem is not None:
             clipping.guard_stock_clipping(self.parameters(), problem)
@@ -154,8 +153,10 @@ class ParallelModel:
 
     @property
     def model_state(self) -> state.ModelState:
-        """This rank's parameters and persistent buffers as checkpoints see them."""
-        return self._state
+        """This rank's parameters and persistent buffers as checkpoints see them, taken now
+        (local SGD's averaging gives parameters new storage)."""
+        modules = [_unwrapped(m) for m in self.modules]
+        return state.model_state(modules, self._named_parameters)
 
     def save(
         self,
@@ -167,13 +168,11 @@ class ParallelModel:
         """Checkpoint the model (and ``optimizer``) after ``step`` optimizer steps, on
         every rank: ``directory/step-<step>`` becomes ``directory``'s latest once complete
         (a save cut short leaves the previous one latest). Returns the checkpoint's path."""
+        local_sgd = self.plan.strategy.compression.kind is CompressionKind.LOCAL_SGD
         return state.save(
-            directory,
-            self._state,
-            optimizer=optimizer,
-            step=step,
-            plan=self.plan.strategy.describe(),
-        )
+            directory, self.model_state, optimizer=optimizer, step=step, plan=self._layout,
+            carried=self._carried(), per_rank=local_sgd,
+        )  # fmt: skip
 
     def load(
         self,
@@ -185,7 +184,24 @@ class ParallelModel:
         """Load the latest checkpoint of ``directory`` (or the one at ``step``) into the
         model (and ``optimizer``, built over :meth:`parameters`) in place, on every rank,
         whatever plan saved it; returns its step."""
-        return state.load(directory, self._state, optimizer=optimizer, step=step)
+        return state.load(
+            directory, self.model_state, optimizer=optimizer, step=step, plan=self._layout,
+            restore=self._restore_carried,
+        )  # fmt: skip
+
+    @property
+    def _layout(self) -> str:
+        """The plan and world size, as checkpoints record what saved them."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return f"{self.plan.strategy.describe()} on {world} ranks"
+
+    def _carried(self) -> bytes | None:
+        """What this rank's gradient compression carries between steps (DDP only)."""
+        return None if self.runner is not None else carried_state(self.module, self._after_step)
+
+    def _restore_carried(self, carried: bytes) -> None:
+        if self.runner is None:
+            restore_carried_state(self.module, self._after_step, carried)
 
     def train(self, mode: bool = True) -> ParallelModel:
         for module in self.modules:

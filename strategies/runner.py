@@ -26,6 +26,7 @@ from planner.models import build
 from planner.spec import Optimizer, Plan
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
+from strategies.mesh import local_device
 from strategies.parallel_model import ParallelModel
 
 __all__ = [
@@ -168,11 +169,9 @@ def process_group_from_env() -> Iterator[int]:
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         yield dist.get_rank() if dist.is_initialized() else 0
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
-    log.info("process group: %s, world size %d", backend, dist.get_world_size())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local_device()  # under NCCL: this rank's GPU becomes current before any collective
+    log.info("process group: %s, world size %d", dist.get_backend(), dist.get_world_size())
     try:
         yield dist.get_rank()
         dist.barrier()  # no rank tears gloo down while another still has work in flight

@@ -18,7 +18,11 @@ leaves the previous checkpoint the latest. Keys, as DCP flattens them:
 - ``model.<fqn>``: parameters and persistent buffers;
 - ``optimizer.<fqn>.<key>``: each parameter's optimizer state (``exp_avg``, ``step``...);
 - ``param_groups.<fqn>.<key>``: the hyperparameters of its group (``lr``, ``betas``...);
-- ``meta.step``, ``meta.plan``: the step and the plan it was saved under.
+- ``meta.step``, ``meta.plan``: the step and the plan it was saved under;
+- ``carried.rank<r>``: what rank ``r``'s gradient compression carries between steps
+  (:func:`strategies.compression.carried_state`), when it carries anything;
+- ``replicas.rank<r>.model...``, ``replicas.rank<r>.optimizer...``: rank ``r``'s own
+  replica, where replicas differ (local SGD).
 """
 
 from __future__ import annotations
@@ -77,11 +81,17 @@ class ModelState:
     names: dict[int, str]
 
 
-def model_state(modules: Iterable[nn.Module]) -> ModelState:
+def model_state(
+    modules: Iterable[nn.Module], parameters: Iterable[tuple[str, torch.Tensor]] = ()
+) -> ModelState:
     """Parameters and persistent buffers of ``modules`` (the rank's model or pipeline
-    chunks, unwrapped), tied ones under each of their names."""
+    chunks, unwrapped) as they are now, tied ones under each of their names; ``names``
+    covers ``parameters`` (the (FQN, parameter) pairs an optimizer is given, when the
+    modules no longer list them: DDP over tensor-parallel shards) and the modules' own."""
     tensors: dict[str, torch.Tensor] = {}
     names: dict[int, str] = {}
+    for fqn, param in parameters:
+        names.setdefault(id(param), fqn)
     for module in modules:
         for fqn, tensor in module.state_dict(keep_vars=True).items():
             tensors[fqn] = as_shard_of(tensor.detach(), tensor)
@@ -111,9 +121,15 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     step: int,
     plan: str,
+    carried: bytes | None = None,
+    per_rank: bool = False,
 ) -> Path:
-    """Write a checkpoint of ``model`` (and ``optimizer``'s state) at ``step`` under
-    ``root`` on every rank, atomically; returns its directory. ``plan`` says what saved it."""
+    """Write a checkpoint of ``model`` (and ``optimizer``'s state, and this rank's
+    ``carried`` compression state) at ``step`` under ``root`` on every rank, atomically;
+    returns its directory. ``plan`` says what saved it (plan and world size).
+
+    ``per_rank`` also keeps each rank's own model and optimizer state, for replicas that
+    differ (local SGD): a run under the same plan resumes each rank from its own."""
     if step < 0:
         raise SpecError(f"save: step = {step}; give the number of optimizer steps taken (>= 0)")
     root = Path(root)
@@ -129,6 +145,13 @@ def save(
     }
     if optimizer is not None:
         state["optimizer"], state["param_groups"] = _optimizer_state(optimizer, model)
+    if carried is not None:
+        state["carried"] = {f"rank{_rank()}": carried}
+    if per_rank:
+        own: dict[str, Any] = {"model": dict(model.tensors)}
+        if optimizer is not None:
+            own["optimizer"] = state["optimizer"]
+        state["replicas"] = {f"rank{_rank()}": own}
     _dcp_save(state, FileSystemWriter(partial))
     _barrier()
     if _rank() == 0:
@@ -181,28 +204,45 @@ def load(
     *,
     optimizer: torch.optim.Optimizer | None,
     step: int | None,
+    plan: str = "",
+    restore: Callable[[bytes], None] | None = None,
 ) -> int:
     """Read the checkpoint of ``root`` at ``step`` (the latest when ``None``) into
-    ``model`` and ``optimizer`` in place, whatever plan saved it; returns its step."""
+    ``model`` and ``optimizer`` in place, whatever plan saved it; returns its step.
+
+    Where the checkpoint keeps each rank's own replica (:func:`save` ``per_rank``) and
+    ``plan`` (this run's plan and world size) saved it, each rank reads its own;
+    ``restore(carried)`` gets this rank's saved compression state, if any."""
     path = checkpoint_path(root, step)
-    metadata = FileSystemReader(path).read_metadata()
-    _check_covers(path, metadata, model.tensors, _checkpoint_keys(model.tensors))
-    state: dict[str, Any] = {
-        "model": dict(model.tensors),
-        "meta": {"step": 0, "plan": ""},
-    }
-    groups: dict[str, dict[str, Any]] = {}
+    reader = FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    _check_covers(path, saved, model.tensors, _checkpoint_keys(model.tensors))
+    meta: dict[str, Any] = {"meta": {"step": 0, "plan": ""}}
+    _dcp_load(meta, FileSystemReader(path))
+    rank = f"rank{_rank()}"
+    own = f"replicas.{rank}."
+    replicas = meta["meta"]["plan"] == plan and any(key.startswith(own) for key in saved)
+    prefix = own if replicas else ""
+    body: dict[str, Any] = {"model": dict(model.tensors)}
     if optimizer is not None:
         _fill_state(optimizer)
-        state["optimizer"], groups = _optimizer_state(optimizer, model)
-        state["optimizer"] = _saved_part(state["optimizer"], "optimizer", metadata, path)
-        state["param_groups"] = _saved_part(groups, "param_groups", metadata, path)
-    _dcp_load(state, FileSystemReader(path))
+        entries, groups = _optimizer_state(optimizer, model)
+        body["optimizer"] = _saved_part(entries, prefix + "optimizer", saved, path)
+        body["param_groups"] = _saved_part(groups, "param_groups", saved, path)
+    state: dict[str, Any] = {"replicas": {rank: body}} if replicas else dict(body)
+    if replicas:
+        state["param_groups"] = body.pop("param_groups", {})
+    if restore is not None and f"carried.{rank}" in saved:
+        state["carried"] = {rank: b""}
+    _dcp_load(state, reader)
     if optimizer is not None:
         _set_hyperparameters(optimizer, model, state["param_groups"])
-    step_loaded = int(state["meta"]["step"])
-    log.info("checkpoint: step %d loaded from %s (saved under %s)", step_loaded, path,
-             state["meta"]["plan"])  # fmt: skip
+    if "carried" in state:
+        assert restore is not None
+        restore(state["carried"][rank])
+    step_loaded = int(meta["meta"]["step"])
+    log.info("checkpoint: step %d loaded from %s (saved under %s%s)", step_loaded, path,
+             meta["meta"]["plan"], ", each rank its own replica" if replicas else "")  # fmt: skip
     return step_loaded
 
 
@@ -212,10 +252,10 @@ def _checkpoint_keys(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _check_covers(
-    path: Path, metadata: Metadata, tensors: dict[str, torch.Tensor], names: dict[str, str]
+    path: Path, saved: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[str, str]
 ) -> None:
-    """Raise unless the checkpoint holds every tensor of the model, whole-shaped alike."""
-    saved = metadata.state_dict_metadata
+    """Raise unless the checkpoint (``saved``: its metadata by key) holds every tensor of
+    the model, whole-shaped alike."""
     missing = [fqn for fqn in tensors if names[fqn] not in saved]
     if missing:
         raise SpecError(
@@ -301,11 +341,10 @@ def _without_step_hooks(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 
 
 def _saved_part(
-    part: dict[str, dict[str, Any]], prefix: str, metadata: Metadata, path: Path
+    part: dict[str, dict[str, Any]], prefix: str, saved: dict[str, Any], path: Path
 ) -> dict[str, dict[str, Any]]:
-    """``part`` with only the entries the checkpoint holds; raise when it holds a
-    parameter's state under other keys (another optimizer)."""
-    saved = metadata.state_dict_metadata
+    """``part`` with only the entries the checkpoint (``saved``: its metadata by key)
+    holds; raise when it holds a parameter's state under other keys (another optimizer)."""
     kept: dict[str, dict[str, Any]] = {}
     for fqn, entries in part.items():
         present = {key: v for key, v in entries.items() if f"{prefix}.{fqn}.{key}" in saved}
@@ -384,7 +423,7 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
         source = WeightSource(checkpoint_path(path), False, {})
         metadata = source.reader().read_metadata()
         names = _checkpoint_keys(tensors)
-    _check_covers(source.path, metadata, tensors, names)
+    _check_covers(source.path, metadata.state_dict_metadata, tensors, names)
     return WeightSource(source.path, source.hugging_face, names)
 
 
@@ -406,8 +445,13 @@ def load_weights(model: ModelState, source: WeightSource) -> None:
     (collective)."""
     state: dict[str, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, str]] = []  # tensors read under a key already taken
+    targets: set[int] = set()  # local storages already read into (a tied weight: once)
     for fqn, tensor in model.tensors.items():
         key = source.names[fqn]
+        local, _ = local_part(tensor)
+        if local.numel() and local.data_ptr() in targets:
+            continue
+        targets.add(local.data_ptr())
         if key in state:
             copies.append((tensor, key))
         else:

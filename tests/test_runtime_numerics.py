@@ -115,7 +115,8 @@ def build_handle(model: str) -> ModelHandle:
         from tests.user_models import GPT, PositionGPT
 
         kind = PositionGPT if model == "user-gpt-positions" else GPT  # forward(idx, position_ids)
-        return ModelHandle(model, f"tests:{model}", kind(n_layer=4), lambda b, s: ())
+        tied = model == "user-gpt-tied"  # nanoGPT's default: wte.weight is lm_head.weight
+        return ModelHandle(model, f"tests:{model}", kind(n_layer=4, tied=tied), lambda b, s: ())
     module = TinyLM() if model == "tiny-lm" else _hf_llama()
     return ModelHandle(model, f"tests:{model}", module, lambda b, s: ())
 

@@ -157,32 +157,48 @@ def _printed_losses(stdout: str) -> list[float]:
     return [float(m) for m in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "pins", [planner.Pins(pp=2, cp=2), planner.Pins(pp=2, dp=2)], ids=["pp2 x cp2", "pp2 x dp2"]
-)
-def test_the_readme_training_loop_runs_a_pipeline(tmp_path, monkeypatch, pins):
-    """The README's loop, copied from the README, trains an HF Llama from its config under
-    a plan the search made with ``pins`` on 4 ranks, as one process does."""
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+def _llama_plans(tmp_path: Path, pins: dict[str, planner.Pins]) -> tuple[Path, dict[str, Path]]:
+    """An HF Llama config directory and, for each name, the plan the search makes with
+    those pins (4 GPUs; ``one process``: 1 GPU)."""
     config = tmp_path / "llama"
     config.mkdir()
     (config / "config.json").write_text(json.dumps(LLAMA))
     handle = resolve_hf_config(config)
     training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
-    plans = []
-    for gpus, pinned in ((4, pins), (1, planner.Pins())):
-        cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus)
+    plans = {}
+    for name, pinned in {**pins, "one process": planner.Pins()}.items():
+        cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1 if name == "one process" else 4)
         plan = planner.make_plan(handle, cluster, training, pins=pinned)
-        plans.append(tmp_path / f"plan-{gpus}.json")
-        plans[-1].write_text(plan.to_json())
-    script = str(_readme_training_loop(tmp_path))
-    distributed = run_printing([*TORCHRUN, "4", script, str(config), str(plans[0]), "3"], "step 2")
-    single = run_printing([sys.executable, script, str(config), str(plans[1]), "3"], "step 2")
-    assert len(_printed_losses(single)) == 3
-    assert _printed_losses(distributed) == pytest.approx(_printed_losses(single), abs=1e-5)
-    print(
-        f"README loop {pins}: max |loss - one process| = "
-        f"{max(abs(a - b) for a, b in zip(_printed_losses(distributed), _printed_losses(single), strict=True)):.2e}"
+        plans[name] = tmp_path / f"plan-{name.replace(' ', '-')}.json"
+        plans[name].write_text(plan.to_json())
+    return config, plans
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_readme_training_loop_runs_a_pipeline_and_resumes_under_another_plan(
+    tmp_path, monkeypatch
+):
+    """The README's loop, copied from the README, builds an HF Llama on meta from its
+    config and trains it under torchrun on 4 ranks: 2 steps under a pp2 x dp2 plan the
+    search made, saved, then resumed under a pp2 x cp2 plan for a third step. The losses
+    equal one process's uninterrupted run."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pins = {"pp2 x dp2": planner.Pins(pp=2, dp=2), "pp2 x cp2": planner.Pins(pp=2, cp=2)}
+    config, plans = _llama_plans(tmp_path, pins)
+    script, checkpoints = str(_readme_training_loop(tmp_path)), str(tmp_path / "ckpt")
+    first = run_printing(
+        [*TORCHRUN, "4", script, str(config), str(plans["pp2 x dp2"]), "2", checkpoints],
+        "step 1",
     )
+    resumed = run_printing(
+        [*TORCHRUN, "4", script, str(config), str(plans["pp2 x cp2"]), "3", checkpoints],
+        "step 2",
+    )
+    single = run_printing([sys.executable, script, str(config), str(plans["one process"]), "3"],
+                          "step 2")  # fmt: skip
+    distributed = _printed_losses(first) + _printed_losses(resumed)
+    assert len(_printed_losses(single)) == 3 and len(distributed) == 3
+    assert distributed == pytest.approx(_printed_losses(single), abs=1e-5)
+    worst = max(abs(a - b) for a, b in zip(distributed, _printed_losses(single), strict=True))
+    print(f"README loop pp2 x dp2, resumed under pp2 x cp2: max |loss - one process| = {worst:.2e}")
