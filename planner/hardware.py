@@ -105,6 +105,13 @@ class HardwareProfile(_Frozen):
     maximum at ``F = peak * matmul_efficiency * matmul_overhead_us``. Memory-bound
     operators move bytes at ``memory_bandwidth_GBps * memory_efficiency`` plus
     ``kernel_overhead_us`` each.
+
+    Eager framework time, which a bare kernel call does not pay (a calibrated CPU
+    profile has it; ``None``: 0, as on GPUs, whose kernels queue ahead of the host):
+    ``op_overhead_us`` per operator of the priced graph (dispatch, autograd, Python
+    between operators), once in its forward and twice in its backward;
+    ``param_overhead_us`` per parameter tensor per optimizer step (the optimizer's own
+    kernels per tensor, gradient clipping and zeroing).
     """
 
     schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
@@ -119,6 +126,8 @@ class HardwareProfile(_Frozen):
     memory_bandwidth_GBps: Bandwidth
     memory_efficiency: Fraction  # achieved fraction for streaming ops
     kernel_overhead_us: Latency  # fixed cost per memory-bound kernel
+    op_overhead_us: Latency | None = None  # eager framework time per operator (forward)
+    param_overhead_us: Latency | None = None  # eager optimizer time per parameter tensor
     gpus_per_node: NodeSize
     links: Links
     sources: dict[str, str]

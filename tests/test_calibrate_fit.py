@@ -172,7 +172,7 @@ def _runs(truth: HardwareProfile) -> list[MeasuredProfile]:
 def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
     # truth: 20 us framework overhead per operator, a 0.8x link bandwidth, a 1.5x slower
     # link latency, 500 us more per collective call
-    truth = _cpu_profile(matmul_overhead_us=25.0, kernel_overhead_us=28.0, **{
+    truth = _cpu_profile(op_overhead_us=20.0, **{
         "links.intra_node.bandwidth_GBps": 1.2, "links.intra_node.latency_us": 150.0,
         "links.intra_node.call_overhead_us": 500.0})  # fmt: skip
     start = _cpu_profile()
@@ -188,7 +188,8 @@ def test_refit_recovers_known_parameters_from_synthetic_runs() -> None:
     assert max(abs(e.error) for e in report.after) < 0.02 < max(abs(e.error) for e in report.before)
     assert start.matmul_overhead_us == 5.0  # the input profile is not modified
     assert fitted.memory_bandwidth_GBps == start.memory_bandwidth_GBps  # measured, not refitted
-    assert "bounded least squares" in fitted.sources["matmul_overhead_us"]
+    assert "bounded least squares" in fitted.sources["op_overhead_us"]
+    assert fitted.matmul_overhead_us == start.matmul_overhead_us  # the sweep's, kept
 
 
 def test_refit_stays_in_physical_bounds_and_says_which_it_hit(

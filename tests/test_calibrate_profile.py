@@ -148,3 +148,50 @@ def test_a_cpu_peak_below_the_gemms_timed_is_raised_to_their_rate() -> None:
     assert "raised to" in how and "the rate the GEMM sweep reached" in how
     slow = [Sample(f"gemm {n}", 2.0 * n**3, 4.0 * n**3 / (nominal * 1e12)) for n in (256, 1024)]
     assert cpu_peak_tflops(1, slow) == cpu_peak_tflops(1)  # at half the estimate: kept
+
+
+def test_an_eager_training_step_gives_the_framework_overheads() -> None:
+    """A CPU profile prices the eager framework time its training step showed beyond the
+    operators' own: the calibrated profile reproduces that step, forward+backward and
+    optimizer, and a profile without the step prices none of it."""
+    from planner.calibrate.fit import StepSample
+    from planner.cost.build import build_cost_model, spec_graph
+    from planner.cost.options import device_options
+    from planner.models import get_preset
+    from planner.spec import Cluster, Strategy, Training
+
+    step = StepSample("tiny-llama", 4, forward_backward_s=0.012, optimizer_s=0.003)
+    plain = _measurements(_samples({Collective.ALL_REDUCE: 1.0}))
+    stepped = Measurements(**{**plain.__dict__, "step": step})
+    kwargs = dict(
+        name="cpu", stamp="measured today", device_kind="cpu", base=None, peak_tflops=0.2,
+        peak_source="given", memory_capacity_gib=8.0,
+    )  # fmt: skip
+    without, _ = build_profile(plain, **kwargs)  # type: ignore[arg-type]
+    profile, report = build_profile(stepped, **kwargs)  # type: ignore[arg-type]
+    assert without.op_overhead_us is None and without.param_overhead_us is None
+    assert profile.op_overhead_us is not None and profile.op_overhead_us > 0
+    assert profile.param_overhead_us is not None and profile.param_overhead_us > 0
+    assert "eager training step of tiny-llama" in profile.sources["op_overhead_us"]
+    assert report.fits["framework"].rms_after == pytest.approx(0.0, abs=1e-9)
+    spec = get_preset("tiny-llama")
+    training = Training(global_batch_size=4, seq_len=spec.seq_len, dtype=DType.FP32)
+    cluster = Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1)
+    priced = {
+        name: build_cost_model(
+            spec_graph(spec, training), cluster, training, causal=True,
+            options=device_options("cpu"), profile=p,
+        ).estimate(Strategy(micro_batch_size=4)).breakdown_s
+        for name, p in (("with", profile), ("without", without))
+    }  # fmt: skip
+    assert priced["with"]["compute"] == pytest.approx(step.forward_backward_s)
+    assert priced["with"]["optimizer"] == pytest.approx(step.optimizer_s)
+    assert priced["without"]["compute"] < step.forward_backward_s / 2
+
+
+def test_the_training_step_probe_times_forward_backward_and_the_optimizer() -> None:
+    from planner.calibrate.microbench import PROBE_MODEL, training_step_sample
+
+    step = training_step_sample(torch.device("cpu"), repeats=3)
+    assert step.model == PROBE_MODEL
+    assert step.forward_backward_s > step.optimizer_s > 0

@@ -143,3 +143,39 @@ def test_cli_compare_with_a_trace_and_a_mismatched_profile(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "measure this plan" in bad.stderr
+
+
+def _cpu_profile(tmp_path: Path) -> Path:
+    """A calibrated-looking CPU profile (device_kind "cpu") as a file."""
+    data = load_profile("a100-sxm-80gb").model_dump(mode="json")
+    data.update(name="cpu-gloo", device_kind="cpu", peak_tflops={"fp32": 0.2}, gpus_per_node=2)
+    data["sources"] = {k: "measured today" for k in data["sources"]}
+    data["sources"]["peak_tflops.fp32"] = "measured today"
+    path = tmp_path / "cpu-gloo.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_plan_made_on_a_cpu_profile_prices_what_its_runtime_runs(tmp_path: Path) -> None:
+    """``plan`` on a CPU profile searches with the CPU's own options (no GPU workspace,
+    no allocator slack, no streams): the plan's prediction is what ``plan compare
+    --profile`` re-prices, and small models are predicted small."""
+    import planner
+    from planner.cost.options import device_options
+    from planner.spec import Cluster, Training
+
+    profile_path = _cpu_profile(tmp_path)
+    cluster = Cluster(gpu=str(profile_path), num_gpus=2, gpus_per_node=2)
+    training = Training(global_batch_size=8, seq_len=32, dtype="fp32")
+    plan = planner.make_plan(planner.resolve_model("tiny-llama"), cluster, training)
+    profile = load_profile(str(profile_path))
+    assert measured_run_options(profile) == device_options("cpu")
+    repriced = predict_plan(plan, profile, measured_run_options(profile))
+    assert plan.prediction is not None
+    assert plan.prediction.step_time_s == repriced.step_time_s
+    assert plan.prediction.peak_memory_gib == repriced.peak_memory_gib
+    assert plan.prediction.memory_gib.get("allocator_margin", 0.0) == 0.0
+    assert plan.prediction.peak_memory_gib < 0.01  # no 0.5 GiB of GPU workspace
+    gpu = Cluster(gpu="a100-sxm-80gb", num_gpus=2, gpus_per_node=2)
+    on_gpu = planner.make_plan(planner.resolve_model("tiny-llama"), gpu, training)
+    assert on_gpu.prediction is not None and on_gpu.prediction.peak_memory_gib > 0.5

@@ -152,3 +152,17 @@ def test_selective_recompute_holds_the_recomputed_scores_again_in_backward():
     assert selective.recompute_peak_bytes == pytest.approx(
         none.activation_bytes - selective.activation_bytes
     )
+
+
+@pytest.mark.parametrize(("layers", "hidden"), [(2, 64), (8, 2048)], ids=["small", "1.3b-wide"])
+def test_gradient_buckets_hold_at_most_the_gradients(layers, hidden):
+    """Two DDP buckets are in flight, but a model whose gradients fit in less holds less."""
+    spec = GPT.model_copy(update={"num_layers": layers, "hidden_size": hidden, "num_heads": 16})
+    options = CostOptions(workspace_gib=0.0, allocator_margin=0.0)
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=2)
+    training = Training(global_batch_size=2, dtype=DType.FP32)
+    model = CostModel(graph_from_spec(spec), cluster, training, options=options)
+    memory = model.estimate(Strategy(dp=2, micro_batch_size=1)).memory_gib
+    two_buckets = 2 * options.dp_bucket_bytes / 2**30
+    assert memory["buffers"] == pytest.approx(min(two_buckets, memory["gradients"]))
+    assert (memory["buffers"] < two_buckets) == (layers == 2)

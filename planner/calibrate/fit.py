@@ -30,6 +30,7 @@ from planner.hardware import MAX_FACTOR
 
 __all__ = [
     "Sample",
+    "StepSample",
     "CalibrationError",
     "Bound",
     "FitResult",
@@ -55,6 +56,18 @@ class Sample:
     label: str
     work: float
     seconds: float
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """An eager training step of ``model`` (a zoo preset, fp32) at ``micro_batch``
+    sequences of its ``seq_len`` in one process: median seconds of its forward and
+    backward, and of its optimizer step (clipping, AdamW one tensor at a time, zeroing)."""
+
+    model: str
+    micro_batch: int
+    forward_backward_s: float
+    optimizer_s: float
 
 
 class CalibrationError(PlannerError):

@@ -1,4 +1,6 @@
-"""Compute microbenchmarks on this process's device: GEMMs, memory-bound kernels, attention.
+"""Compute microbenchmarks on this process's device: GEMMs, memory-bound kernels,
+attention, and an eager training step of a small zoo model (the framework time that a
+bare kernel call does not pay).
 
 Only plain ``torch`` (no ``torch.distributed``): the collectives live in
 :mod:`strategies.microbench`. Each benchmark returns samples (work, seconds) that
@@ -19,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from planner.calibrate.fit import Sample
+from planner.calibrate.fit import Sample, StepSample
+from planner.models import build, get_preset
 
 __all__ = [
     "Sample",
@@ -28,6 +31,9 @@ __all__ = [
     "memory_sweep",
     "last_level_cache_bytes",
     "attention_sweep",
+    "StepSample",
+    "training_step_sample",
+    "PROBE_MODEL",
     "DEFAULT_MATMUL_SHAPES",
     "DEFAULT_MEMORY_ELEMENTS",
     "DEFAULT_ATTENTION_SHAPES",
@@ -163,3 +169,34 @@ def attention_sweep(
         work = 3.5 * 0.5 * 4.0 * bh * seq * seq * dim
         samples.append(Sample(f"sdpa {bh}x{seq}x{dim}", work, seconds))
     return samples
+
+
+PROBE_MODEL = "tiny-llama"  # the zoo model whose eager training step is timed
+PROBE_MICRO_BATCH = 4
+
+
+def training_step_sample(device: torch.device, *, repeats: int = 15) -> StepSample:
+    """Time the training step of :data:`PROBE_MODEL` as ``plan run`` runs one on a rank:
+    eager forward and backward, then global-norm clipping and ``AdamW(foreach=False)``."""
+    spec = get_preset(PROBE_MODEL)
+    model = build(spec, device=device, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    tokens = torch.randint(0, spec.vocab_size, (PROBE_MICRO_BATCH, spec.seq_len + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    passes, updates = [], []
+    for attempt in range(3 + repeats):
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        _synchronize(device)
+        middle = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _synchronize(device)
+        if attempt >= 3:  # after warm-up
+            passes.append(middle - start)
+            updates.append(time.perf_counter() - middle)
+    return StepSample(
+        PROBE_MODEL, PROBE_MICRO_BATCH, statistics.median(passes), statistics.median(updates)
+    )

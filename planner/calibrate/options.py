@@ -5,32 +5,23 @@ workspaces, a caching allocator's slack). Runs measured by ``plan measure`` coun
 tensor bytes (MemTracker on CPU, ``max_memory_allocated`` on GPU), use DDP's default
 25 MiB gradient buckets and DTensor sequence parallelism (a linear keeps its
 all-gathered input for the backward rather than gathering it again as Megatron does).
-On CPU they overlap DDP's bucket all-reduces (gloo's own thread) with the backward, but
-not FSDP's all-gathers (no CUDA streams to prefetch on) nor PowerSGD's reductions (on
-gloo the runtime's ``ordered_powersgd_hook`` waits for each bucket before the backward
-goes on, to keep the ranks' collectives in one order).
+On CPU these are the CPU's own options, which ``plan`` searches with too
+(:func:`~planner.cost.options.device_options`).
 """
 
 from __future__ import annotations
 
 from planner.cost import CostOptions
+from planner.cost.options import DDP_BUCKET_MIB, device_options
 from planner.hardware import HardwareProfile
 
-__all__ = ["DDP_BUCKET_MIB", "measured_run_options"]
-
-DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb default
+__all__ = ["measured_run_options"]
 
 
 def measured_run_options(profile: HardwareProfile) -> CostOptions:
-    """Cost options matching what ``plan measure`` runs and counts on ``profile``'s device."""
+    """Cost options matching what ``plan measure`` runs and counts on ``profile``'s device:
+    the device's own (:func:`~planner.cost.options.device_options`); on GPUs with DDP's
+    buckets, DTensor sequence parallelism and allocated bytes (no allocator slack)."""
     if profile.device_kind == "cpu":
-        return CostOptions(
-            overlap_grad_reduce=True,  # gloo reduces DDP buckets on its own thread
-            overlap_param_gather=False,  # no streams: FSDP2 gathers before it computes
-            overlap_powersgd=False,  # strategies.compression.ordered_powersgd_hook waits
-            sp_regather_input=False,
-            dp_bucket_mib=DDP_BUCKET_MIB,
-            allocator_margin=0.0,
-            workspace_gib=0.0,
-        )
+        return device_options("cpu")
     return CostOptions(dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0, sp_regather_input=False)

@@ -4,6 +4,12 @@ Fitted numbers replace the base profile's (datasheet) ones and say so in ``sourc
 ("measured <date> on <host>: <method>"). Without a base profile (a CPU), the peak GEMM
 rate is estimated from the clock and vector width and the memory bandwidth is the
 achieved streaming rate (efficiency 1); both sources say how they were obtained.
+
+On a CPU the eager framework time comes from a timed training step of a zoo model
+(:class:`~planner.calibrate.fit.StepSample`): what its forward and backward took beyond
+the cost model's price of its operators on the fitted profile, per operator (once
+forward, twice backward: ``op_overhead_us``), and what its optimizer step took beyond
+the price of its memory traffic, per parameter tensor (``param_overhead_us``).
 """
 
 from __future__ import annotations
@@ -22,15 +28,19 @@ from planner.calibrate.fit import (
     CalibrationError,
     FitResult,
     Sample,
+    StepSample,
     fit_alpha_beta,
     fit_matmul,
     fit_memory,
     fit_parameters,
     fit_streaming,
 )
+from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective
+from planner.cost.options import device_options
 from planner.hardware import HardwareProfile
-from planner.spec import DType
+from planner.presets import get_preset
+from planner.spec import Cluster, DType, Strategy, Training
 
 __all__ = ["Measurements", "CalibrationReport", "build_profile", "cpu_peak_tflops", "ram_gib"]
 
@@ -45,6 +55,7 @@ class Measurements:
     attention: Sequence[Sample]
     collectives: Sequence[tuple[Collective, int, float, float]]  # kind, ranks, bytes, seconds
     ranks_per_node: int
+    step: StepSample | None = None  # an eager training step (CPUs)
 
 
 @dataclass(frozen=True)
@@ -177,7 +188,46 @@ def build_profile(
             "sources": sources,
         }
     )
+    if measured.step is not None:
+        profile = _with_framework_overheads(profile, measured.step, fits, stamp)
     return profile, CalibrationReport(fits)
+
+
+def _with_framework_overheads(
+    profile: HardwareProfile, step: StepSample, fits: dict[str, FitResult], stamp: str
+) -> HardwareProfile:
+    """``profile`` with the eager framework time ``step`` measured beyond the cost
+    model's price of the same step on ``profile`` (at least 0)."""
+    spec = get_preset(step.model)
+    training = Training(global_batch_size=step.micro_batch, seq_len=spec.seq_len, dtype=DType.FP32)
+    graph = spec_graph(spec, training)
+    cluster = Cluster(gpu=profile.name, num_gpus=1, gpus_per_node=1)
+    options = device_options(profile.device_kind)
+    priced = build_cost_model(
+        graph, cluster, training, causal=spec.causal, options=options, profile=profile
+    ).estimate(Strategy(micro_batch_size=step.micro_batch))
+    compute, optimizer = priced.breakdown_s["compute"], priced.breakdown_s["optimizer"]
+    op_us = max(0.0, step.forward_backward_s - compute) / (3 * graph.operator_count) * 1e6
+    param_us = max(0.0, step.optimizer_s - optimizer) / graph.param_tensor_count * 1e6
+    before = np.log([step.forward_backward_s / compute, step.optimizer_s / optimizer])
+    after = np.log([
+        step.forward_backward_s / (compute + 3 * graph.operator_count * op_us * 1e-6),
+        step.optimizer_s / (optimizer + graph.param_tensor_count * param_us * 1e-6),
+    ])  # fmt: skip
+    fits["framework"] = FitResult(
+        {"op_overhead_us": op_us, "param_overhead_us": param_us},
+        float(np.sqrt(np.mean(before**2))), float(np.sqrt(np.mean(after**2))), 2,
+    )  # fmt: skip
+    how = (
+        f"{stamp}: eager training step of {step.model} ({step.micro_batch} sequences, fp32, "
+        f"one process): {step.forward_backward_s * 1e3:.2f} ms forward+backward, "
+        f"{step.optimizer_s * 1e3:.2f} ms optimizer, beyond the cost model's price"
+    )
+    sources = {**profile.sources, "op_overhead_us": how, "param_overhead_us": how}
+    return HardwareProfile.model_validate(
+        {**profile.model_dump(), "op_overhead_us": op_us, "param_overhead_us": param_us,
+         "sources": sources}
+    )  # fmt: skip
 
 
 def _memory_fields(

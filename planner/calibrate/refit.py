@@ -7,8 +7,9 @@ parameter towards the microbenchmarks' value (a parameter the runs cannot see st
 where the microbenchmarks put it).
 
 The parameters are few, physical and bounded around the microbenchmarks
-(:data:`REFIT_PARAMETERS`): one framework overhead added to every operator (Python,
-dispatch and autograd, which a bare kernel call does not pay), the link's bus bandwidth
+(:data:`REFIT_PARAMETERS`): the framework overhead of every operator (``op_overhead_us``:
+Python, dispatch and autograd, which a bare kernel call does not pay; ``plan calibrate``
+measures a first value on CPUs), the link's bus bandwidth
 and per-step latency, and a fixed cost per collective call (dispatch, and the wait for
 the slowest rank that a training step adds). The sweeps' own measurements are not
 refitted: the GEMM and attention efficiencies and the streaming memory bandwidth are
@@ -104,8 +105,7 @@ class RefitParameter:
 
 
 REFIT_PARAMETERS: tuple[RefitParameter, ...] = (
-    RefitParameter("framework overhead per operator", ("matmul_overhead_us", "kernel_overhead_us"),
-                   "add", 0.0, 100.0),
+    RefitParameter("framework overhead per operator", ("op_overhead_us",), "add", 0.0, 100.0),
     RefitParameter("link bandwidth scale", ("links.intra_node.bandwidth_GBps",), "scale",
                    0.5, 2.0),
     RefitParameter("link latency scale", ("links.intra_node.latency_us",), "scale", 0.5, 4.0),

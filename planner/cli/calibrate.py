@@ -245,7 +245,11 @@ def _measure(
         for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):
             samples.append((s.kind, s.ranks, float(s.size_bytes), s.seconds))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return Measurements(dtype, matmul, memory, attention, samples, local)
+    step = None
+    if not gpu:  # GPU kernels queue ahead of the host: no eager framework time priced there
+        announce(f"eager training step of {microbench.PROBE_MODEL}")
+        step = microbench.training_step_sample(device, repeats=repeats)
+    return Measurements(dtype, matmul, memory, attention, samples, local, step)
 
 
 def format_profile(profile: HardwareProfile, report: CalibrationReport) -> str:

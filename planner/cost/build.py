@@ -12,22 +12,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from planner.cost.model import CostModel
-from planner.cost.options import CostOptions
+from planner.cost.options import CostOptions, device_options
 from planner.cost.spec_graph import graph_from_spec
 from planner.cost.tp import AssignmentSource
 from planner.errors import SpecError
 from planner.graph import OpGraph
-from planner.hardware import HardwareProfile
+from planner.hardware import HardwareProfile, load_profile
 from planner.spec import Cluster, ModelSpec, Training
 
 __all__ = ["build_cost_model", "model_options", "spec_graph", "stage_indices"]
 
 
-def model_options(options: CostOptions | None, *, causal: bool | None) -> CostOptions:
-    """``options`` (default: :class:`CostOptions`) with attention causality set by the
+def model_options(
+    options: CostOptions | None, *, causal: bool | None, profile: HardwareProfile
+) -> CostOptions:
+    """``options`` (default: what ``profile``'s device runs,
+    :func:`~planner.cost.options.device_options`) with attention causality set by the
     model: ``causal`` is the model's (``ModelSpec.causal``), or ``None`` when the model
     does not say (a traced module: the options' own value, a decoder by default)."""
-    chosen = options or CostOptions()
+    chosen = options or device_options(profile.device_kind)
     if causal is None or chosen.causal == causal:
         return chosen
     return chosen.model_copy(update={"causal": causal})
@@ -55,13 +58,15 @@ def build_cost_model(
     """The cost model of ``graph`` trained as ``training`` on ``cluster``.
 
     ``causal``: whether the model's attention is causal (``ModelSpec.causal``; ``None``
-    keeps the options' value, for a traced model that does not say). ``tp_layouts`` gives
+    keeps the options' value, for a traced model that does not say). ``options``
+    default to what the profile's device runs; ``profile`` to the cluster's. ``tp_layouts`` gives
     the tensor-parallel layouts to price (the sharding ILP's for a traced model; ``None``
     for a formula graph, which is priced with Megatron-LM's).
     """
+    profile = profile or load_profile(cluster.gpu)
     return CostModel(
         graph, cluster, training, profile=profile,
-        options=model_options(options, causal=causal), tp_layouts=tp_layouts,
+        options=model_options(options, causal=causal, profile=profile), tp_layouts=tp_layouts,
     )  # fmt: skip
 
 

@@ -15,6 +15,8 @@
   kernel_overhead``; backward moves about twice the forward's bytes. With
   ``fused_pointwise`` a run of consecutive memory-bound operators is one kernel that reads
   the run's first input and writes its last output.
+- Every operator also pays the profile's eager ``op_overhead_us`` once forward and twice
+  backward (0 unless a calibrated CPU profile measured it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class ComputeModel:
         self.bandwidth = profile.memory_bandwidth_GBps * 1e9 * profile.memory_efficiency
         self.kernel_s = profile.kernel_overhead_us * 1e-6
         self.gemm_s = profile.matmul_overhead_us * 1e-6
+        self.op_s = (profile.op_overhead_us or 0.0) * 1e-6  # eager framework, per operator
+        self.param_s = (profile.param_overhead_us or 0.0) * 1e-6  # eager, per parameter tensor
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds for one memory-bound kernel moving ``nbytes``."""
@@ -86,8 +90,10 @@ class ComputeModel:
         """Per-node forward and backward seconds, with compiled fusion applied."""
         times = [self.node_time(node, scale) for node, scale in zip(nodes, scales, strict=True)]
         if self.options.fused_pointwise:
-            return self._fuse_memory_bound(nodes, times, scales)
-        return times
+            times = self._fuse_memory_bound(nodes, times, scales)
+        if not self.op_s:
+            return times
+        return [OpTime(t.forward_s + self.op_s, t.backward_s + 2 * self.op_s) for t in times]
 
     def node_time(self, node: OpNode, scale: float) -> OpTime:
         if node.kind in _MATMUL_KINDS:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from planner.cost.communication import Collective, LinkModel, MeshLinks, collective_time
 from planner.cost.compression import (
@@ -164,7 +165,8 @@ class DataParallelCost:
 
         Per sharded parameter: fp32 master read+write, fp32 gradient read, moments
         read+write, half-precision weight write; per gradient element held, a read for
-        the norm (with clipping) and a write to zero it.
+        the norm (with clipping) and a write to zero it. Per parameter tensor of the
+        rank's stage, the profile's eager ``param_overhead_us``.
         """
         moments = self.training.optimizer.state_bytes_per_param
         dims = ParallelDims.of(strategy)
@@ -173,7 +175,12 @@ class DataParallelCost:
         sharded = 2 * FP32_BYTES + FP32_BYTES + 2 * moments + HALF_BYTES
         per_gradient = (2 if self.training.grad_clip else 1) * FP32_BYTES
         per_param = sharded / shard + per_gradient / grad_shard
-        return self.compute.memory_time(per_param * params)
+        tensors = self._param_tensors / strategy.pp  # eager: the step loops over them
+        return self.compute.memory_time(per_param * params) + tensors * self.compute.param_s
+
+    @cached_property
+    def _param_tensors(self) -> int:
+        return self.graph.param_tensor_count
 
     def _shapes(self, strategy: Strategy) -> GradientShapes:
         """The graph's 2-D weight gradients and vector elements per tensor-parallel shard."""

@@ -184,19 +184,20 @@ class MemoryModel:
             "optimizer": states.optimizer,
             "activations": rank.activation_bytes - logits + rank.recompute_peak_bytes,
             "logits": logits,
-            "buffers": self._buffer_bytes(strategy, dims),
+            "buffers": self._buffer_bytes(strategy, dims, states.gradients),
         }
         if compression is not None:
             parts["compression"] = compression
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
 
-    def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims) -> float:
+    def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims, gradients: float) -> float:
         """Communication buffers and library workspaces (DDP's and ZeRO-1/2's gradient
-        buckets; FSDP2 under a pipeline reduces from its unsharded gradients)."""
+        buckets, two in flight and never more than the ``gradients`` bytes they hold;
+        FSDP2 under a pipeline reduces from its unsharded gradients)."""
         buffers = self.options.workspace_gib * GIB
         if strategy.dp > 1 and strategy.zero < 3 and not dims.gathered_under_pipeline:
-            buffers += 2 * self.options.dp_bucket_bytes
+            buffers += min(2 * self.options.dp_bucket_bytes, gradients)
         if strategy.sequence_parallel:
             buffers += self._boundary_bytes * strategy.micro_batch_size / strategy.cp
         return buffers + self._cp_buffer_bytes(strategy)

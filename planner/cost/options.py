@@ -2,7 +2,9 @@
 
 These describe the training *implementation* (which attention kernel, what overlaps
 what, which dtype gradients are reduced in), not the hardware, so one hardware profile
-serves every framework. Defaults describe a current PyTorch/Megatron stack.
+serves every framework. Defaults describe a current PyTorch/Megatron stack on GPUs;
+:func:`device_options` gives what a device's own runtime does where no options are
+given (a CPU has no GPU workspace, no caching allocator's slack and no streams).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["AttentionKernel", "SelectivePolicy", "CostOptions"]
+__all__ = ["AttentionKernel", "SelectivePolicy", "CostOptions", "DDP_BUCKET_MIB", "device_options"]
+
+DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb default
 
 
 class AttentionKernel(StrEnum):
@@ -54,3 +58,26 @@ class CostOptions(BaseModel):
     def dp_bucket_bytes(self) -> float:
         """Bytes of one gradient bucket."""
         return self.dp_bucket_mib * 2**20
+
+
+def device_options(device_kind: Literal["gpu", "cpu"]) -> CostOptions:
+    """The options a run on ``device_kind`` gets when none are given.
+
+    GPUs: :class:`CostOptions`' defaults. CPUs (a calibrated CPU profile; the runtime
+    in ``strategies/`` on gloo): no GPU workspace and no allocator slack (tensors are
+    allocated as they are), DDP's default buckets, gloo reducing DDP buckets on its own
+    thread during the backward, but no streams to prefetch FSDP's all-gathers on, a
+    PowerSGD hook that waits for each bucket (``ordered_powersgd_hook``) and sequence
+    parallel keeping the gathered input (DTensor).
+    """
+    if device_kind == "gpu":
+        return CostOptions()
+    return CostOptions(
+        overlap_grad_reduce=True,
+        overlap_param_gather=False,
+        overlap_powersgd=False,
+        sp_regather_input=False,
+        dp_bucket_mib=DDP_BUCKET_MIB,
+        allocator_margin=0.0,
+        workspace_gib=0.0,
+    )

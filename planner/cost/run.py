@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.cost.flops import bf16_peak_mfu
-from planner.cost.options import CostOptions
+from planner.cost.options import CostOptions, device_options
 from planner.errors import SpecError
 from planner.hardware import load_profile
 from planner.parallel_dims import ParallelDims
@@ -55,7 +55,7 @@ class RunConfig(BaseModel):
     cluster: Cluster
     training: Training
     strategy: Strategy
-    options: CostOptions = CostOptions()
+    options: CostOptions = CostOptions()  # from_dict: over the device's own options
     stages: tuple[tuple[str, ...], ...] = ()  # module FQNs per model chunk; () = even split
 
     @classmethod
@@ -77,9 +77,11 @@ class RunConfig(BaseModel):
         training = load_document(Training, data["training"], f"{source} training")
         model = _resolve_model(data["model"], training, source)
         cluster = load_document(Cluster, data["cluster"], f"{source} cluster")
-        load_profile(cluster.gpu)  # unknown GPU: the error lists the profiles
+        profile = load_profile(cluster.gpu)  # unknown GPU: the error lists the profiles
         strategy = _resolve_strategy(data["strategy"], training, source)
-        options = load_document(CostOptions, data.get("options", {}), f"{source} options")
+        given = data.get("options", {})  # over what the profile's device runs
+        defaults = device_options(profile.device_kind).model_dump(mode="json")
+        options = load_document(CostOptions, {**defaults, **given}, f"{source} options")
         if "causal" in data.get("options", {}) and options.causal != model.causal:
             raise SpecError(
                 f"{source}: options.causal = {options.causal} contradicts the {model.family.value} "
@@ -95,8 +97,8 @@ class RunConfig(BaseModel):
     @classmethod
     def from_plan(cls, plan: Plan, source: str = "plan") -> RunConfig:
         """The run a saved plan describes: its model spec, cluster, training, strategy and
-        pipeline stages, priced with the default :class:`CostOptions` (those ``plan``
-        searches with)."""
+        pipeline stages, priced with the options ``plan`` searches with (what the
+        cluster's device runs, :func:`~planner.cost.options.device_options`)."""
         if plan.model is None:
             where = plan.model_source or "a traced module"
             raise SpecError(
