@@ -164,7 +164,9 @@ def _table(
     best = rank_p.index(1)
     top_gap = meas_t[best] / min(meas_t) - 1
     top_ok = top_gap <= 0.05
-    print(f"\nstep time within 15% for every plan: {'yes' if time_ok else 'NO'}")
+    errors = [abs(p / m - 1) for p, m in zip(pred_t, meas_t, strict=True)]
+    print(f"\nmean |step time error| over the target plans: {sum(errors) / len(errors):.1%}")
+    print(f"step time within 15% for every plan: {'yes' if time_ok else 'NO'}")
     print(f"peak memory within 10% for every plan: {'yes' if mem_ok else 'NO'}")
     print(f"top-ranked plan ({names[best]}) measured {top_gap:.1%} slower than the fastest "
           f"({names[meas_t.index(min(meas_t))]}): {'yes' if top_ok else 'NO'}")  # fmt: skip

@@ -179,3 +179,18 @@ def test_a_plan_made_on_a_cpu_profile_prices_what_its_runtime_runs(tmp_path: Pat
     gpu = Cluster(gpu="a100-sxm-80gb", num_gpus=2, gpus_per_node=2)
     on_gpu = planner.make_plan(planner.resolve_model("tiny-llama"), gpu, training)
     assert on_gpu.prediction is not None and on_gpu.prediction.peak_memory_gib > 0.5
+
+
+def test_a_run_config_on_a_cpu_profile_fills_options_from_the_cpu(tmp_path: Path) -> None:
+    """Options a run document leaves out are the device's own; those it gives stay."""
+    from planner.cost.run import RunConfig
+
+    run = RunConfig.from_dict({
+        "model": {"preset": "tiny-llama"},
+        "cluster": {"gpu": str(_cpu_profile(tmp_path)), "num_gpus": 2, "gpus_per_node": 2},
+        "training": {"global_batch_size": 8, "dtype": "fp32"},
+        "strategy": {"dp": 2},
+        "options": {"overlap_param_gather": True},
+    })  # fmt: skip
+    assert run.options.workspace_gib == 0.0 and run.options.allocator_margin == 0.0
+    assert run.options.overlap_param_gather  # given

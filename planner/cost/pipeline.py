@@ -10,7 +10,11 @@ recompute + exposed in-stage communication) and ``m`` micro-batches:
 - zero-bubble (ZB-H1, Qi et al. 2023): the backward's weight-gradient half fills the
   drain, leaving about the other ranks' forwards: ``max_r(m t_r + sum(f) - f_r)`` with
   ``f_r`` rank ``r``'s forward seconds per micro-batch; balanced, the bubble is
-  ``(p - 1) f``, a third of 1F1B's when the backward takes twice the forward.
+  ``(p - 1) f``, a third of 1F1B's when the backward takes twice the forward. That needs
+  enough micro-batches to fill with (``m >= p``): never less than one micro-batch's way
+  through every rank, forward and input-gradient backward, with only the weight
+  gradients of ranks after the first (half of their backward) off that path:
+  ``sum(t) - sum_{r > 0}(t_r - f_r) / 2``.
 
 Every formula is non-decreasing in each rank's time (a slower rank never makes the
 step faster), and with fixed per-micro-batch times the bubble (step minus
@@ -46,7 +50,9 @@ def pipeline_time(
             else [forward_fraction * t for t in rank_times]
         )
         total = sum(forwards)
-        return max(m * t + total - f for t, f in zip(rank_times, forwards, strict=True))
+        filled = max(m * t + total - f for t, f in zip(rank_times, forwards, strict=True))
+        weight_grads = sum(t - f for t, f in zip(rank_times[1:], forwards[1:], strict=True)) / 2
+        return max(filled, sum(rank_times) - weight_grads)
     slowest = max(rank_times)
     fill_drain = sum(rank_times) - slowest
     if schedule is Schedule.INTERLEAVED_1F1B:
