@@ -100,10 +100,6 @@ class SegmentType:
         return sum(n.saved_bytes for n in self.nodes)
 
     @property
-    def operator_count(self) -> int:
-        return len(self.nodes)
-
-    @property
     def param_tensor_count(self) -> int:
         """Parameter tensors: each operator's weight, and its bias."""
         return sum(1 + (n.bias_count > 0) for n in self.nodes if n.param_count)
@@ -162,11 +158,6 @@ class OpGraph:
     @property
     def param_count(self) -> int:
         return int(self.total("param_count"))
-
-    @property
-    def operator_count(self) -> int:
-        """Operators of one micro-batch's forward."""
-        return int(self.total("operator_count"))
 
     @property
     def param_tensor_count(self) -> int:

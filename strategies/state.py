@@ -218,20 +218,18 @@ def load(
     saved = reader.read_metadata().state_dict_metadata
     _check_covers(path, saved, model.tensors, _checkpoint_keys(model.tensors))
     meta: dict[str, Any] = {"meta": {"step": 0, "plan": ""}}
-    _dcp_load(meta, FileSystemReader(path))
+    _dcp_load(meta, reader)
     rank = f"rank{_rank()}"
     own = f"replicas.{rank}."
     replicas = meta["meta"]["plan"] == plan and any(key.startswith(own) for key in saved)
-    prefix = own if replicas else ""
-    body: dict[str, Any] = {"model": dict(model.tensors)}
+    body: dict[str, Any] = {"model": dict(model.tensors)}  # the rank's own or the shared
+    state: dict[str, Any] = {"replicas": {rank: body}} if replicas else body
     if optimizer is not None:
         _fill_state(optimizer)
         entries, groups = _optimizer_state(optimizer, model)
+        prefix = own if replicas else ""
         body["optimizer"] = _saved_part(entries, prefix + "optimizer", saved, path)
-        body["param_groups"] = _saved_part(groups, "param_groups", saved, path)
-    state: dict[str, Any] = {"replicas": {rank: body}} if replicas else dict(body)
-    if replicas:
-        state["param_groups"] = body.pop("param_groups", {})
+        state["param_groups"] = _saved_part(groups, "param_groups", saved, path)
     if restore is not None and f"carried.{rank}" in saved:
         state["carried"] = {rank: b""}
     _dcp_load(state, reader)
@@ -444,24 +442,14 @@ def load_weights(model: ModelState, source: WeightSource) -> None:
     """Read this rank's part of each of ``model``'s tensors from ``source`` in place
     (collective)."""
     state: dict[str, torch.Tensor] = {}
-    copies: list[tuple[torch.Tensor, str]] = []  # tensors read under a key already taken
     targets: set[int] = set()  # local storages already read into (a tied weight: once)
     for fqn, tensor in model.tensors.items():
-        key = source.names[fqn]
         local, _ = local_part(tensor)
         if local.numel() and local.data_ptr() in targets:
             continue
         targets.add(local.data_ptr())
-        if key in state:
-            copies.append((tensor, key))
-        else:
-            state[key] = tensor
+        state[source.names[fqn]] = tensor
     _dcp_load(state, source.reader())
-    for target, key in copies:
-        destination, _ = local_part(target)
-        origin, _ = local_part(state[key])
-        if destination.data_ptr() != origin.data_ptr():
-            destination.copy_(origin)
     log.info("weights: %d tensors loaded from %s", len(model.tensors), source.describe())
 
 

@@ -31,6 +31,7 @@ from planner.hardware import MAX_FACTOR
 __all__ = [
     "Sample",
     "StepSample",
+    "rms",
     "CalibrationError",
     "Bound",
     "FitResult",
@@ -102,7 +103,8 @@ class FitResult:
     samples: int
 
 
-def _rms(residuals: Array) -> float:
+def rms(residuals: Array) -> float:
+    """Root mean square of ``residuals`` (0 for none)."""
     return float(np.sqrt(np.mean(np.square(residuals)))) if residuals.size else 0.0
 
 
@@ -133,19 +135,19 @@ def fit_parameters(
         in_log, x0, method="trf", x_scale="jac", loss="soft_l1", f_scale=0.3, max_nfev=400
     )
     after = in_log(result.x)
-    rms = _rms(after)
+    error = rms(after)
     if not result.success or not np.all(np.isfinite(after)):
         raise CalibrationError(f"{what}: the fit did not converge ({result.message}); {hint}")
-    if rms > max_rms:
+    if error > max_rms:
         raise CalibrationError(
-            f"{what}: the fit did not converge to the data (RMS log error {rms:.2f} > "
-            f"{max_rms:.2f}, i.e. typically off by x{np.exp(rms):.2f}); {hint}"
+            f"{what}: the fit did not converge to the data (RMS log error {error:.2f} > "
+            f"{max_rms:.2f}, i.e. typically off by x{np.exp(error):.2f}); {hint}"
         )
     values = dict(zip((b.name for b in bounds), np.exp(result.x).tolist(), strict=True))
     for bound in bounds:
         bound.check(values[bound.name], hint)
-    log.info("%s: RMS log error %.3f -> %.3f", what, _rms(before), rms)
-    return FitResult(values, _rms(before), rms, len(after))
+    log.info("%s: RMS log error %.3f -> %.3f", what, rms(before), error)
+    return FitResult(values, rms(before), error, len(after))
 
 
 def _arrays(work: Sequence[float], seconds: Sequence[float], what: str) -> tuple[Array, Array]:

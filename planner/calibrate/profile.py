@@ -34,6 +34,7 @@ from planner.calibrate.fit import (
     fit_memory,
     fit_parameters,
     fit_streaming,
+    rms,
 )
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective
@@ -197,26 +198,29 @@ def _with_framework_overheads(
     profile: HardwareProfile, step: StepSample, fits: dict[str, FitResult], stamp: str
 ) -> HardwareProfile:
     """``profile`` with the eager framework time ``step`` measured beyond the cost
-    model's price of the same step on ``profile`` (at least 0)."""
+    model's price of the same step on ``profile`` (at least 0). The cost model prices
+    both overheads linearly, so one trial at 1 us each gives their seconds per us."""
     spec = get_preset(step.model)
     training = Training(global_batch_size=step.micro_batch, seq_len=spec.seq_len, dtype=DType.FP32)
     graph = spec_graph(spec, training)
     cluster = Cluster(gpu=profile.name, num_gpus=1, gpus_per_node=1)
-    options = device_options(profile.device_kind)
-    priced = build_cost_model(
-        graph, cluster, training, causal=spec.causal, options=options, profile=profile
-    ).estimate(Strategy(micro_batch_size=step.micro_batch))
-    compute, optimizer = priced.breakdown_s["compute"], priced.breakdown_s["optimizer"]
-    op_us = max(0.0, step.forward_backward_s - compute) / (3 * graph.operator_count) * 1e6
-    param_us = max(0.0, step.optimizer_s - optimizer) / graph.param_tensor_count * 1e6
-    before = np.log([step.forward_backward_s / compute, step.optimizer_s / optimizer])
-    after = np.log([
-        step.forward_backward_s / (compute + 3 * graph.operator_count * op_us * 1e-6),
-        step.optimizer_s / (optimizer + graph.param_tensor_count * param_us * 1e-6),
-    ])  # fmt: skip
+
+    def priced(op_us: float, param_us: float) -> Array:
+        """Seconds of the step's forward+backward and optimizer at these overheads."""
+        trial = profile.model_copy(update={"op_overhead_us": op_us, "param_overhead_us": param_us})
+        model = build_cost_model(
+            graph, cluster, training, causal=spec.causal,
+            options=device_options(profile.device_kind), profile=trial,
+        )  # fmt: skip
+        breakdown = model.estimate(Strategy(micro_batch_size=step.micro_batch)).breakdown_s
+        return np.array([breakdown["compute"], breakdown["optimizer"]])
+
+    measured = np.array([step.forward_backward_s, step.optimizer_s])
+    bare = priced(0.0, 0.0)
+    op_us, param_us = np.maximum(measured - bare, 0.0) / (priced(1.0, 1.0) - bare)
     fits["framework"] = FitResult(
-        {"op_overhead_us": op_us, "param_overhead_us": param_us},
-        float(np.sqrt(np.mean(before**2))), float(np.sqrt(np.mean(after**2))), 2,
+        {"op_overhead_us": float(op_us), "param_overhead_us": float(param_us)},
+        rms(np.log(measured / bare)), rms(np.log(measured / priced(op_us, param_us))), 2,
     )  # fmt: skip
     how = (
         f"{stamp}: eager training step of {step.model} ({step.micro_batch} sequences, fp32, "
@@ -225,8 +229,8 @@ def _with_framework_overheads(
     )
     sources = {**profile.sources, "op_overhead_us": how, "param_overhead_us": how}
     return HardwareProfile.model_validate(
-        {**profile.model_dump(), "op_overhead_us": op_us, "param_overhead_us": param_us,
-         "sources": sources}
+        {**profile.model_dump(), "op_overhead_us": float(op_us),
+         "param_overhead_us": float(param_us), "sources": sources}
     )  # fmt: skip
 
 
