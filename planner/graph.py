@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["OpKind", "OpNode", "SegmentType", "Segment", "OpGraph"]
+__all__ = ["OpKind", "OpRole", "OpNode", "SegmentType", "Segment", "OpGraph"]
 
 
 class OpKind(StrEnum):
@@ -28,6 +28,15 @@ class OpKind(StrEnum):
     REDUCTION = "reduction"  # sum, mean, pooling
     VIEW = "view"  # reshape, transpose, slicing: no FLOPs, no traffic
     OTHER = "other"
+
+
+class OpRole(StrEnum):
+    """What an operator does in a mixture-of-experts layer ("" elsewhere)."""
+
+    NONE = ""
+    ROUTER = "router"  # scores tokens against experts and picks top_k
+    EXPERTS = "experts"  # routed experts: grouped GEMMs over [experts, ...] weights
+    SHARED_EXPERTS = "shared_experts"  # experts every token passes through
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class OpNode:
     saved_bytes: float = 0.0
     gemm: tuple[int, int, int, int] | None = None
     batched: bool = True  # grows with the batch (False: derived from constants, as positions)
+    role: OpRole = OpRole.NONE
 
     @property
     def input_bytes(self) -> float:
@@ -78,6 +88,9 @@ class SegmentType:
     type_id: str  # structural hash
     kind: str  # "embedding", "block" or "head" (or "other" for user models)
     nodes: tuple[OpNode, ...]
+    num_experts: int = 0  # routed experts of its MoE layer (0: none)
+    top_k: int = 0  # experts each token is routed to
+    hidden_size: int = 0  # width of the tokens its all-to-all moves (MoE layers)
 
     @property
     def flops_fwd(self) -> float:

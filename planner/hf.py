@@ -26,12 +26,12 @@ from types import MethodType, ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import SpecError, UnknownNameError
 from planner.io import read_json
 from planner.models import ModelHandle
+from planner.models.moe import expected_load_forward, is_experts
 
 __all__ = ["resolve_hf_config", "expected_load_experts"]
 
@@ -134,11 +134,6 @@ _EXPERT_LAYOUT = {
 }
 
 
-def _is_experts(module: nn.Module) -> bool:
-    weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
-    return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
-
-
 def _check_expert_layout(module: nn.Module, fqn: str, model_type: str) -> None:
     wrong = {
         flag: getattr(module, flag, needed)
@@ -163,10 +158,10 @@ def expected_load_experts(model: nn.Module, *, model_type: str) -> int:
     """
     switched = 0
     for fqn, module in model.named_modules():
-        if not _is_experts(module):
+        if not is_experts(module):
             continue
         _check_expert_layout(module, fqn, model_type)
-        module.forward = MethodType(_expected_load_forward, module)
+        module.forward = MethodType(expected_load_forward, module)
         switched += 1
     if switched:
         logger.info(
@@ -176,26 +171,3 @@ def expected_load_experts(model: nn.Module, *, model_type: str) -> int:
             switched,
         )
     return switched
-
-
-def _expected_load_forward(
-    self: Any,  # a transformers experts module: gate_up_proj, down_proj, _apply_gate
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-) -> torch.Tensor:
-    """Experts forward with static shapes: ``(tokens, hidden)`` in and out."""
-    tokens, hidden = hidden_states.shape
-    top_k = top_k_index.shape[-1]
-    experts = self.gate_up_proj.shape[0]
-    pairs = tokens * top_k
-    slots = -(-pairs // experts)
-    order = torch.argsort(top_k_index.reshape(-1))
-    routed = F.pad(hidden_states[order // top_k], (0, 0, 0, experts * slots - pairs))
-    dispatched = routed.view(experts, slots, hidden).transpose(1, 2)
-    gate_up = torch.bmm(self.gate_up_proj, dispatched).transpose(1, 2)
-    down = torch.bmm(self.down_proj, self._apply_gate(gate_up).transpose(1, 2))
-    out = down.transpose(1, 2).reshape(experts * slots, hidden)[:pairs]
-    weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    combined = weighted[torch.argsort(order)].view(tokens, top_k, hidden).sum(dim=1)
-    return combined.to(hidden_states.dtype)

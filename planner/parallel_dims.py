@@ -26,7 +26,8 @@ __all__ = ["ParallelDims"]
 @dataclass(frozen=True)
 class ParallelDims:
     """The degrees of one mesh: ``dp = dp_replicate * dp_shard``; ``zero`` the ZeRO
-    stage (0: DDP replicas); ``sp`` sequence parallelism over the ``tp`` ranks."""
+    stage (0: DDP replicas); ``sp`` sequence parallelism over the ``tp`` ranks; ``ep``
+    expert parallelism (see :attr:`expert_block`)."""
 
     dp: int = 1
     tp: int = 1
@@ -35,12 +36,14 @@ class ParallelDims:
     zero: int = 0
     dp_shard: int = 1
     sp: bool = False
+    ep: int = 1
 
     @classmethod
     def of(cls, strategy: Strategy) -> ParallelDims:
         return cls(
             dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp,
             zero=strategy.zero, dp_shard=strategy.shard_degree, sp=strategy.sequence_parallel,
+            ep=strategy.ep,
         )  # fmt: skip
 
     @property
@@ -76,6 +79,56 @@ class ParallelDims:
     def shards_parameters(self) -> bool:
         """Whether FSDP2 runs (ZeRO >= 1 over more than one rank)."""
         return self.zero_shard_ranks > 1
+
+    # ----- expert parallelism ------------------------------------------------------------
+    # With ep > 1 each MoE layer splits its tokens over the tp ranks (every rank of a
+    # pipeline stage then routes tokens no other rank holds), sends each routed token to
+    # the rank holding its expert with an all-to-all over ``ep`` consecutive ranks, and
+    # returns the results the same way: Megatron-Core's layout with expert tensor
+    # parallelism 1 (EP innermost, over TP ranks first). With ep = 1 experts are ordinary
+    # parameters.
+
+    @property
+    def expert_block(self) -> int:
+        """Consecutive ranks of a pipeline stage that EP groups are carved from: the
+        ranks sharding dense states (``dp_shard x cp x tp``) under ZeRO >= 1, else every
+        rank of the stage (``dp x cp x tp``)."""
+        return (self.dp_shard if self.zero >= 1 else self.dp) * self.cp * self.tp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, whose expert gradients are averaged
+        (Megatron's expert data parallel size): ``dp x cp x tp / ep``; for ep = 1
+        experts are ordinary parameters (:attr:`replicas`)."""
+        return self.dp * self.cp * self.tp // self.ep if self.ep > 1 else self.replicas
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks that ZeRO shards one EP rank's experts over: ``expert_block / ep`` under
+        ZeRO >= 1 (the rest of :attr:`expert_replicas` replicate, as HSDP), else 1."""
+        if self.ep == 1:
+            return self.zero_shard_ranks
+        return self.expert_block // self.ep if self.zero >= 1 else 1
+
+    def expert_blocker(self, num_experts: int) -> str | None:
+        """Why ``ep`` cannot split ``num_experts`` experts on this mesh, or ``None``."""
+        if self.ep == 1:
+            return None
+        if not num_experts:
+            return f"ep({self.ep}) > 1 on a model without experts: use ep = 1"
+        if num_experts % self.ep:
+            return (
+                f"ep({self.ep}) does not divide num_experts ({num_experts}): each EP rank "
+                "holds num_experts / ep whole experts; choose ep dividing num_experts"
+            )
+        if self.expert_block % self.ep:
+            what = "dp_shard" if self.zero >= 1 else "dp"
+            return (
+                f"ep({self.ep}) does not divide {what} * cp * tp = {self.expert_block}: EP groups "
+                f"are consecutive ranks of the {'ZeRO shard group' if self.zero >= 1 else 'stage'};"
+                " choose ep dividing it"
+            )
+        return None
 
     def sequence_blocker(self, seq_len: int) -> str | None:
         """Why ``seq_len`` tokens cannot be split on this mesh, or ``None``.
@@ -140,6 +193,12 @@ class ParallelDims:
         """
         if kind is CompressionKind.NONE:
             return None
+        if self.ep > 1:
+            return (
+                f"compression.kind = {kind.value!r} with ep({self.ep}) > 1: expert gradients "
+                "are reduced by the expert-parallel runtime, which does not compress them; "
+                "use compression 'none' or ep = 1"
+            )
         if self.replicas == 1:
             return (
                 f"compression.kind = {kind.value!r} needs dp({self.dp}) * cp({self.cp}) > 1: there "

@@ -129,6 +129,7 @@ MAX_VIRTUAL_STAGES = Limit(
     MAX_LAYERS.most, "a pipeline rank cannot hold more model chunks than a model has layers"
 )
 _MAX_RANK = Limit(1_048_576, "a PowerSGD rank above the hidden size compresses nothing")
+MAX_EXPERTS = Limit(65_536, "published mixture-of-experts models have at most ~256 routed experts")
 
 
 def _maximum(limit: Limit) -> Any:
@@ -150,6 +151,7 @@ ChunkCount = Annotated[
     int, Field(ge=1), _maximum(MAX_VIRTUAL_STAGES), AfterValidator(MAX_VIRTUAL_STAGES)
 ]
 Rank = Annotated[int, Field(ge=1), _maximum(_MAX_RANK), AfterValidator(_MAX_RANK)]
+Experts = Annotated[int, Field(ge=0), _maximum(MAX_EXPERTS), AfterValidator(MAX_EXPERTS)]
 # Rates and sizes of links: positive, and in a range whose products and quotients stay
 # finite (a bandwidth of 1e-320 GB/s would make an infinite step time).
 _RATE_FLOOR = Floor(1e-6, "must be positive (1e-06 is 1 kB/s, slower than any link)")
@@ -363,6 +365,68 @@ class ModelSpec(_Doc):
     tied_embeddings: bool = False
     norm_eps: float = Field(default=1e-5, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)
+    # Mixture of experts (num_experts = 0: dense). Each MoE block routes every token to
+    # top_k of num_experts gated experts of moe_ffn_hidden_size, plus num_shared_experts
+    # that see every token; the first dense_layers blocks keep a dense feed-forward.
+    num_experts: Experts = 0
+    top_k: Experts = 0
+    moe_ffn_hidden_size: FfnSize | None = None  # None: ffn_hidden_size
+    num_shared_experts: Experts = 0
+    dense_layers: int = Field(default=0, ge=0)
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank is set: keys and
+    # values come from a kv_lora_rank latent, queries from a q_lora_rank one (None: a
+    # direct projection); each head has qk_nope_head_dim + qk_rope_head_dim query/key
+    # features and v_head_dim value features.
+    kv_lora_rank: FfnSize | None = None
+    q_lora_rank: FfnSize | None = None
+    qk_nope_head_dim: FfnSize | None = None
+    qk_rope_head_dim: FfnSize | None = None
+    v_head_dim: FfnSize | None = None
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> Self:
+        if not self.num_experts:
+            if self.top_k or self.num_shared_experts or self.moe_ffn_hidden_size:
+                raise ValueError(
+                    "top_k, num_shared_experts and moe_ffn_hidden_size describe experts: "
+                    "set num_experts (> 0) or leave them unset"
+                )
+            return self
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be between 1 and num_experts ({self.num_experts}): "
+                "each token is routed to top_k experts"
+            )
+        if self.family is not Family.LLAMA:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) with family {self.family.value!r}: the zoo's "
+                "experts are gated (swiglu) and bias-free; use family 'llama'"
+            )
+        if self.dense_layers >= self.num_layers:
+            raise ValueError(
+                f"dense_layers ({self.dense_layers}) must be < num_layers ({self.num_layers}): "
+                "at least one block has experts"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_latent_attention(self) -> Self:
+        mla = (self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if self.kv_lora_rank is None:
+            if self.q_lora_rank is not None or any(d is not None for d in mla):
+                raise ValueError(
+                    "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim describe "
+                    "multi-head latent attention: set kv_lora_rank or leave them unset"
+                )
+            return self
+        if any(d is None for d in mla) or self.family is not Family.LLAMA:
+            raise ValueError(
+                f"kv_lora_rank ({self.kv_lora_rank}) needs qk_nope_head_dim, qk_rope_head_dim "
+                "and v_head_dim, and family 'llama'"
+            )
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (rotary)")
+        return self
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Self:
@@ -404,23 +468,68 @@ class ModelSpec(_Doc):
     def causal(self) -> bool:
         return self.family is not Family.ENCODER
 
+    @property
+    def moe(self) -> bool:
+        """Whether some blocks route tokens to experts."""
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Intermediate width of one routed (or shared) expert."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank is not None
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has experts."""
+        return self.moe and index >= self.dense_layers
+
     def with_seq_len(self, seq_len: int) -> ModelSpec:
         return ModelSpec.model_validate({**self.model_dump(), "seq_len": seq_len})
 
     def num_params(self) -> int:
         """Parameter count of the model :func:`planner.models.build` makes from this spec."""
-        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
-        kv = self.kv_heads * self.head_dim
+        return self._count_params(experts_counted=self.num_experts)
+
+    def active_params(self) -> int:
+        """Parameters one token uses: routed experts counted ``top_k`` times, not
+        ``num_experts`` (the count MoE model FLOPs and MFU are reported on)."""
+        return self._count_params(experts_counted=self.top_k)
+
+    def _count_params(self, *, experts_counted: int) -> int:
+        h, v = self.hidden_size, self.vocab_size
         bias = self.family is not Family.LLAMA
-        attn = h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
         mlp_mats = 3 if self.act is Activation.SWIGLU else 2
-        mlp = mlp_mats * h * f + ((f + h) if bias else 0)
+        dense_mlp = mlp_mats * h * self.ffn_size + ((self.ffn_size + h) if bias else 0)
         norms = 2 * h * (2 if bias else 1)
-        block = attn + mlp + norms
+        dense_block = self._attention_params() + dense_mlp + norms
+        expert = 3 * h * self.expert_ffn_size
+        moe_mlp = self.num_experts * h + (experts_counted + self.num_shared_experts) * expert
+        moe_block = self._attention_params() + moe_mlp + norms
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        blocks = (self.num_layers - moe_layers) * dense_block + moe_layers * moe_block
         embed = v * h + (0 if self.family is Family.LLAMA else self.seq_len * h)
         head = 0 if self.tied_embeddings else v * h
         final_norm = h * (2 if bias else 1)
-        return self.num_layers * block + embed + head + final_norm
+        return blocks + embed + head + final_norm
+
+    def _attention_params(self) -> int:
+        h, heads = self.hidden_size, self.num_heads
+        if self.kv_lora_rank is not None:  # multi-head latent attention (DeepSeek-V3)
+            nope, rope = self.qk_nope_head_dim or 0, self.qk_rope_head_dim or 0
+            v_dim, q_dim = self.v_head_dim or 0, heads * (nope + rope)
+            q = h * q_dim if self.q_lora_rank is None else (
+                h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_dim
+            )  # fmt: skip
+            kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank
+            kv += self.kv_lora_rank * heads * (nope + v_dim)
+            return q + kv + heads * v_dim * h
+        kv = self.kv_heads * self.head_dim
+        bias = self.family is not Family.LLAMA
+        return h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
 
 
 class LinkTier(_Doc):
@@ -543,6 +652,7 @@ class Strategy(_Doc):
     tp: GpuCount = 1
     pp: GpuCount = 1
     cp: GpuCount = 1
+    ep: GpuCount = 1  # expert parallel: experts split over ep consecutive ranks of dp x cp x tp
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
     recompute: RecomputeMode = RecomputeMode.NONE
@@ -617,7 +727,7 @@ class Strategy(_Doc):
             hybrid = ParallelDims.of(self).hybrid_sharding
             hsdp = f",shard{self.shard_degree}" if hybrid else ""
             parts[0] += f"(zero{self.zero}{hsdp})"
-        for name, size in (("tp", self.tp), ("cp", self.cp)):
+        for name, size in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)):
             if size > 1:
                 parts.append(f"{name}{size}")
         if self.sequence_parallel:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.models.moe import MoE
 from planner.spec import Activation, Family, ModelSpec
 
 __all__ = ["Transformer", "Block"]
@@ -111,15 +112,26 @@ def _norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``."""
+def _feed_forward(spec: ModelSpec, index: int) -> nn.Module:
+    if not spec.is_moe_layer(index):
+        return FeedForward(spec)
+    return MoE(
+        spec.hidden_size, spec.expert_ffn_size, num_experts=spec.num_experts,
+        top_k=spec.top_k, num_shared=spec.num_shared_experts,
+    )  # fmt: skip
 
-    def __init__(self, spec: ModelSpec) -> None:
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``
+    (block ``index``'s feed-forward is a :class:`~planner.models.moe.MoE` when the spec
+    gives it experts)."""
+
+    def __init__(self, spec: ModelSpec, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = _norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = _norm(spec)
-        self.feed_forward = FeedForward(spec)
+        self.feed_forward = _feed_forward(spec, index)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), position_ids)
@@ -142,7 +154,7 @@ class Transformer(nn.Module):
             if spec.family is not Family.LLAMA
             else None
         )
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.num_layers)})
         self.norm = _norm(spec)
         self.output = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tied_embeddings:

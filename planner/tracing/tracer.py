@@ -135,8 +135,9 @@ def prepare_traced_module(
     model = _meta_copy(handle.module, dtype)
     inputs = _meta_inputs(tuple(handle.make_inputs(batch_size, seq_len)), dtype)
     hf = is_hf_model(model)
-    if hf:  # experts at their expected load, whichever device the model was built on
-        expected_load_experts(model, model_type=str(getattr(model.config, "model_type", "")))
+    # experts at their expected load, whichever device the model was built on
+    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    expected_load_experts(model, model_type=str(kind))
     if handle.spec is None and not hf:
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
