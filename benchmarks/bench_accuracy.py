@@ -25,6 +25,13 @@ Per-source conventions and software facts (from each row's ``notes``):
   over the dp axis, flash attention (SDPA), torch.compile and AsyncTP when noted,
   fp32 gradient reduction; pipeline micro-batches = pp (torchtitan's default then);
   interleaved rows assumed 2 chunks per rank.
+
+MoE rows (``benchmarks/data/moe_runs.csv``, described in ``benchmarks/data/README.md``)
+are reported apart: per row the predicted against the measured step time, and the
+search on the row's GPUs, global batch and sequence length (whether its plan is
+predicted at least as fast as the published configuration, and whether that
+configuration lies in the search space). A row whose model preset, GPU profile or
+expert layout the planner lacks is listed as skipped with the reason.
 """
 
 from __future__ import annotations
@@ -44,12 +51,17 @@ from typing import Any
 from scipy.optimize import minimize_scalar
 
 from planner.cost import CostModel, RunConfig, estimate_run, graph_from_spec
+from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
+from planner.errors import PlannerError
 from planner.hardware import load_profile
-from planner.spec import Prediction
+from planner.presets import PRESETS
+from planner.solve.search import ModelLimits, Pins, in_search_space, search
+from planner.spec import ModelSpec, Prediction
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "published_runs.csv"
+MOE_CSV = REPO / "benchmarks" / "data" / "moe_runs.csv"
 
 GPUS = {
     "A100-SXM-80GB": "a100-sxm-80gb",
@@ -356,13 +368,226 @@ def estimate_speed(case: Case, repeats: int = 200) -> tuple[float, float]:
     return first * 1e3, (time.perf_counter() - start) / repeats * 1e3
 
 
+# --- MoE rows --------------------------------------------------------------------------
+
+MOE_GPUS = {"H100-SXM-80GB": "h100-sxm-80gb", "B200": "b200"}
+MEGATRON_FRAMEWORKS = ("Megatron",)  # framework column prefixes run by Megatron-Core
+
+
+@dataclass
+class MoeCase:
+    """One MoE row: its run config and measured step time (s), or why it is skipped."""
+
+    label: str
+    precision: str
+    config: dict[str, Any] | None
+    measured_step_s: float | None
+    skipped: str | None = None
+
+
+def megatron_moe_flops(spec: ModelSpec, row: dict[str, str]) -> float:
+    """Model FLOPs of one step as Megatron-Core's ``num_floating_point_operations``
+    counts them for a GQA + SwiGLU MoE (router excluded; the padded vocabulary is the
+    row's). ``flop_convention`` ``megatron-2024`` counts the whole s x s score matrix,
+    ``megatron-causal`` (Megatron since 2025) half of it."""
+    if spec.latent_attention:
+        raise ValueError(f"{spec.name}: Megatron's MLA FLOP count is not implemented here")
+    causal = {"megatron-2024": False, "megatron-causal": True}[row["flop_convention"]]
+    h, s = spec.hidden_size, _int(row["seq"])
+    q, kv = spec.num_heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    attention = 6 * h * (2 * q + 2 * kv) + (6 if causal else 12) * q * s
+    dense = 18 * h * (spec.ffn_hidden_size or 0)
+    moe = 18 * h * spec.expert_ffn_size * (spec.top_k + spec.num_shared_experts)
+    blocks = sum(moe if spec.is_moe_layer(i) else dense for i in range(spec.num_layers))
+    per_token = spec.num_layers * attention + blocks + 6 * h * _int(row["vocab"])
+    return per_token * _int(row["gbs"]) * s
+
+
+def moe_measured_step(row: dict[str, str], spec: ModelSpec) -> float:
+    """Measured step time (s): as published, else from tokens/s per GPU, else from the
+    TFLOP/s per GPU with the row's FLOP convention (both derived)."""
+    if row["measured_step_time_s"]:
+        return float(row["measured_step_time_s"])
+    tokens_per_gpu = _int(row["gbs"]) * _int(row["seq"]) / _int(row["n_gpus"])
+    if row["measured_tokens_per_s_per_gpu"]:
+        return tokens_per_gpu / float(row["measured_tokens_per_s_per_gpu"])
+    flops = megatron_moe_flops(spec, row)
+    return flops / (_int(row["n_gpus"]) * float(row["measured_tflops_per_gpu"]) * 1e12)
+
+
+def _moe_recompute(text: str) -> str:
+    """The row's recompute as this planner's mode: Megatron's fine-grained module
+    recompute (layernorm, moe_act...) is priced as ``selective``."""
+    if text in ("", "none"):
+        return "none"
+    return "full" if text == "full" else "selective"
+
+
+def _moe_skip(row: dict[str, str]) -> str | None:
+    """Why the planner cannot price this row yet, or None."""
+    if row["preset"] not in PRESETS:
+        return f"model preset {row['preset']!r} is not in planner.presets.PRESETS yet"
+    if row["gpu"] not in MOE_GPUS:
+        return f"no hardware profile for {row['gpu']} (profiles: {', '.join(MOE_GPUS)})"
+    if _int(row["etp"], 1) != 1:
+        return f"etp={row['etp']}: expert tensor parallelism is not modelled (experts run etp=1)"
+    return None
+
+
+def moe_config(row: dict[str, str]) -> dict[str, Any]:
+    """The row as a RunConfig dict: Megatron-Core rows with its fused kernels and
+    overlaps, FSDP rows (zero=3) with flash attention and overlapped gathers."""
+    tp, pp, virtual = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["virtual_stages"], 1)
+    strategy = {
+        "dp": _int(row["dp"]), "tp": tp, "pp": pp, "cp": _int(row["cp"], 1), "ep": _int(row["ep"], 1),
+        "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
+        "recompute": _moe_recompute(row["recompute"]), **_schedule(pp, virtual),
+    }  # fmt: skip
+    options: dict[str, Any] = {
+        "attention": "flash", "dropout": False, "fused_pointwise": True, "grad_reduce_bytes": 4,
+        "overlap_grad_reduce": True, "overlap_param_gather": True,
+        "tp_comm_overlap": row["framework"].startswith(MEGATRON_FRAMEWORKS) and tp > 1,
+    }  # fmt: skip
+    if "ep_overlap" in row["routing"]:
+        options["ep_overlap"] = True
+    return {
+        "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
+        "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),
+                    "gpus_per_node": _int(row["gpus_per_node"], 8)},
+        "training": {"global_batch_size": _int(row["gbs"]), "micro_batch_size": _int(row["mbs"], 1),
+                     "dtype": _precision(row)},
+        "strategy": strategy,
+        "options": options,
+    }  # fmt: skip
+
+
+def moe_case(row: dict[str, str]) -> MoeCase:
+    label = (
+        f"{row['model']} {_int(row['n_gpus'])}x{row['gpu'].split('-')[0]} tp{row['tp']} "
+        f"pp{row['pp']} ep{row['ep']} dp{row['dp']}"
+    )
+    skipped = _moe_skip(row)
+    if skipped is not None:
+        return MoeCase(label, _precision(row), None, None, skipped)
+    measured = moe_measured_step(row, PRESETS[row["preset"]])
+    return MoeCase(label, _precision(row), moe_config(row), measured)
+
+
+def load_moe_cases(path: Path) -> list[MoeCase]:
+    with path.open(newline="") as handle:
+        return [moe_case(row) for row in csv.DictReader(handle)]
+
+
+@dataclass
+class MoeResult:
+    """What the planner says about one priced MoE row."""
+
+    predicted: Prediction
+    published: Prediction | None = None  # the published config priced for the search
+    chosen: Prediction | None = None  # the search's plan
+    chosen_text: str = ""
+    inside: bool | None = None  # the published config is in the search space
+    search_error: str = ""
+
+
+def _spec_limits(run: RunConfig) -> ModelLimits:
+    """The model's shape limits, as ``bench_search`` gives them."""
+    from bench_search import _limits  # it imports this module: loaded late
+
+    return _limits(run)
+
+
+def search_against(run: RunConfig, result: MoeResult) -> None:
+    """Search the row's GPUs, global batch and sequence (micro-batch free) and compare
+    with the published config priced by the same model."""
+    free_batch = run.training.model_copy(update={"micro_batch_size": None})
+    graph = spec_graph(run.model, run.training, run.options)
+    model = build_cost_model(
+        graph, run.cluster, free_batch, causal=run.model.causal, options=run.options
+    )
+    limits = _spec_limits(run)
+    result.published = model.estimate(run.strategy)
+    result.inside = in_search_space(model, limits, run.strategy)
+    best = search(model, limits, pins=Pins(), top_k=1).best
+    result.chosen, result.chosen_text = best.prediction, best.strategy.describe()
+
+
+def moe_result(case: MoeCase, with_search: bool) -> MoeResult | str:
+    """The planner's prediction (and search) for a priced row, or the error's words."""
+    assert case.config is not None
+    try:
+        run = RunConfig.from_dict(case.config, case.label)
+        result = MoeResult(estimate_run(run))
+    except (PlannerError, ValueError) as error:
+        return f"not estimable: {str(error).splitlines()[0][:120]}"
+    if with_search:
+        try:
+            search_against(run, result)
+        except (PlannerError, ValueError) as error:
+            result.search_error = str(error).splitlines()[0][:100]
+    return result
+
+
+def _search_text(result: MoeResult) -> str:
+    if result.search_error:
+        return f"search failed: {result.search_error}"
+    if result.chosen is None or result.published is None:
+        return ""
+    faster = result.chosen.step_time_s <= result.published.step_time_s * (1 + 1e-9)
+    gain = result.published.step_time_s / result.chosen.step_time_s - 1
+    return (
+        f"in space {'yes' if result.inside else 'NO'}; chosen {'>=' if faster else '<'} published "
+        f"({gain:+.1%}): {result.chosen_text}"
+    )
+
+
+def moe_report(path: Path, with_search: bool = True) -> None:
+    """Print the MoE rows: error per row, mean |error| per precision, the search check."""
+    cases = load_moe_cases(path)
+    print(f"\nMoE rows ({path.name}): predicted vs measured step time")
+    print(f"{'run':<52}{'prec':<6}{'meas s':>9}{'pred s':>9}{'err':>8}{'fits':>6}  search")
+    errors: dict[str, list[float]] = defaultdict(list)
+    checks = {"in space": 0, "chosen >= published": 0, "searched": 0}
+    for case in cases:
+        outcome = case.skipped or moe_result(case, with_search)
+        if isinstance(outcome, str):
+            print(f"{case.label[:51]:<52}{case.precision:<6}  skipped: {outcome}")
+            continue
+        pred, measured = outcome.predicted, case.measured_step_s or math.nan
+        error = pred.step_time_s / measured - 1
+        errors[case.precision].append(error)
+        print(f"{case.label[:51]:<52}{case.precision:<6}{measured:>9.3f}{pred.step_time_s:>9.3f}"
+              f"{error:>+8.1%}{'yes' if pred.fits else 'NO':>6}  {_search_text(outcome)}")  # fmt: skip
+        if outcome.chosen is not None and outcome.published is not None:
+            checks["searched"] += 1
+            checks["in space"] += bool(outcome.inside)
+            checks["chosen >= published"] += (
+                outcome.chosen.step_time_s <= outcome.published.step_time_s * (1 + 1e-9)
+            )
+    for precision, group in sorted(errors.items()):
+        mean, worst = _stats(group)
+        print(f"MoE {precision}: {len(group)} rows, mean |err| {mean:.1%}, max |err| {worst:.1%}")
+    priced = sum(len(group) for group in errors.values())
+    print(f"MoE rows priced: {priced}/{len(cases)}")
+    if with_search:
+        n = checks["searched"]
+        print(f"search: published config in the space {checks['in space']}/{n}; "
+              f"chosen plan at least as fast {checks['chosen >= published']}/{n}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="published runs CSV")
     parser.add_argument(
         "--fit", action="store_true", help="fit matmul_efficiency per GPU on half a source's rows"
     )
+    parser.add_argument("--moe-csv", type=Path, default=MOE_CSV, help="MoE runs CSV")
+    parser.add_argument("--moe-only", action="store_true", help="report the MoE rows only")
+    parser.add_argument("--no-moe-search", action="store_true", help="skip the search per MoE row")
     args = parser.parse_args(argv)
+    if args.moe_only:
+        moe_report(args.moe_csv, with_search=not args.no_moe_search)
+        return 0
     if not args.csv.is_file():
         print(f"no published runs at {args.csv}; pass --csv PATH", file=sys.stderr)
         return 2
@@ -384,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nall targets met: {'yes' if met else 'no'}")
     if args.fit:
         fit_matmul_efficiency(cases)
+    if args.moe_csv.is_file():
+        moe_report(args.moe_csv, with_search=not args.no_moe_search)
     return 0
 
 

@@ -175,3 +175,8 @@ class OpGraph:
     @property
     def param_tensor_count(self) -> int:
         return int(self.total("param_tensor_count"))
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        return max((t.num_experts for t in self.types.values()), default=0)

@@ -5,7 +5,9 @@ imported only when a config is resolved. No weights are downloaded; the model is
 ``AutoModelForCausalLM.from_config`` with SDPA attention, on meta, so any size costs
 no memory.
 
-Mixture-of-experts models (Mixtral, Qwen2-MoE, OLMoE...) route tokens with
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3: transformers'
+grouped experts modules, a ``gate`` router and, for DeepSeek, ``shared_experts``, which
+the tracer marks by role) route tokens with
 data-dependent shapes, which a meta trace cannot follow, and transformers' grouped
 kernel carries no FLOP count. On meta each experts module therefore runs a static
 dispatch at the *expected* load: the ``tokens * top_k`` routed (token, expert) pairs
@@ -131,6 +133,7 @@ _EXPERT_LAYOUT = {
     "has_bias": False,
     "is_transposed": False,
     "has_post_expert_norm": False,
+    "is_concatenated": True,  # gate_up_proj holds gate and up rows in one tensor
 }
 
 
@@ -145,7 +148,7 @@ def _check_expert_layout(module: nn.Module, fqn: str, model_type: str) -> None:
         raise SpecError(
             f"{model_type}: experts module {fqn!r} ({type(module).__name__}) has {found}; the "
             "planner prices gated, bias-free experts with [experts, 2*intermediate, hidden] "
-            "weights (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): describe this model as a "
+            "weights (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3): describe this model as a "
             "ModelSpec JSON file instead"
         )
 
@@ -166,7 +169,7 @@ def expected_load_experts(model: nn.Module, *, model_type: str) -> int:
     if switched:
         logger.info(
             "%s: %d experts modules priced at the expected load, tokens * top_k / num_experts "
-            "rows per expert (expert parallelism is not planned)",
+            "rows per expert",
             model_type,
             switched,
         )

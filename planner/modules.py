@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import cast
 
 from torch import nn
 
 from planner.errors import PlanMismatchError, SpecError
 from planner.fqn import match_fqns
 from planner.models import fingerprint, is_hf_model
+from planner.models.moe import is_experts
 from planner.spec import ModuleTP, Plan, shard_dim
-from planner.validate import check_heads, check_replication
+from planner.validate import check_experts, check_heads, check_replication
 
 __all__ = [
     "find_blocks",
@@ -27,6 +29,7 @@ __all__ = [
     "context_parallel_blocker",
     "expand_layout",
     "check_model_against_plan",
+    "module_experts",
 ]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -112,7 +115,23 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleT
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
     check_replication(plan, tied=shares_parameters(module))
+    if plan.strategy.ep > 1:
+        check_experts(plan, module_experts(module))
     return expanded
+
+
+def module_experts(module: nn.Module) -> int:
+    """Routed experts per MoE layer of ``module`` (its grouped-weight experts modules,
+    zoo or transformers); 0 for a dense model. Raises if its MoE layers differ."""
+    counts = {
+        int(cast(nn.Parameter, m.gate_up_proj).shape[0]) for m in module.modules() if is_experts(m)
+    }
+    if len(counts) > 1:
+        raise SpecError(
+            f"the model's MoE layers have {sorted(counts)} experts: expert parallelism needs "
+            "one expert count; use ep = 1"
+        )
+    return counts.pop() if counts else 0
 
 
 def expand_layout(module: nn.Module, layout: Mapping[str, ModuleTP]) -> dict[str, ModuleTP]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions
 from planner.cost.build import build_cost_model, spec_graph
+from planner.cost.experts import expert_tradeoff
 from planner.cost.memory import in_flight_microbatches
 from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import Target, model_refusal, parse_target, strategy_refusal
@@ -163,7 +164,9 @@ def search_plan(
         prediction=prediction,
         runners_up=tuple(_runner_up(best, other) for other in _diverse(best, others, top_k)),
         solver=stats,
-        tradeoffs=tuple(t for t in [tradeoff(model, strategy)] if t),
+        tradeoffs=tuple(
+            t for t in (tradeoff(model, strategy), expert_tradeoff(model, strategy)) if t
+        ),
         target=str(target),
         without_target=without_target,
     )
@@ -222,14 +225,16 @@ def model_limits(
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
+        num_experts=graph.num_experts,
     )
 
 
 def _pipeline_problem(handle: ModelHandle, seq_len: int) -> str | None:
     """Why ``handle``'s model cannot run as pipeline stages: its structure, or its forward
-    cut into stages on the meta device (:func:`planner.staging.stage_problem`)."""
+    cut into stages on the meta device (:func:`planner.staging.stage_problem`; the zoo's
+    transformer is written to be cut, so only its structure is checked)."""
     problem = pipeline_blocker(handle.module)
-    if problem is None:
+    if problem is None and handle.spec is None:
         problem = stage_problem(handle.module, handle.make_inputs(2, seq_len))
     return problem
 

@@ -28,6 +28,58 @@ _LLAMA2 = {"vocab_size": 32000, "seq_len": 4096}
 _LLAMA3 = {"vocab_size": 128256, "seq_len": 8192, "rope_theta": 500000.0}
 _BERT = {"vocab_size": 30592, "seq_len": 512, "tied_embeddings": True, "norm_eps": 1e-12}
 
+# Mixture-of-experts models, from their published Hugging Face config.json, trained at
+# 4096 tokens (Megatron-Core's MoE benchmarks). Qwen3-MoE's heads are 128 wide (32 x 128
+# query features on a 2048 hidden state) and carry q/k norms; ModelSpec derives
+# head_dim = hidden / heads, so its presets keep the head counts (and GQA ratio) with
+# hidden / heads wide heads: attention projections are smaller than published (see
+# tests/test_moe_models.py for the totals against the published ones).
+_MIXTRAL = {
+    "vocab_size": 32000,
+    "seq_len": 4096,
+    "rope_theta": 1e6,
+    "num_kv_heads": 8,
+    "num_experts": 8,
+    "top_k": 2,
+}
+_QWEN3_MOE = {
+    "vocab_size": 151936,
+    "seq_len": 4096,
+    "rope_theta": 1e6,
+    "norm_eps": 1e-6,
+    "num_kv_heads": 4,
+    "num_experts": 128,
+    "top_k": 8,
+}
+# DeepSeek-V3 without its multi-token-prediction module (one extra block and head used
+# only as a training objective): 671B of its published 685B parameters.
+_DEEPSEEK_V3 = {
+    "vocab_size": 129280,
+    "seq_len": 4096,
+    "norm_eps": 1e-6,
+    "ffn_hidden_size": 18432,
+    "num_experts": 256,
+    "top_k": 8,
+    "moe_ffn_hidden_size": 2048,
+    "num_shared_experts": 1,
+    "dense_layers": 3,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+_TINY_MOE = {
+    "num_kv_heads": 2,
+    "vocab_size": 256,
+    "seq_len": 64,
+    "num_experts": 8,
+    "top_k": 2,
+    "moe_ffn_hidden_size": 32,
+    "num_shared_experts": 1,
+    "dense_layers": 1,
+}
+
 PRESETS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -57,9 +109,24 @@ PRESETS: dict[str, ModelSpec] = {
         _spec("tiny-gpt", Family.GPT, 4, 64, 4, vocab_size=256, seq_len=32),
         _spec("tiny-llama", Family.LLAMA, 4, 64, 4, num_kv_heads=2, ffn_hidden_size=160,
               vocab_size=256, seq_len=32),
+        _spec("mixtral-8x7b", Family.LLAMA, 32, 4096, 32, ffn_hidden_size=14336, **_MIXTRAL),
+        _spec("mixtral-8x22b", Family.LLAMA, 56, 6144, 48, ffn_hidden_size=16384,
+              **{**_MIXTRAL, "vocab_size": 32768}),
+        _spec("qwen3-30b-a3b", Family.LLAMA, 48, 2048, 32, ffn_hidden_size=6144,
+              moe_ffn_hidden_size=768, **_QWEN3_MOE),
+        _spec("qwen3-235b-a22b", Family.LLAMA, 94, 4096, 64, ffn_hidden_size=12288,
+              moe_ffn_hidden_size=1536, **_QWEN3_MOE),
+        _spec("deepseek-v3", Family.LLAMA, 61, 7168, 128, **_DEEPSEEK_V3),
+        _spec("olmoe-1b-7b", Family.LLAMA, 16, 2048, 16, ffn_hidden_size=1024, vocab_size=50304,
+              seq_len=4096, num_experts=64, top_k=8),
+        _spec("tiny-moe", Family.LLAMA, 4, 64, 4, **_TINY_MOE),
     )
 }  # fmt: skip
-ALIASES = {"llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3-405b": "llama3.1-405b"}
+ALIASES = {
+    "llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3-405b": "llama3.1-405b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b", "mixtral-8x22b-v0.1": "mixtral-8x22b",
+    "deepseek-v3-671b": "deepseek-v3", "olmoe-1b-7b-0924": "olmoe-1b-7b",
+}  # fmt: skip
 
 
 def get_preset(name: str) -> ModelSpec:

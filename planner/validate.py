@@ -30,6 +30,7 @@ __all__ = [
     "check_plan",
     "check_heads",
     "check_replication",
+    "check_experts",
     "check_powersgd_rank",
 ]
 
@@ -102,10 +103,19 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
         )
     _check_batch(plan)
     _check_sequence(plan)
+    if plan.model is not None:
+        check_experts(plan, plan.model.num_experts)
     check_replication(plan, tied=False)
     _check_compression(plan)
     _check_recompute(plan)
     _check_pipeline(plan)
+
+
+def check_experts(plan: Plan, num_experts: int) -> None:
+    """Raise if the plan's ``ep`` cannot split ``num_experts`` routed experts."""
+    blocker = ParallelDims.of(plan.strategy).expert_blocker(num_experts)
+    if blocker is not None:
+        raise SpecError(f"strategy.{blocker}")
 
 
 def _check_batch(plan: Plan) -> None:

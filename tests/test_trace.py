@@ -58,7 +58,13 @@ def _counted(spec: ModelSpec) -> tuple[int, int]:
 
 
 def _shallow(spec: ModelSpec) -> ModelSpec:
-    return spec.model_copy(update={"num_layers": min(spec.num_layers, 2)})
+    """``spec`` at two layers at most (a mixture of experts keeps one MoE block, and one
+    dense block when it has some)."""
+    layers = min(spec.num_layers, 2)
+    dense = min(spec.dense_layers, layers - 1)
+    return ModelSpec.model_validate(
+        {**spec.model_dump(), "num_layers": layers, "dense_layers": dense}
+    )
 
 
 def _trace_spec(spec: ModelSpec, dtype: str = "bf16"):

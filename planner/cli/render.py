@@ -26,6 +26,15 @@ def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
         ("tensor parallel", f"{s.tp}" + (" + sequence parallel" if s.sequence_parallel else "")),
         ("pipeline parallel", f"{s.pp}"),
         ("context parallel", f"{s.cp}"),
+    ]
+    if s.ep > 1:
+        expert_sharding = f", ZeRO over {dims.expert_shard_ranks}" if s.zero else ""
+        rows.append((
+            "expert parallel",
+            f"{s.ep} (consecutive ranks; experts replicated {dims.expert_replicas}x"
+            f"{expert_sharding})",
+        ))  # fmt: skip
+    rows += [
         ("sharding", sharding),
         ("recompute", s.recompute.value),
         ("micro-batches", f"{s.num_microbatches} x {s.micro_batch_size} sequences per replica"),

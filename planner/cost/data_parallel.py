@@ -20,7 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from planner.cost.communication import Collective, LinkModel, MeshLinks, collective_time
+from planner.cost.communication import (
+    Collective,
+    LinkModel,
+    MeshLinks,
+    collective_time,
+    link_for_axis,
+)
 from planner.cost.compression import (
     INT8_WIRE_BYTES,
     GradientShapes,
@@ -70,6 +76,17 @@ def exposed_together(window: float, tail: float, *parts: tuple[float, bool]) -> 
 def _refuse(blocker: str | None) -> None:
     if blocker is not None:
         raise SpecError(blocker)
+
+
+@dataclass(frozen=True)
+class _ExpertCollectives:
+    """Seconds of the EP-held experts' collectives per step (see
+    :meth:`DataParallelCost._expert_collectives`)."""
+
+    all_reduce: float = 0.0
+    scatter: float = 0.0
+    gather: float = 0.0
+    replica: float = 0.0
 
 
 @dataclass(eq=False)
@@ -159,24 +176,32 @@ class DataParallelCost:
             )
         return work
 
-    def optimizer_time(self, strategy: Strategy, params: float) -> float:
+    def optimizer_time(
+        self, strategy: Strategy, params: float, expert_params: float = 0.0
+    ) -> float:
         """Seconds of the Adam/SGD step, gradient norm and zeroing on this rank's shard of
         ``params`` parameters: memory-bound.
 
         Per sharded parameter: fp32 master read+write, fp32 gradient read, moments
         read+write, half-precision weight write; per gradient element held, a read for
-        the norm (with clipping) and a write to zero it. Per parameter tensor of the
+        the norm (with clipping) and a write to zero it. ``expert_params`` (held under
+        EP) are sharded over the expert shard ranks. Per parameter tensor of the
         rank's stage, the profile's eager ``param_overhead_us``.
         """
+        dims = ParallelDims.of(strategy)
+        moved = self._step_bytes(strategy, params, dims.zero_shard_ranks)
+        moved += self._step_bytes(strategy, expert_params, dims.expert_shard_ranks)
+        tensors = self._param_tensors / strategy.pp  # eager: the step loops over them
+        return self.compute.memory_time(moved) + tensors * self.compute.param_s
+
+    def _step_bytes(self, strategy: Strategy, params: float, shard: int) -> float:
+        """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO."""
         moments = self.training.optimizer.state_bytes_per_param
         dims = ParallelDims.of(strategy)
-        shard = dims.zero_shard_ranks
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
         sharded = 2 * FP32_BYTES + FP32_BYTES + 2 * moments + HALF_BYTES
         per_gradient = (2 if self.training.grad_clip else 1) * FP32_BYTES
-        per_param = sharded / shard + per_gradient / grad_shard
-        tensors = self._param_tensors / strategy.pp  # eager: the step loops over them
-        return self.compute.memory_time(per_param * params) + tensors * self.compute.param_s
+        return params * (sharded / shard + per_gradient / grad_shard)
 
     @cached_property
     def _param_tensors(self) -> int:
@@ -193,10 +218,13 @@ class DataParallelCost:
         """The link of ``ranks`` data-parallel ranks (context parallelism innermost)."""
         return self.links.group(ranks, dims, Axis.CP)
 
-    def _all_reduce(self, nbytes: float, ranks: int, dims: ParallelDims, window: float) -> float:
-        """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``."""
+    def _all_reduce(
+        self, nbytes: float, ranks: int, dims: ParallelDims, window: float, also_s: float = 0.0
+    ) -> float:
+        """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``,
+        with ``also_s`` of other reductions sharing it."""
         link = self._data_link(ranks, dims)
-        reduce = collective_time(Collective.ALL_REDUCE, nbytes, ranks, link)
+        reduce = also_s + collective_time(Collective.ALL_REDUCE, nbytes, ranks, link)
         bucket = min(nbytes, self.options.dp_bucket_bytes)
         last = collective_time(Collective.ALL_REDUCE, bucket, ranks, link)
         return exposed(reduce, window, last, self.options.overlap_grad_reduce)
@@ -209,22 +237,28 @@ class DataParallelCost:
         scatter_bytes: float | None = None,
     ) -> dict[str, float]:
         """Exposed 'comm_dp' and 'comm_fsdp' with ``reduce_bytes`` per gradient element
-        (``scatter_bytes`` in ZeRO's reduce-scatter, if it differs)."""
+        (``scatter_bytes`` in ZeRO's reduce-scatter, if it differs). Under EP the
+        experts' reductions (:meth:`_expert_collectives`) share the same windows."""
         dims = ParallelDims.of(strategy)
         params = slowest.params
         grad = reduce_bytes * params
         fwd, bwd = slowest.total("forward_s"), slowest.reduce_window_s
+        experts = self._expert_collectives(strategy, slowest, reduce_bytes, scatter_bytes)
         if strategy.zero == 0:  # DDP over dp x cp
-            return {"comm_dp": self._all_reduce(grad, dims.replicas, dims, bwd)}
+            return {"comm_dp": self._all_reduce(grad, dims.replicas, dims, bwd, experts.all_reduce)}
         shard, replicate = dims.zero_shard_ranks, strategy.replicate_degree
         scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
         half = HALF_BYTES * params
         bucket = self.options.dp_bucket_bytes
         shard_link = self._data_link(shard, dims)
         rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
-        replica = collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link)
-        scatter = collective_time(Collective.REDUCE_SCATTER, scattered, shard, shard_link)
-        gather = collective_time(Collective.ALL_GATHER, half, shard, shard_link)
+        replica = experts.replica + collective_time(
+            Collective.ALL_REDUCE, grad / shard, replicate, rep_link
+        )
+        scatter = experts.scatter + collective_time(
+            Collective.REDUCE_SCATTER, scattered, shard, shard_link
+        )
+        gather = experts.gather + collective_time(Collective.ALL_GATHER, half, shard, shard_link)
         last_rs = collective_time(
             Collective.REDUCE_SCATTER, min(scattered, bucket), shard, shard_link
         )
@@ -247,6 +281,36 @@ class DataParallelCost:
                                 (replica, reduce))  # fmt: skip
         fsdp = strategy.num_microbatches * (ag_fwd + ag_bwd)
         return {"comm_fsdp": fsdp, "comm_dp": last - ag_bwd}
+
+    def _expert_collectives(
+        self, strategy: Strategy, slowest: RankSums, reduce_bytes: float,
+        scatter_bytes: float | None,
+    ) -> _ExpertCollectives:  # fmt: skip
+        """Whole (unexposed) seconds of the EP-held experts' gradient reduction and
+        weight gathers: averaged over the expert replicas (ZeRO 0), or reduce-scattered
+        and gathered over the expert shard ranks and all-reduced over ``dp_replicate``
+        (ZeRO >= 1). Members of either group sit ``ep`` ranks apart."""
+        dims = ParallelDims.of(strategy)
+        params = slowest.expert_params
+        if not params:
+            return _ExpertCollectives()
+        grad = reduce_bytes * params
+        if strategy.zero == 0:
+            ranks = dims.expert_replicas
+            link = link_for_axis(ranks, dims.ep, self.links.cluster, self.links.profile)
+            return _ExpertCollectives(
+                all_reduce=collective_time(Collective.ALL_REDUCE, grad, ranks, link)
+            )
+        shard = dims.expert_shard_ranks
+        link = link_for_axis(shard, dims.ep, self.links.cluster, self.links.profile)
+        scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
+        replicate = strategy.replicate_degree
+        rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
+        return _ExpertCollectives(
+            scatter=collective_time(Collective.REDUCE_SCATTER, scattered, shard, link),
+            gather=collective_time(Collective.ALL_GATHER, HALF_BYTES * params, shard, link),
+            replica=collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link),
+        )
 
     def _powersgd_times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
         """PowerSGD's exposed all-reduces ('comm_dp') and compression compute per step."""

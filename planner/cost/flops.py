@@ -23,7 +23,8 @@ __all__ = [
 
 FLOP_CONVENTION = (
     "model FLOPs = 6*(N - N_embedding) + 12*l*h*s per token (Megatron 72Bslh^2(1+s/6h+V/12lh) "
-    "for GPT; causal attention counted whole; recompute excluded); HFU adds recomputed "
+    "for GPT; N counts a mixture of experts' active parameters: routed experts top_k times; "
+    "causal attention counted whole; recompute excluded); HFU adds recomputed "
     "forward FLOPs; peak = the training dtype's dense peak (fp8 runs: the fp8 peak)"
 )
 

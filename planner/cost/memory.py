@@ -128,15 +128,34 @@ class MemoryModel:
     training: Training
     options: CostOptions
 
-    def states(self, strategy: Strategy, params: float) -> ModelStateBytes:
-        """Weights, gradients and optimizer bytes of ``params`` under the strategy's ZeRO
-        (under a pipeline, FSDP2's gathered weights and unsharded gradients included)."""
-        return self._states(strategy, ParallelDims.of(strategy), params)
+    def states(
+        self, strategy: Strategy, params: float, expert_params: float = 0.0
+    ) -> ModelStateBytes:
+        """Weights, gradients and optimizer bytes of ``params`` dense and ``expert_params``
+        EP-held parameters under the strategy's ZeRO (ZeRO shards experts over
+        :attr:`~planner.parallel_dims.ParallelDims.expert_shard_ranks`; under a pipeline,
+        FSDP2's gathered weights and unsharded gradients included)."""
+        return self._states(strategy, ParallelDims.of(strategy), params, expert_params)
 
-    def _states(self, strategy: Strategy, dims: ParallelDims, params: float) -> ModelStateBytes:
+    def _states(
+        self, strategy: Strategy, dims: ParallelDims, params: float, expert_params: float
+    ) -> ModelStateBytes:
+        dense = self._sharded_states(strategy, dims, params, dims.zero_shard_ranks)
+        if not expert_params:
+            return dense
+        experts = self._sharded_states(strategy, dims, expert_params, dims.expert_shard_ranks)
+        return ModelStateBytes(
+            dense.weights + experts.weights,
+            dense.gradients + experts.gradients,
+            dense.optimizer + experts.optimizer,
+        )
+
+    def _sharded_states(
+        self, strategy: Strategy, dims: ParallelDims, params: float, shard: int
+    ) -> ModelStateBytes:
         pipelined = dims.gathered_under_pipeline
         states = model_state_bytes(
-            params, zero=3 if pipelined else strategy.zero, shard=dims.zero_shard_ranks,
+            params, zero=3 if pipelined else strategy.zero, shard=shard,
             optimizer=self.training.optimizer, dtype=self.training.dtype,
         )  # fmt: skip
         if not pipelined:
@@ -169,7 +188,7 @@ class MemoryModel:
         self, strategy: Strategy, dims: ParallelDims, rank: RankSums, logits: float,
         compression: float | None,
     ) -> dict[str, float]:  # fmt: skip
-        states = self._states(strategy, dims, rank.params)
+        states = self._states(strategy, dims, rank.params, rank.expert_params)
         weights, grads = states.weights, states.gradients
         if not dims.gathered_under_pipeline:
             unsharded = sum(rank.largest_params)  # the modules being gathered and computed

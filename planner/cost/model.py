@@ -12,8 +12,10 @@ time in the breakdown is the *exposed* part on the critical path; the parts add 
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from planner.cost.communication import Collective, MeshLinks, collective_time
@@ -42,8 +44,9 @@ class SegmentCost:
     """One segment's cost on one GPU per micro-batch (times in s, sizes in bytes).
 
     ``forward_s``/``backward_s`` are compute; ``recompute_s`` is the forward re-run
-    before backward (with its communication); ``comm_tp_s``/``comm_cp_s`` are the
-    exposed tensor- and context-parallel communication of forward and backward.
+    before backward (with its communication); ``comm_tp_s``/``comm_cp_s``/``comm_ep_s``
+    are the exposed tensor-, context- and expert-parallel communication of forward and
+    backward. ``param_count`` counts the experts a rank holds too.
     Model states follow the strategy's ZeRO stage (before FSDP's unsharded copies).
     """
 
@@ -54,6 +57,7 @@ class SegmentCost:
     recompute_s: float
     comm_tp_s: float
     comm_cp_s: float
+    comm_ep_s: float
     param_count: float
     param_bytes: float
     grad_bytes: float
@@ -64,15 +68,19 @@ class SegmentCost:
     @property
     def time_s(self) -> float:
         """Everything this segment adds to one micro-batch's forward + backward."""
-        return self.forward_s + self.backward_s + self.recompute_s + self.comm_tp_s + self.comm_cp_s
+        return (
+            self.forward_s + self.backward_s + self.recompute_s
+            + self.comm_tp_s + self.comm_cp_s + self.comm_ep_s
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class WholeModelCost:
     """Sums over every segment for one micro-batch (s, parameters, bytes)."""
 
-    time_s: float  # forward, backward, recompute and TP/CP communication
-    param_count: float  # per tensor-parallel rank
+    time_s: float  # forward, backward, recompute and TP/CP/EP communication
+    param_count: float  # per tensor-parallel rank (its share of the experts under EP too)
+    expert_param_count: float  # of which routed experts held under EP
     least_block_activation_bytes: float  # the smallest block's kept activations
 
 
@@ -181,6 +189,8 @@ class CostModel:
         )
 
     def _type_cost(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
+        if key.ep > 1 and not seg_type.num_experts:
+            key = replace(key, ep=1)  # EP changes only the segments with experts
         cache_key = (
             seg_type.type_id,
             key,
@@ -188,7 +198,11 @@ class CostModel:
         )
         cached = self._type_costs.get(cache_key)
         if cached is None:
-            cached = self._pricer.price(seg_type, key, cache_key[2])
+            if key.ep > 2:  # every ep > 1 computes alike: reprice only what the degree moves
+                base = self._type_cost(seg_type, replace(key, ep=2), mode)
+                cached = self._pricer.with_ep(base, seg_type, key, cache_key[2])
+            else:
+                cached = self._pricer.price(seg_type, key, cache_key[2])
             self._type_costs[cache_key] = cached
         return cached
 
@@ -196,8 +210,9 @@ class CostModel:
 
     def _shard_key(self, strategy: Strategy) -> ShardKey:
         return ShardKey(
-            strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size
-        )
+            strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size,
+            strategy.ep,
+        )  # fmt: skip
 
     def segment_costs(
         self, strategy: Strategy, *, recompute: Sequence[RecomputeMode] | None = None
@@ -206,13 +221,12 @@ class CostModel:
         table = self._table(strategy, recompute)
         rows = zip(self.graph.segments, table.kinds, table.type_costs, strict=True)
         costs = []
-        states_of: dict[float, ModelStateBytes] = {}  # blocks share parameter counts
+        states_of: dict[tuple[float, float], ModelStateBytes] = {}  # blocks share counts
         for segment, kind, cost in rows:
-            states = states_of.get(cost.param_count)
+            counts = (cost.param_count, cost.expert_param_count)
+            states = states_of.get(counts)
             if states is None:
-                states = states_of.setdefault(
-                    cost.param_count, self._memory.states(strategy, cost.param_count)
-                )
+                states = states_of.setdefault(counts, self._memory.states(strategy, *counts))
             costs.append(
                 SegmentCost(
                     fqn=segment.fqn,
@@ -222,7 +236,8 @@ class CostModel:
                     recompute_s=cost.recompute_s,
                     comm_tp_s=cost.comm_tp_s,
                     comm_cp_s=cost.comm_cp_s,
-                    param_count=cost.param_count,
+                    comm_ep_s=cost.comm_ep_s,
+                    param_count=cost.param_count + cost.expert_param_count,
                     param_bytes=states.weights,
                     grad_bytes=states.gradients,
                     optimizer_bytes=states.optimizer,
@@ -248,16 +263,28 @@ class CostModel:
         return table
 
     def whole_model(self, strategy: Strategy) -> WholeModelCost:
-        """The model's summed per-micro-batch costs on one tensor x context-parallel group."""
-        table = self._table(strategy, None)
-        blocks = [
-            c for kind, c in zip(table.kinds, table.type_costs, strict=True) if kind == "block"
-        ]
+        """The model's summed per-micro-batch costs on one tensor x context-parallel group
+        (each segment type priced once, times its occurrences)."""
+        key = self._shard_key(strategy)
+        time = params = experts = 0.0
+        least = math.inf
+        for type_id, count in self._type_counts.items():
+            seg_type = self.graph.types[type_id]
+            cost = self._type_cost(seg_type, key, strategy.recompute)
+            time += count * sum(getattr(cost, field) for field in TIMES)
+            params += count * (cost.param_count + cost.expert_param_count)
+            experts += count * cost.expert_param_count
+            if seg_type.kind == "block":
+                least = min(least, cost.activation_bytes)
         return WholeModelCost(
-            time_s=sum(table.span(field, 0, len(table.kinds)) for field in TIMES),
-            param_count=table.span("param_count", 0, len(table.kinds)),
-            least_block_activation_bytes=min((c.activation_bytes for c in blocks), default=0.0),
-        )
+            time_s=time, param_count=params, expert_param_count=experts,
+            least_block_activation_bytes=least if least < math.inf else 0.0,
+        )  # fmt: skip
+
+    @cached_property
+    def _type_counts(self) -> Counter[str]:
+        """How many segments each segment type has."""
+        return Counter(segment.type_id for segment in self.graph.segments)
 
     def default_stages(self, strategy: Strategy) -> list[list[int]]:
         """Segment indices per model chunk: blocks split evenly, embedding first, head last."""
@@ -367,12 +394,14 @@ class CostModel:
             "recompute": m * slowest.total("recompute_s"),
             "comm_tp": m * slowest.total("comm_tp_s"),
             "comm_cp": m * slowest.total("comm_cp_s"),
+            "comm_ep": m * slowest.total("comm_ep_s"),
             "bubble": pipe - m * slowest.time_s,
             "comm_pp": self._pp_time(strategy),
         }
         breakdown.update(self._data_parallel.times(strategy, slowest))
+        heaviest = max(ranks, key=lambda r: r.params + r.expert_params)
         breakdown["optimizer"] = self._data_parallel.optimizer_time(
-            strategy, max(r.params for r in ranks)
+            strategy, heaviest.params, heaviest.expert_params
         )
         step = sum(breakdown.values())
         memory = self._memory.peak(

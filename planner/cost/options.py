@@ -53,6 +53,13 @@ class CostOptions(BaseModel):
     # PyTorch caching allocator: reserved exceeds allocated by ~5-15% in LLM training
     allocator_margin: float = Field(default=0.10, ge=0, lt=1)
     workspace_gib: float = Field(default=0.5, ge=0)  # cuBLAS/NCCL workspaces, CUDA graphs
+    # Mixture of experts: tokens the busiest EP rank receives over the mean (1: balanced,
+    # as a dropless router with a load-balancing loss approaches); scales its expert
+    # GEMMs and all-to-alls. ep_overlap: the dispatch/combine all-to-alls hide under the
+    # shared experts' and attention's compute of another micro-batch (DeepSeek's
+    # DualPipe, Megatron-Core's EP overlap); off in torch's eager runtime.
+    expert_imbalance: float = Field(default=1.0, ge=1)
+    ep_overlap: bool = False
 
     @property
     def dp_bucket_bytes(self) -> float:

@@ -19,8 +19,9 @@ from planner.spec import Strategy
 
 __all__ = ["TIMES", "RankSums", "SegmentTable", "sum_ranks"]
 
-TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s")
-_SUMMED = (*TIMES, "param_count", "body_activation_bytes", "head_activation_bytes")
+TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s", "comm_ep_s")
+_PARAMS = ("param_count", "expert_param_count")
+_SUMMED = (*TIMES, *_PARAMS, "body_activation_bytes", "head_activation_bytes")
 
 
 class SegmentTable:
@@ -34,7 +35,7 @@ class SegmentTable:
         self.kinds = kinds
         self.type_costs = costs
         pairs = list(zip(kinds, costs, strict=True))
-        columns = {field: [getattr(c, field) for c in costs] for field in (*TIMES, "param_count")}
+        columns = {field: [getattr(c, field) for c in costs] for field in (*TIMES, *_PARAMS)}
         columns["body_activation_bytes"] = [
             0.0 if k == "head" else c.activation_bytes for k, c in pairs
         ]
@@ -43,7 +44,7 @@ class SegmentTable:
         ]
         self.prefix = {field: [0.0, *accumulate(values)] for field, values in columns.items()}
         self.recompute_peak = [c.recompute_peak_bytes for c in costs]
-        self.params = columns["param_count"]
+        self.params = [c.param_count + c.expert_param_count for c in costs]
 
     def span(self, field: str, start: int, stop: int) -> float:
         """The sum of ``field`` over segments ``start`` to ``stop - 1``."""
@@ -58,7 +59,7 @@ class RankSums:
     totals: dict[str, float]  # per micro-batch: times (s), parameters, kept bytes
     activation_bytes: float  # at its peak, all in-flight micro-batches
     recompute_peak_bytes: float  # the largest transient of one recomputed segment
-    largest_params: tuple[float, ...]  # parameter counts of its two largest segments
+    largest_params: tuple[float, ...]  # parameter counts (experts too) of its two largest segments
 
     @property
     def time_s(self) -> float:
@@ -73,7 +74,13 @@ class RankSums:
 
     @property
     def params(self) -> float:
+        """Dense parameters on this rank (every parameter without EP)."""
         return self.totals["param_count"]
+
+    @property
+    def expert_params(self) -> float:
+        """Routed-expert parameters on this rank under EP (its 1 / ep of them)."""
+        return self.totals["expert_param_count"]
 
     def total(self, field: str) -> float:
         return self.totals[field]

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cost.communication import Collective, MeshLinks, collective_time
 from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
+from planner.cost.experts import ep_comm, expert_layout
 from planner.cost.options import AttentionKernel, CostOptions, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
 from planner.dtypes import FP32_BYTES
-from planner.graph import OpKind, OpNode, SegmentType
+from planner.graph import OpKind, OpNode, OpRole, SegmentType
 from planner.spec import Axis, RecomputeMode
 
 __all__ = ["TypeCost", "SegmentPricer"]
@@ -36,10 +37,19 @@ class TypeCost:
     recompute_s: float
     comm_tp_s: float
     comm_cp_s: float
-    param_count: float
+    comm_ep_forward_s: float
+    comm_ep_backward_s: float
+    param_count: float  # dense parameters per rank (experts under EP apart)
+    expert_param_count: float  # routed-expert parameters per rank under EP (else 0)
     activation_bytes: float
     recompute_peak_bytes: float
     logits_bytes: float
+    ep_cover_s: tuple[float, float] = (0.0, 0.0)  # compute EP overlap hides under (fwd, bwd)
+
+    @property
+    def comm_ep_s(self) -> float:
+        """Exposed expert-parallel communication of forward and backward."""
+        return self.comm_ep_forward_s + self.comm_ep_backward_s
 
 
 class SegmentPricer:
@@ -63,12 +73,14 @@ class SegmentPricer:
     def price(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
         """Per-micro-batch cost of ``seg_type`` under ``key`` and recompute ``mode``."""
         nodes = seg_type.nodes
-        split = self.layout(seg_type, key)
+        split, expert_params = expert_layout(seg_type, self.layout(seg_type, key), key)
         work = [key.token_scale / d for d in split.work_divisor]
         saved = [key.token_scale / d for d in split.saved_divisor]
-        times = self.compute.segment_times(nodes, work)
+        times = self._imbalanced(nodes, self.compute.segment_times(nodes, work), key)
         tp_fwd, tp_bwd = self._tp_comm(split, times, key)
         cp_fwd, cp_bwd = self._cp_comm(nodes, times, key)
+        cover = self._ep_cover(nodes, times)
+        ep_fwd, ep_bwd = self._ep_comm(seg_type, key, cover)
         forward = sum(t.forward_s for t in times)
         backward = sum(t.backward_s for t in times)
         kept_all, logits = self._kept_bytes(nodes, saved, with_scores=True)
@@ -76,7 +88,7 @@ class SegmentPricer:
         recomputed = self.recomputed_nodes(nodes, mode)
         recompute = sum(times[i].forward_s for i in recomputed)
         if mode is RecomputeMode.FULL:
-            recompute += tp_fwd + cp_fwd
+            recompute += tp_fwd + cp_fwd + ep_fwd
             kept = self._input_bytes(nodes, saved)
         elif mode is RecomputeMode.SELECTIVE and self.options.selective is SelectivePolicy.OP:
             kept = self._input_bytes(nodes, saved) + sum(
@@ -88,10 +100,26 @@ class SegmentPricer:
             kept = kept_all
         return TypeCost(
             forward_s=forward, backward_s=backward, recompute_s=recompute,
-            comm_tp_s=tp_fwd + tp_bwd, comm_cp_s=cp_fwd + cp_bwd,
-            param_count=sum(split.param_elements), activation_bytes=kept,
+            comm_tp_s=tp_fwd + tp_bwd, comm_cp_s=cp_fwd + cp_bwd, comm_ep_forward_s=ep_fwd, comm_ep_backward_s=ep_bwd,
+            param_count=sum(split.param_elements), expert_param_count=expert_params,
+            activation_bytes=kept,
             recompute_peak_bytes=max(kept_all - kept, 0.0) if recomputed else 0.0,
-            logits_bytes=logits,
+            logits_bytes=logits, ep_cover_s=cover,
+        )  # fmt: skip
+
+    def with_ep(
+        self, base: TypeCost, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode
+    ) -> TypeCost:
+        """``base`` (priced at another ``ep > 1``: EP's compute does not depend on the
+        degree) at ``key``'s ``ep``: its all-to-alls and the experts a rank holds."""
+        ep_fwd, ep_bwd = self._ep_comm(seg_type, key, base.ep_cover_s)
+        recompute = base.recompute_s
+        if mode is RecomputeMode.FULL:
+            recompute += ep_fwd - base.comm_ep_forward_s
+        held = sum(n.param_count for n in seg_type.nodes if n.role is OpRole.EXPERTS) / key.ep
+        return replace(
+            base, comm_ep_forward_s=ep_fwd, comm_ep_backward_s=ep_bwd, recompute_s=recompute,
+            expert_param_count=held,
         )  # fmt: skip
 
     def recomputed_nodes(self, nodes: Sequence[OpNode], mode: RecomputeMode) -> set[int]:
@@ -154,6 +182,36 @@ class SegmentPricer:
             fwd = max(fwd - sum(t.forward_s for t in sharded), 0.0)
             bwd = max(bwd - sum(t.backward_s for t in sharded), 0.0)
         return fwd, bwd
+
+    def _imbalanced(
+        self, nodes: Sequence[OpNode], times: list[OpTime], key: ShardKey
+    ) -> list[OpTime]:
+        """``times`` with the routed experts' scaled by the busiest EP rank's excess load."""
+        factor = self.options.expert_imbalance
+        if key.ep == 1 or factor == 1.0:
+            return times
+        return [
+            OpTime(t.forward_s * factor, t.backward_s * factor) if n.role is OpRole.EXPERTS else t
+            for n, t in zip(nodes, times, strict=True)
+        ]
+
+    def _ep_cover(self, nodes: Sequence[OpNode], times: Sequence[OpTime]) -> tuple[float, float]:
+        """(forward, backward) seconds the all-to-alls hide under with ``ep_overlap``: the
+        shared experts' and attention's compute (0 without the option)."""
+        if not self.options.ep_overlap:
+            return 0.0, 0.0
+        cover = [
+            t for n, t in zip(nodes, times, strict=True)
+            if n.role is OpRole.SHARED_EXPERTS or n.kind is OpKind.ATTENTION
+        ]  # fmt: skip
+        return sum(t.forward_s for t in cover), sum(t.backward_s for t in cover)
+
+    def _ep_comm(
+        self, seg_type: SegmentType, key: ShardKey, cover: tuple[float, float]
+    ) -> tuple[float, float]:
+        """Exposed expert-parallel (forward, backward) seconds beyond ``cover``."""
+        comm = ep_comm(seg_type, key, self.element_bytes, self.links, self.options.expert_imbalance)
+        return max(comm.forward_s - cover[0], 0.0), max(comm.backward_s - cover[1], 0.0)
 
     def _cp_comm(
         self, nodes: Sequence[OpNode], times: Sequence[OpTime], key: ShardKey

@@ -7,6 +7,16 @@ head_dim)``, matmul backward = 2x forward, causal attention counted whole, segme
 prices it exactly as a traced graph. It needs no torch and takes microseconds, which
 is why :func:`planner.cost.estimate_run` uses it for zoo-style specs.
 
+Mixture-of-experts blocks (segment type ``moe_block``; the first ``dense_layers`` keep
+type ``block``) follow :mod:`planner.models.moe` as the tracer sees it at the expected
+load: the router linear (role ``router``), the routed experts as two grouped GEMMs of
+``ceil(tokens * top_k / num_experts)`` rows per expert with their dispatch and weighted
+combine (role ``experts``), the shared experts (role ``shared_experts``); the segment
+type carries ``num_experts``, ``top_k`` and ``hidden_size``. Multi-head latent attention
+follows :class:`planner.models.transformer.LatentAttention`. Tensor-core FLOPs and
+parameters equal the trace's, overall and per role, and so do the experts' and shared
+experts' saved bytes (tests/test_moe_models.py).
+
 Memory-bound operators are the eager ones (RMSNorm's fp32 upcast steps, rotary as an
 fp32 complex multiply, SwiGLU's silu and product); ``fused_pointwise`` in the cost
 options models their fusion. Saved-for-backward bytes follow Korthikanti et al.
@@ -18,11 +28,15 @@ it keeps follows the norm's rule.
 
 from __future__ import annotations
 
+import math
+
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
-from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.spec import Activation, DType, Family, ModelSpec
 
 __all__ = ["graph_from_spec"]
+
+_MOE_BLOCK = "moe_block"  # the segment type of blocks with experts ("block": dense ones)
 
 
 class _Builder:
@@ -32,12 +46,14 @@ class _Builder:
         self.e = element_bytes
         self.t = tokens
         self.nodes: list[OpNode] = []
+        self.role = OpRole.NONE  # the role of the nodes added next
 
     def _add(self, name: str, kind: OpKind, target: str, module: str, **fields: object) -> None:
         inputs = (self.nodes[-1].name,) if self.nodes else ()
         self.nodes.append(
             OpNode(name=name, kind=kind, target=target, module=module, inputs=inputs,
-                   dtype="bf16" if self.e == HALF_BYTES else "fp32", **fields)  # type: ignore[arg-type]
+                   dtype="bf16" if self.e == HALF_BYTES else "fp32", role=self.role,
+                   **fields)  # type: ignore[arg-type]
         )  # fmt: skip
 
     def linear(self, module: str, out_f: int, in_f: int, bias: bool, saved_input: bool) -> None:
@@ -88,17 +104,49 @@ class _Builder:
                 saved_bytes=saved_per_element * t * width if last else 0.0,
             )  # fmt: skip
 
-    def attention(self, heads: int, seq: int, head_dim: int) -> None:
-        e = self.e
-        qkv = 3 * seq * heads * head_dim * e
-        flops = 4.0 * heads * seq * seq * head_dim
-        shape = (1, heads, seq, head_dim)
+    def attention(self, heads: int, seq: int, head_dim: int, v_dim: int | None = None) -> None:
+        """Scaled dot-product attention: queries and keys ``head_dim`` wide, values
+        ``v_dim`` (default ``head_dim``)."""
+        e, v_dim = self.e, v_dim or head_dim
+        qkv = seq * heads * (2 * head_dim + v_dim) * e
+        flops = 2.0 * heads * seq * seq * (head_dim + v_dim)
+        shape, v_shape = (1, heads, seq, head_dim), (1, heads, seq, v_dim)
         self._add(
             "attention", OpKind.ATTENTION, "aten.scaled_dot_product_attention", "attention",
-            input_shapes=(shape, shape, shape), output_shape=shape,
+            input_shapes=(shape, shape, v_shape), output_shape=v_shape,
             flops_fwd=flops, flops_bwd=2 * flops,
-            bytes_read=float(qkv), bytes_written=float(seq * heads * head_dim * e),
+            bytes_read=float(qkv), bytes_written=float(seq * heads * v_dim * e),
             saved_bytes=float(qkv), gemm=(heads, seq, seq, head_dim),
+        )  # fmt: skip
+
+    def grouped(
+        self, name: str, module: str, experts: int, m: int, n: int, k: int
+    ) -> None:  # fmt: skip
+        """One grouped GEMM as the tracer sees the expected-load dispatch: ``bmm`` of the
+        ``[experts, m, k]`` weights by ``[experts, k, n]`` rows (``n`` rows per expert),
+        keeping its rows for the weights' gradient."""
+        e, params = self.e, experts * m * k
+        flops = 2.0 * experts * m * n * k
+        self._add(
+            name, OpKind.MATMUL, "aten.bmm", module,
+            input_shapes=((experts, m, k), (experts, k, n)), output_shape=(experts, m, n),
+            flops_fwd=flops, flops_bwd=2 * flops,
+            bytes_read=float((params + experts * k * n) * e),
+            bytes_written=float(experts * m * n * e), param_count=params,
+            param_bytes=float(params * e), saved_bytes=float(experts * k * n * e),
+            gemm=(experts, m, n, k),
+        )  # fmt: skip
+
+    def rows(
+        self, name: str, module: str, kind: OpKind, shape: tuple[int, ...], read: float,
+        saved: float = 0.0,
+    ) -> None:  # fmt: skip
+        """A memory-bound operator writing ``shape`` (bytes ``read``, ``saved`` kept)."""
+        elements = math.prod(shape)
+        self._add(
+            name, kind, f"aten.{name}", module, input_shapes=(shape,), output_shape=shape,
+            flops_fwd=float(elements), flops_bwd=2.0 * elements, bytes_read=read,
+            bytes_written=float(elements * self.e), saved_bytes=saved,
         )  # fmt: skip
 
 
@@ -132,36 +180,114 @@ def _residual(b: _Builder, name: str, h: int, dropout: bool) -> None:
     b.pointwise(name, "", OpKind.ELEMENTWISE, h, 2, saved=float(b.t * h) if dropout else 0.0)
 
 
-def _block(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
-    b = _Builder(e, seq)
-    h, f, bias = spec.hidden_size, spec.ffn_size, spec.family is not Family.LLAMA
+def _attention(b: _Builder, spec: ModelSpec, seq: int) -> None:
+    """Multi-head attention with grouped queries (Megatron-LM's layout)."""
+    e, h, bias = b.e, spec.hidden_size, spec.family is not Family.LLAMA
     kv = spec.kv_heads * spec.head_dim
-    _norm(b, "attention_norm", spec, h)
     b.linear("attention.wq", h, h, bias, saved_input=False)
     b.linear("attention.wk", kv, h, bias, saved_input=False)
     b.linear("attention.wv", kv, h, bias, saved_input=False)
     if spec.family is Family.LLAMA:
-        steps = tuple((n, r * e / HALF_BYTES, w * e / HALF_BYTES) for n, r, w in _ROTARY)
-        b.chain("attention", OpKind.ELEMENTWISE, h + kv, steps, saved_per_element=0.0)
+        _rotary(b, h + kv)
     if kv < h:  # grouped-query attention: K and V repeated to every query head
         b.chain("attention", OpKind.ELEMENTWISE, 2 * h, (("repeat_kv", e * kv / h, e),), 0.0)
     b.attention(spec.num_heads, seq, spec.head_dim)
     b.chain("attention", OpKind.ELEMENTWISE, h, (("merge_heads", e, e),), 0.0)
     b.linear("attention.wo", h, h, bias, saved_input=True)
+
+
+def _rotary(b: _Builder, width: int) -> None:
+    steps = tuple((n, r * b.e / HALF_BYTES, w * b.e / HALF_BYTES) for n, r, w in _ROTARY)
+    b.chain("attention", OpKind.ELEMENTWISE, width, steps, saved_per_element=0.0)
+
+
+def _latent_attention(b: _Builder, spec: ModelSpec, seq: int) -> None:
+    """DeepSeek-V3's multi-head latent attention (planner.models.transformer.LatentAttention)."""
+    e, h, heads = b.e, spec.hidden_size, spec.num_heads
+    nope, rope = spec.qk_nope_head_dim or 0, spec.qk_rope_head_dim or 0
+    v_dim, kv_rank, qk = spec.v_head_dim or 0, spec.kv_lora_rank or 0, nope + rope
+    if spec.q_lora_rank is None:
+        b.linear("attention.wq", heads * qk, h, False, saved_input=False)
+    else:
+        b.linear("attention.wq_a", spec.q_lora_rank, h, False, saved_input=False)
+        _norm(b, "attention.q_norm", spec, spec.q_lora_rank)
+        b.linear("attention.wq_b", heads * qk, spec.q_lora_rank, False, saved_input=False)
+    b.linear("attention.wkv_a", kv_rank + rope, h, False, saved_input=False)
+    _rotary(b, (heads + 1) * rope)  # every query head's rotary part and the shared key's
+    _norm(b, "attention.kv_norm", spec, kv_rank)
+    b.linear("attention.wkv_b", heads * (nope + v_dim), kv_rank, False, saved_input=False)
+    # queries and keys: no-position and rotary parts joined (the shared key to every head)
+    b.chain("attention", OpKind.ELEMENTWISE, 2 * heads * qk, (("cat_qk", e, e),), 0.0)
+    b.attention(heads, seq, qk, v_dim)
+    b.chain("attention", OpKind.ELEMENTWISE, heads * v_dim, (("merge_heads", e, e),), 0.0)
+    b.linear("attention.wo", h, heads * v_dim, False, saved_input=True)
+
+
+def _feed_forward(b: _Builder, spec: ModelSpec, module: str, f: int, bias: bool) -> None:
+    """A dense feed-forward of width ``f`` at ``module`` (SwiGLU or GELU)."""
+    e, h = b.e, spec.hidden_size
+    b.linear(f"{module}.w1", f, h, bias, saved_input=False)
+    if spec.act is Activation.SWIGLU:
+        b.linear(f"{module}.w3", f, h, bias, saved_input=False)
+        b.chain(module, OpKind.ELEMENTWISE, f, (("silu", e, e),), saved_per_element=e)
+        b.chain(module, OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=2 * e)
+    else:
+        b.pointwise("gelu", module, OpKind.ELEMENTWISE, f, 1, saved=float(b.t * f * e))
+    b.linear(f"{module}.w2", h, f, bias, saved_input=True)
+
+
+def _moe(b: _Builder, spec: ModelSpec) -> None:
+    """The zoo's MoE (planner.models.moe) as traced at the expected load: router, softmax
+    and top-k, the routed pairs sorted into ``num_experts`` slots of
+    ``ceil(tokens * top_k / num_experts)`` rows, two grouped GEMMs, the weighted combine,
+    then the shared experts."""
+    e, t, h, f = b.e, b.t, spec.hidden_size, spec.expert_ffn_size
+    experts, pairs = spec.num_experts, b.t * spec.top_k
+    slots = -(-pairs // experts)
+    b.role = OpRole.ROUTER
+    b.linear("feed_forward.router", experts, h, False, saved_input=False)
+    b.role = OpRole.NONE
+    steps = (("softmax", e + 2 * FP32_BYTES, 2 * FP32_BYTES),)  # fp32 probabilities, kept
+    b.chain("feed_forward", OpKind.SOFTMAX, experts, steps, saved_per_element=float(FP32_BYTES))
+    b.role = OpRole.EXPERTS
+    module, rows = "feed_forward.experts", experts * slots
+    b.rows("dispatch", module, OpKind.ELEMENTWISE, (rows, h), read=float(pairs * h * e))
+    b.grouped("experts_gate_up", module, experts, 2 * f, slots, h)
+    gate = float(rows * f * e)
+    b.rows("silu", module, OpKind.ELEMENTWISE, (experts, slots, f), read=gate, saved=gate)
+    b.rows("mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate, saved=gate)
+    b.grouped("experts_down", module, experts, h, slots, f)
+    weighted = float(pairs * h * e + pairs * e)  # expert outputs and routing weights, kept
+    b.rows("combine_mul", module, OpKind.ELEMENTWISE, (pairs, h), weighted, saved=weighted)
+    b.rows("combine_sum", module, OpKind.REDUCTION, (t, h), read=float(pairs * h * e))
+    if spec.num_shared_experts:
+        b.role = OpRole.SHARED_EXPERTS
+        _feed_forward(b, spec, "feed_forward.shared_experts", spec.num_shared_experts * f, False)
+        b.role = OpRole.NONE
+        b.pointwise("shared_add", "feed_forward", OpKind.ELEMENTWISE, h, 2, saved=0.0)
+    b.role = OpRole.NONE
+
+
+def _block(spec: ModelSpec, seq: int, e: int, dropout: bool, *, moe: bool) -> SegmentType:
+    b = _Builder(e, seq)
+    h, bias = spec.hidden_size, spec.family is not Family.LLAMA
+    _norm(b, "attention_norm", spec, h)
+    if spec.latent_attention:
+        _latent_attention(b, spec, seq)
+    else:
+        _attention(b, spec, seq)
     _residual(b, "attention_residual", h, dropout)
     _norm(b, "ffn_norm", spec, h)
-    b.linear("feed_forward.w1", f, h, bias, saved_input=False)
-    if spec.act is Activation.SWIGLU:
-        b.linear("feed_forward.w3", f, h, bias, saved_input=False)
-        b.chain("feed_forward", OpKind.ELEMENTWISE, f, (("silu", e, e),), saved_per_element=e)
-        b.chain(
-            "feed_forward", OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=2 * e
-        )
-    else:
-        b.pointwise("gelu", "feed_forward", OpKind.ELEMENTWISE, f, 1, saved=float(seq * f * e))
-    b.linear("feed_forward.w2", h, f, bias, saved_input=True)
+    if not moe:
+        _feed_forward(b, spec, "feed_forward", spec.ffn_size, bias)
+        _residual(b, "ffn_residual", h, dropout)
+        return SegmentType(type_id="block", kind="block", nodes=tuple(b.nodes))
+    _moe(b, spec)
     _residual(b, "ffn_residual", h, dropout)
-    return SegmentType(type_id="block", kind="block", nodes=tuple(b.nodes))
+    return SegmentType(
+        type_id=_MOE_BLOCK, kind="block", nodes=tuple(b.nodes), num_experts=spec.num_experts,
+        top_k=spec.top_k, hidden_size=h,
+    )  # fmt: skip
 
 
 def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
@@ -197,15 +323,15 @@ def graph_from_spec(
     """The operator graph of ``spec`` for one sequence of ``seq_len`` tokens (batch 1)."""
     seq = seq_len or spec.seq_len
     e = dtype.activation_bytes
-    types = {
-        "embedding": _embedding(spec, seq, e, dropout),
-        "block": _block(spec, seq, e, dropout),
-        "head": _head(spec, seq, e),
-    }
+    layer_types = [_MOE_BLOCK if spec.is_moe_layer(i) else "block" for i in range(spec.num_layers)]
+    types = {"embedding": _embedding(spec, seq, e, dropout)}
+    for type_id in dict.fromkeys(layer_types):
+        types[type_id] = _block(spec, seq, e, dropout, moe=type_id == _MOE_BLOCK)
+    types["head"] = _head(spec, seq, e)
     modules_in = ("tok_embeddings",) + (() if spec.family is Family.LLAMA else ("pos_embeddings",))
     segments = (
         Segment("embedding", "embedding", modules_in),
-        *(Segment(f"layers.{i}", "block", (f"layers.{i}",)) for i in range(spec.num_layers)),
+        *(Segment(f"layers.{i}", t, (f"layers.{i}",)) for i, t in enumerate(layer_types)),
         Segment("head", "head", ("norm", "output")),
     )
     return OpGraph(model_name=spec.name, batch_size=1, seq_len=seq, dtype=dtype.value,

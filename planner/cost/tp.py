@@ -80,6 +80,7 @@ class ShardKey:
     cp: int
     sequence_parallel: bool
     micro_batch_size: int
+    ep: int = 1
 
     @property
     def token_scale(self) -> float:
@@ -89,7 +90,7 @@ class ShardKey:
     @property
     def dims(self) -> ParallelDims:
         """The tensor- and context-parallel part of the mesh."""
-        return ParallelDims(tp=self.tp, cp=self.cp, sp=self.sequence_parallel)
+        return ParallelDims(tp=self.tp, cp=self.cp, sp=self.sequence_parallel, ep=self.ep)
 
 
 Scaling = Literal["tokens", "sequence", "fixed"]

@@ -64,6 +64,15 @@ def check_hf_layout(spec: ModelSpec) -> None:
             "its Hugging Face counterpart; only zoo llama models load from or export to Hugging "
             "Face safetensors (use parallel.save/load checkpoints for the others)"
         )
+    for field, value, what in (
+        ("num_experts", spec.num_experts, "experts"),
+        ("kv_lora_rank", spec.kv_lora_rank, "multi-head latent attention"),
+    ):
+        if value:
+            raise SpecError(
+                f"model {spec.name!r} has {what} ({field}={value}), which LlamaForCausalLM "
+                "has not; save it with parallel.save/load checkpoints instead"
+            )
 
 
 def hf_name(fqn: str) -> str:

@@ -7,6 +7,9 @@ row-sharding ``wo`` needs no change to the code. Blocks live in an ``nn.ModuleDi
 keyed ``"0".."L-1"`` so pipeline stages can delete blocks and keep FQNs, as torchtitan
 does. The model returns logits; the loss is computed outside.
 
+Multi-head latent attention (DeepSeek-V2/V3) is :class:`LatentAttention`, mixture-of-experts
+feed-forwards :class:`~planner.models.moe.MoE`.
+
 ``forward(tokens, position_ids=None)`` takes the tokens' positions (RoPE, position
 embeddings) as Hugging Face models do, so context parallel can hand a sequence shard its
 global positions (:mod:`strategies.context_parallel`); attention is plain
@@ -15,6 +18,8 @@ global positions (:mod:`strategies.context_parallel`); attention is plain
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +27,7 @@ from torch import nn
 from planner.models.moe import MoE
 from planner.spec import Activation, Family, ModelSpec
 
-__all__ = ["Transformer", "Block"]
+__all__ = ["Transformer", "Block", "LatentAttention"]
 
 
 def _positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +96,60 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention in DeepSeek-V3's layout (:meth:`ModelSpec.num_params`
+    counts it): queries through a ``q_lora_rank`` latent (``wq_a``, ``q_norm``, ``wq_b``)
+    or directly (``wq``); keys and values from one ``kv_lora_rank`` latent (``wkv_a`` also
+    yields a rotary key of ``qk_rope_head_dim`` shared by every head; ``kv_norm``,
+    ``wkv_b``); ``wo`` back to the hidden size. Heads come from local shapes, so
+    column-sharding ``wq_b``/``wq``/``wkv_b`` and row-sharding ``wo`` is tensor parallel."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, heads = spec.hidden_size, spec.num_heads
+        self.nope = spec.qk_nope_head_dim or 0
+        self.rope = spec.qk_rope_head_dim or 0
+        self.v_dim = spec.v_head_dim or 0
+        self.kv_rank = spec.kv_lora_rank or 0
+        self.causal = spec.causal
+        self.rope_theta = spec.rope_theta
+        q_dim = heads * (self.nope + self.rope)
+        if spec.q_lora_rank is None:
+            self.wq: nn.Linear | None = nn.Linear(h, q_dim, bias=False)
+        else:
+            self.wq = None
+            self.wq_a = nn.Linear(h, spec.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(spec.q_lora_rank, spec.norm_eps)
+            self.wq_b = nn.Linear(spec.q_lora_rank, q_dim, bias=False)
+        self.wkv_a = nn.Linear(h, self.kv_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_rank, spec.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(heads * self.v_dim, h, bias=False)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wq is not None:
+            return self.wq(x)
+        return self.wq_b(self.q_norm(self.wq_a(x)))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        positions = _positions(position_ids, x)
+        q = self._queries(x).view(bsz, seq, -1, self.nope + self.rope)
+        q_nope, q_rope = torch.split(q, [self.nope, self.rope], dim=-1)
+        q_rope = rotary(q_rope, self.rope_theta, positions)
+        latent, k_rope = torch.split(self.wkv_a(x), [self.kv_rank, self.rope], dim=-1)
+        k_rope = rotary(k_rope.unsqueeze(2), self.rope_theta, positions)  # one head, shared
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, self.nope + self.v_dim)
+        k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)
+        k = torch.cat((k_nope, k_rope.expand_as(q_rope)), dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), is_causal=self.causal,
+            scale=1.0 / math.sqrt(self.nope + self.rope),
+        )  # fmt: skip
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
 class FeedForward(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -129,7 +188,7 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = _norm(spec)
-        self.attention = Attention(spec)
+        self.attention = LatentAttention(spec) if spec.latent_attention else Attention(spec)
         self.ffn_norm = _norm(spec)
         self.feed_forward = _feed_forward(spec, index)
 

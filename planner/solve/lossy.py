@@ -149,13 +149,14 @@ class LossyCompression:
         zero: int,
         dp_shard: int | None = None,
         ddp_over_tp: bool = True,
+        ep: int = 1,
     ) -> Iterator[CompressionKey]:
         """The options (``none`` first) the runtime can run on this mesh and ZeRO stage
         (:meth:`ParallelDims.compression_blocker`); ``dp_shard`` defaults to dp under
         ZeRO; ``ddp_over_tp`` is false for models whose tied weights keep DDP off TP shards."""
         yield _NONE
         shard = dp_shard if dp_shard is not None else (dp if zero else 1)
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep)
 
         def runs(kind: CompressionKind) -> bool:
             return dims.compression_blocker(kind, tied=not ddp_over_tp) is None

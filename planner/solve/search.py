@@ -3,6 +3,7 @@
 Every candidate is a point of the space
 
     dp x tp x pp x cp = num_gpus   (every factorisation; tp and cp may cross nodes)
+    ep dividing the experts and the ranks EP is carved from (MoE models only)
     zero in 0..3, dp_shard in {dp, ranks per node} (hybrid sharding), sequence parallel,
     recompute in {none, selective, full}, micro-batch size, pipeline schedule and
     virtual stages, and the lossy gradient compression the user allows
@@ -10,7 +11,8 @@ Every candidate is a point of the space
 
 restricted by the model (heads divisible by tp, blocks for every pipeline chunk) and
 by the mesh rules of :class:`~planner.parallel_dims.ParallelDims`, which validation
-asks too: the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
+asks too: experts split over the EP group (:meth:`~ParallelDims.expert_blocker`),
+the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
 ``2 cp`` equal chunks, and ``seq / cp`` divisible by tp under sequence parallelism),
 plain data parallelism only where DDP runs (:meth:`~ParallelDims.ddp_blocker`), and
 compression, pinned or allowed, only where it runs
@@ -93,6 +95,7 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero: int | None = None
     dp_shard: int | None = None
     sequence_parallel: bool | None = None
@@ -110,8 +113,8 @@ class Pins:
     def of(cls, strategy: Strategy) -> Pins:
         """Pins that fix every searched field to ``strategy``'s value."""
         return cls(
-            dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, zero=strategy.zero,
-            dp_shard=strategy.shard_degree if strategy.zero else None,
+            dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
+            zero=strategy.zero, dp_shard=strategy.shard_degree if strategy.zero else None,
             sequence_parallel=strategy.sequence_parallel, recompute=strategy.recompute,
             micro_batch_size=strategy.micro_batch_size, schedule=strategy.schedule,
             virtual_stages=strategy.virtual_stages, compression=strategy.compression,
@@ -179,6 +182,7 @@ class ModelLimits:
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
     max_tp: int | None = None
     layout_problem: Callable[[int, bool], str | None] | None = None
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     def allows_tp(self, tp: int) -> bool:
         return self.tp_blocker(tp) is None
@@ -247,6 +251,7 @@ class _Sharding:
     zero: int
     shard: int  # dp_shard: 1 under ZeRO-0
     state_bytes_per_param: float
+    expert_state_bytes_per_param: float  # the experts' under EP (sharded apart)
     compression: CompressionKey
 
 
@@ -261,6 +266,7 @@ class _Group:
     tp: int
     pp: int
     cp: int
+    ep: int
     sp: bool
     mbs: int
     recompute_rank: int
@@ -276,7 +282,7 @@ class _Group:
 
     def point(self, sharding: _Sharding) -> _Point:
         return _Point(
-            bound_s=self.bound_s, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp,
+            bound_s=self.bound_s, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
             zero=sharding.zero, shard=sharding.shard, sp=self.sp, mbs=self.mbs,
             recompute_rank=self.recompute_rank, schedule=self.schedule, virtual=self.virtual,
             compression=sharding.compression,
@@ -295,6 +301,7 @@ class _Point:
     tp: int
     pp: int
     cp: int
+    ep: int
     zero: int
     shard: int
     sp: bool
@@ -306,7 +313,7 @@ class _Point:
 
     def strategy(self, global_batch: int) -> Strategy:
         return Strategy(
-            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,  # type: ignore[arg-type]
+            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,  # type: ignore[arg-type]
             dp_shard=self.shard if self.zero else None, sequence_parallel=self.sp,
             recompute=_RECOMPUTE_ORDER[self.recompute_rank], micro_batch_size=self.mbs,
             num_microbatches=global_batch // (self.dp * self.mbs),
@@ -345,7 +352,7 @@ class _Space:
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
         self.compression_blocked: str | None = None  # why a pinned compression was dropped
-        self._work: dict[tuple[int, int, bool, int, int], WholeModelCost] = {}
+        self._work: dict[tuple[int, int, bool, int, int, int], WholeModelCost] = {}
 
     def fits(self, prediction: Prediction) -> bool:
         """Whether ``prediction`` fits with the reserved headroom to spare."""
@@ -358,11 +365,13 @@ class _Space:
             return ""
         return f"memory headroom: {self.headroom_gib:.3g} GiB per GPU kept free"
 
-    def work(self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int) -> WholeModelCost:
-        key = (tp, cp, sp, mbs, recompute_rank)
+    def work(
+        self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int, ep: int
+    ) -> WholeModelCost:
+        key = (tp, cp, sp, mbs, recompute_rank, ep)
         if key not in self._work:
             probe = Strategy(
-                tp=tp, cp=cp, sequence_parallel=sp, micro_batch_size=mbs,
+                tp=tp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=mbs,
                 recompute=_RECOMPUTE_ORDER[recompute_rank],
             )  # fmt: skip
             self._work[key] = self.model.whole_model(probe)
@@ -416,6 +425,15 @@ class _Space:
                 if self.pins.allows("dp_shard", shard if zero else None):
                     yield zero, shard
 
+    def expert_degrees(self, dp: int, tp: int, cp: int) -> list[int]:
+        """EP degrees to search on the mesh: 1, and each divisor of the experts that
+        divides ``dp x cp x tp`` (whether a ZeRO sharding allows it is the variants')."""
+        experts = self.limits.num_experts
+        degrees = [1] + [
+            ep for ep in _divisors(experts) if ep > 1 and (dp * cp * tp) % ep == 0
+        ] if experts else [1]  # fmt: skip
+        return [ep for ep in degrees if self.pins.allows("ep", ep)]
+
     def schedules(self, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
         if pp == 1:  # no pipeline: a pinned schedule or virtual stages rule pp = 1 out
             if self.pins.allows("schedule", Schedule.ONE_F_ONE_B) and self.pins.allows(
@@ -457,11 +475,16 @@ class _Space:
             sps = [sp for sp in ((False, True) if tp > 1 else (False,)) if self._runs(tp, cp, sp)]
             if not sps:
                 continue
-            variants = self.variants(dp, tp, pp, cp)
-            for mbs in sizes:
-                microbatches = self.training.global_batch_size // (dp * mbs)
-                for sp in sps:
-                    yield from self._groups(dp, tp, pp, cp, mbs, microbatches, sp, variants)
+            for ep in self.expert_degrees(dp, tp, cp):
+                variants = self.variants(dp, tp, pp, cp, ep)
+                if not variants:
+                    continue
+                for mbs in sizes:
+                    microbatches = self.training.global_batch_size // (dp * mbs)
+                    for sp in sps:
+                        yield from self._groups(
+                            (dp, tp, pp, cp, ep), mbs, microbatches, sp, variants
+                        )
 
     def _runs(self, tp: int, cp: int, sp: bool) -> bool:
         """Whether sequence parallelism ``sp`` is searched at tensor parallelism ``tp``:
@@ -473,30 +496,33 @@ class _Space:
             return False
         return self.limits.layout_blocker(tp, sp) is None
 
-    def variants(self, dp: int, tp: int, pp: int, cp: int) -> tuple[_Sharding, ...]:
-        """Every (zero, dp_shard) of the mesh with each compression that runs there."""
+    def variants(self, dp: int, tp: int, pp: int, cp: int, ep: int) -> tuple[_Sharding, ...]:
+        """Every (zero, dp_shard) of the mesh that splits the experts ``ep`` ways
+        (:meth:`ParallelDims.expert_blocker`), with each compression that runs there."""
         variants = []
         for zero, shard in self.shardings(dp, tp, pp, cp):
-            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep)
+            if dims.expert_blocker(self.limits.num_experts) is not None:
+                continue
             per_param = self._state_bytes_per_param(zero, dims.zero_shard_ranks)
-            for key in self.compressions(dp, tp, pp, cp, zero, shard):
+            per_expert = self._state_bytes_per_param(zero, dims.expert_shard_ranks)
+            for key in self.compressions(dp, tp, pp, cp, zero, shard, ep):
                 sharding = _Sharding(
-                    zero=zero, shard=shard, state_bytes_per_param=per_param, compression=key
-                )
+                    zero=zero, shard=shard, state_bytes_per_param=per_param,
+                    expert_state_bytes_per_param=per_expert, compression=key,
+                )  # fmt: skip
                 variants.append(sharding)
         return tuple(variants)
 
     def _groups(
         self,
-        dp: int,
-        tp: int,
-        pp: int,
-        cp: int,
+        mesh: tuple[int, int, int, int, int],
         mbs: int,
         microbatches: int,
         sp: bool,
         variants: tuple[_Sharding, ...],
     ) -> Iterator[_Group]:
+        dp, tp, pp, cp, ep = mesh
         schedules = [
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
             for s, v in self.schedules(pp, microbatches)
@@ -504,8 +530,9 @@ class _Space:
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
                 continue
-            work = self.work(tp, cp, sp, mbs, rank)
-            params = work.param_count / pp
+            work = self.work(tp, cp, sp, mbs, rank, ep)
+            experts = work.expert_param_count / pp
+            params = work.param_count / pp - experts
             kept = (self.limits.num_blocks // pp) * work.least_block_activation_bytes
             for schedule, virtual, fill, in_flight in schedules:
                 if ParallelDims(pp=pp).schedule_blocker(
@@ -517,7 +544,11 @@ class _Space:
                 floors: list[float] = []
                 lean: _Sharding | None = None
                 for variant in variants:
-                    needed = params * variant.state_bytes_per_param + activations
+                    needed = (
+                        params * variant.state_bytes_per_param
+                        + experts * variant.expert_state_bytes_per_param
+                        + activations
+                    )
                     if needed <= self.capacity:
                         fitting.append(variant)
                         floors.append(needed)
@@ -529,7 +560,7 @@ class _Space:
                     continue
                 group = _Group(
                     bound_s=work.time_s / pp * (microbatches + fill), dp=dp, tp=tp, pp=pp,
-                    cp=cp, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
+                    cp=cp, ep=ep, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
                     virtual=virtual, shardings=tuple(fitting), floors=tuple(floors),
                 )  # fmt: skip
                 if lean is not None:
@@ -539,14 +570,14 @@ class _Space:
                     yield group
 
     def compressions(
-        self, dp: int, tp: int, pp: int, cp: int, zero: int, shard: int
+        self, dp: int, tp: int, pp: int, cp: int, zero: int, shard: int, ep: int
     ) -> Iterator[CompressionKey]:
         """The pinned compression where it runs, or ``none`` and the allowed lossy options
         that run here."""
         pinned = self.pins.compression
         tied = not self.limits.ddp_over_tp
         if pinned is not None:
-            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard)
+            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep)
             blocker = compression_blocker(pinned, dims, tied=tied)
             if blocker is None:
                 yield encode(pinned)
@@ -555,7 +586,7 @@ class _Space:
             return
         yield from self.lossy.keys(
             self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
-            dp_shard=shard, ddp_over_tp=not tied,
+            dp_shard=shard, ddp_over_tp=not tied, ep=ep,
         )  # fmt: skip
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
@@ -815,6 +846,11 @@ def _no_candidates(
         blocker = dims.ddp_blocker(tied=not limits.ddp_over_tp)
         if blocker is not None:
             reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
+    if pins.ep is not None and pins.ep > 1:
+        widest = ParallelDims(dp=gpus // (pins.pp or 1), ep=pins.ep)  # every rank of a stage
+        blocker = widest.expert_blocker(limits.num_experts)
+        if blocker is not None:
+            reasons.append(blocker)
     if compression_blocked is not None:
         reasons.append(compression_blocked)
     detail = "; ".join(reasons) or (

@@ -60,7 +60,7 @@ VIEW_OPS = frozenset(
     {"view", "reshape", "_unsafe_view", "transpose", "permute", "flatten", "unflatten",
      "unsqueeze", "squeeze", "expand", "expand_as", "contiguous", "getitem", "split",
      "chunk", "unbind", "t", "alias", "slice", "select", "narrow", "detach", "view_as",
-     "identity", "dropout_p0", "movedim", "as_strided"}
+     "identity", "dropout_p0", "movedim", "as_strided", "split_with_sizes"}
 )  # fmt: skip
 _CAST_OPS = frozenset({"float", "half", "bfloat16", "to", "type_as", "type", "_to_copy"})
 _EMBEDDING_OPS = frozenset({"embedding"})
@@ -81,7 +81,8 @@ _PLAIN_ELEMENTWISE = frozenset(
      "copy", "fill", "zeros_like", "ones_like", "full_like", "arange", "zeros", "ones",
      "full", "empty", "new_ones", "new_zeros", "new_empty", "outer", "triu", "tril", "eq",
      "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "logical_not", "bitwise_not",
-     "diff", "floordiv", "floor_divide", "masked_fill_", "mul_", "add_"}
+     "diff", "floordiv", "floor_divide", "masked_fill_", "mul_", "add_", "argsort", "sort",
+     "topk", "pad", "constant_pad_nd", "div_", "copy_", "scatter_"}
 )  # fmt: skip
 _LOGSUMEXP_BYTES = 4  # fp32 per query row and head
 _NORM_STATS_BYTES = 8  # fp32 mean and rstd per normalised row

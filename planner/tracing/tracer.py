@@ -12,6 +12,11 @@ The graph is a sequence of segments: the ops before the first block (kind
 ``embedding`` when they embed tokens), one segment per block (kind ``block``;
 identical blocks share one segment type, traced once), and the ops after the last
 block (kind ``head``). A model without repeated blocks is one ``other`` segment.
+
+Mixture-of-experts layers are marked (:mod:`planner.tracing.roles`): every operator of a
+router, experts or shared-experts module carries its :class:`~planner.graph.OpRole`,
+and a block's segment type its ``num_experts``, ``top_k`` and ``hidden_size``; blocks
+that differ in either are different types.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planner.errors import SpecError, TraceError
-from planner.graph import OpGraph, OpKind, OpNode, Segment, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.modules import find_blocks
@@ -43,6 +48,7 @@ from planner.tracing.fx import (
     trace_fx,
 )
 from planner.tracing.ops import OpCost, RawOp, cost_of, is_known
+from planner.tracing.roles import MoEFacts, module_roles, moe_facts, role_of
 
 __all__ = [
     "DTYPES",
@@ -208,10 +214,16 @@ class _SavedTensors:
 
 @dataclass
 class _GraphBuilder:
-    """Assembles segments and segment types; counts each parameter once."""
+    """Assembles segments and segment types; counts each parameter once.
+
+    ``roles`` marks routers, experts and shared experts by module FQN and ``moe`` gives
+    each block's MoE facts, both keyed as the traced root names them (with ``prefix``).
+    """
 
     blocks: frozenset[str]  # block FQNs without the wrapper prefix
     prefix: str
+    roles: dict[str, OpRole] = field(default_factory=dict)
+    moe: dict[str, MoEFacts] = field(default_factory=dict)
     owned_params: set[int] = field(default_factory=set)
     types: dict[str, SegmentType] = field(default_factory=dict)
     segments: list[Segment] = field(default_factory=list)
@@ -221,17 +233,22 @@ class _GraphBuilder:
         fqn = call.fqn.removeprefix(self.prefix)
         type_id = self.aliases.get(call.key, call.key)
         if call.ops is not None and call.key not in self.types:
-            nodes = self._nodes(call.ops, in_block=True)
-            same = next((t for t in self.types.values() if t.nodes == nodes), None)
+            nodes = self._nodes(call.ops, in_block=True, root=call.fqn)
+            experts, top_k, hidden = self.moe.get(call.fqn, (0, 0, 0))
+            new = SegmentType(call.key, "block", nodes, experts, top_k, hidden)
+            same = next((t for t in self.types.values() if _same_type(t, new)), None)
             if same is None:  # a block that differs only in what it was called with may match
-                self.types[call.key] = SegmentType(call.key, "block", nodes)
+                self.types[call.key] = new
             else:
                 self.aliases[call.key] = type_id = same.type_id
         self.segments.append(Segment(fqn, type_id, (fqn,)))
 
     def add_run(self, ops: list[RawOp], kind: str) -> None:
-        nodes = self._nodes(ops, in_block=False)
-        signature = ";".join(f"{n.target}|{n.module}|{n.input_shapes}" for n in nodes)
+        nodes = self._nodes(ops, in_block=False, root="")
+        signature = ";".join(
+            f"{n.target}|{n.module}|{n.input_shapes}" + (f"|{n.role}" if n.role else "")
+            for n in nodes
+        )
         type_id = hashlib.sha256(f"{kind}|{signature}".encode()).hexdigest()[:16]
         self.types.setdefault(type_id, SegmentType(type_id, kind, nodes))
         paths = (self._local(op.module) for op in ops)
@@ -241,8 +258,8 @@ class _GraphBuilder:
         fqn = kind if count == 0 else f"{kind}.{count}"
         self.segments.append(Segment(fqn, type_id, tuple(modules)))
 
-    def _nodes(self, ops: Sequence[RawOp], *, in_block: bool) -> tuple[OpNode, ...]:
-        """Price ``ops``; block ops already carry block-relative module paths."""
+    def _nodes(self, ops: Sequence[RawOp], *, in_block: bool, root: str) -> tuple[OpNode, ...]:
+        """Price ``ops``; block ops already carry module paths relative to ``root``."""
         names = {op.name for op in ops}
         saved = _SavedTensors()
         nodes = []
@@ -263,6 +280,7 @@ class _GraphBuilder:
                     bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
                     param_count=param_count, param_bytes=param_bytes, saved_bytes=saved_bytes,
                     gemm=cost.gemm, batched=op.out.batched,
+                    role=role_of(_join(root, op.module), self.roles),
                 )
             )  # fmt: skip
         return tuple(nodes)
@@ -280,6 +298,16 @@ class _GraphBuilder:
                 count += ref.numel
                 nbytes += ref.nbytes
         return count, nbytes
+
+
+def _join(root: str, module: str) -> str:
+    return f"{root}.{module}" if root and module else root or module
+
+
+def _same_type(a: SegmentType, b: SegmentType) -> bool:
+    """Whether two traced blocks compute the same: operators (with their roles) and MoE facts."""
+    facts = (a.num_experts, a.top_k, a.hidden_size) == (b.num_experts, b.top_k, b.hidden_size)
+    return facts and a.nodes == b.nodes
 
 
 def _split(items: tuple[RawOp | BlockCall, ...]) -> list[list[RawOp] | BlockCall]:
@@ -344,7 +372,8 @@ def trace(
     blocks = dict(find_blocks(root))
     traced = _run_front_ends(root, inputs, blocks, handle.name)
     block_fqns = frozenset(fqn.removeprefix(prefix) for fqn in blocks)
-    builder = _GraphBuilder(block_fqns, prefix)
+    moe = {fqn: moe_facts(block, fqn.removeprefix(prefix)) for fqn, block in blocks.items()}
+    builder = _GraphBuilder(block_fqns, prefix, module_roles(root), moe)
     _assemble(traced, builder)
     _warn_unknown_ops(traced, handle.name)
     logger.info(

@@ -1,0 +1,154 @@
+"""Expert parallelism's terms: what EP changes in a mixture-of-experts segment.
+
+With ``ep > 1`` (:class:`~planner.parallel_dims.ParallelDims` states the layout) each
+MoE layer splits its tokens over the ``tp`` ranks, so the routed experts' work and
+kept activations are divided by ``tp`` whatever the layout gives the rest of the
+block, and a rank holds ``1 / ep`` of the experts. Per micro-batch and MoE layer a
+rank then moves:
+
+- dispatch and combine: two all-to-alls over the EP group (``ep`` consecutive ranks)
+  of its routed pairs, ``tokens / tp * top_k * hidden`` elements each, in forward and
+  again in backward (their gradients); at the expected (balanced) load a fraction
+  ``(ep - 1) / ep`` leaves the rank, which the all-to-all's bus factor prices. The
+  slowest rank receives ``expert_imbalance`` times the mean (1: balanced), which scales
+  its expert GEMMs and its all-to-alls.
+- with ``tp > 1``: an all-gather of the layer's output over ``tp`` in forward and of
+  its input gradient in backward (``tokens * hidden`` elements).
+
+Full recompute re-runs the forward's all-to-alls and gather. The all-to-all
+payload a rank hands to the collective (:func:`alltoall_bytes`) does not depend on the
+routing: every routed pair is sent once, to some rank, itself included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from planner.cost.communication import Collective, MeshLinks, collective_time, link_for_axis
+from planner.cost.tp import SegmentTP, ShardKey
+from planner.errors import SpecError
+from planner.graph import OpGraph, OpRole, SegmentType
+from planner.parallel_dims import ParallelDims
+from planner.spec import Axis, Strategy
+
+if TYPE_CHECKING:
+    from planner.cost.model import CostModel
+
+__all__ = [
+    "EPComm",
+    "alltoall_bytes",
+    "expert_layout",
+    "expert_tradeoff",
+    "ep_comm",
+    "routed_elements",
+]
+
+
+def _expert_indices(seg_type: SegmentType) -> list[int]:
+    return [i for i, node in enumerate(seg_type.nodes) if node.role is OpRole.EXPERTS]
+
+
+def expert_layout(
+    seg_type: SegmentType, split: SegmentTP, key: ShardKey
+) -> tuple[SegmentTP, float]:
+    """``split`` with the routed experts as EP runs them at ``key`` (work and kept bytes
+    divided by ``tp``, no parameters among the dense ones), and the expert parameters a
+    rank holds (``1 / ep`` of them). Unchanged, with 0, without EP or experts."""
+    experts = _expert_indices(seg_type)
+    if key.ep == 1 or not experts:
+        return split, 0.0
+    work, saved, params = (
+        list(split.work_divisor),
+        list(split.saved_divisor),
+        list(split.param_elements),
+    )
+    held = 0.0
+    for index in experts:
+        work[index] = saved[index] = key.tp
+        held += seg_type.nodes[index].param_count / key.ep
+        params[index] = 0.0
+    return replace(split, work_divisor=tuple(work), saved_divisor=tuple(saved),
+                   param_elements=tuple(params)), held  # fmt: skip
+
+
+def routed_elements(seg_type: SegmentType, key: ShardKey) -> float:
+    """Elements of the routed pairs one rank sends in one all-to-all, per micro-batch:
+    ``tokens / tp * top_k * hidden`` (0 for a segment without experts)."""
+    if not seg_type.num_experts:
+        return 0.0
+    tokens = _traced_tokens(seg_type) * key.token_scale / key.tp
+    return tokens * seg_type.top_k * seg_type.hidden_size
+
+
+def _traced_tokens(seg_type: SegmentType) -> int:
+    """Tokens the segment's traced (batch-1) router scores: its GEMM's rows."""
+    for node in seg_type.nodes:
+        if node.role is OpRole.ROUTER and node.gemm is not None:
+            return node.gemm[1]
+    raise SpecError(
+        f"segment type {seg_type.type_id} has {seg_type.num_experts} experts but no router "
+        "matmul: the trace must mark the router (OpRole.ROUTER) to price the all-to-all"
+    )
+
+
+@dataclass(frozen=True)
+class EPComm:
+    """Seconds per micro-batch of one MoE segment's EP communication (exposed)."""
+
+    forward_s: float
+    backward_s: float
+
+
+def ep_comm(
+    seg_type: SegmentType, key: ShardKey, element_bytes: int, links: MeshLinks, imbalance: float
+) -> EPComm:
+    """The dispatch/combine all-to-alls and the tp gathers of ``seg_type`` at ``key``."""
+    if key.ep == 1 or not seg_type.num_experts:
+        return EPComm(0.0, 0.0)
+    dims = key.dims
+    ep_link = link_for_axis(key.ep, 1, links.cluster, links.profile)
+    pairs = routed_elements(seg_type, key) * element_bytes
+    alltoall = 2 * imbalance * collective_time(Collective.ALL_TO_ALL, pairs, key.ep, ep_link)
+    gather = 0.0
+    if key.tp > 1:
+        tokens = pairs / seg_type.top_k * key.tp  # the layer's whole output
+        tp_link = links.group(key.tp, dims, Axis.TP)
+        gather = collective_time(Collective.ALL_GATHER, tokens, key.tp, tp_link)
+    return EPComm(alltoall + gather, alltoall + gather)
+
+
+def alltoall_bytes(graph: OpGraph, strategy: Strategy, element_bytes: int) -> float:
+    """Bytes one rank hands to ``all_to_all_single`` per micro-batch, forward and
+    backward, over every MoE layer of the model (``element_bytes`` per element): four
+    all-to-alls of its routed pairs per layer. 0 without EP."""
+    dims = ParallelDims.of(strategy)
+    if dims.ep == 1:
+        return 0.0
+    key = ShardKey(strategy.tp, strategy.cp, strategy.sequence_parallel,
+                   strategy.micro_batch_size, strategy.ep)  # fmt: skip
+    per_layer = [routed_elements(graph.segment_type(s), key) for s in graph.segments]
+    return 4 * element_bytes * sum(per_layer)
+
+
+def expert_tradeoff(model: CostModel, strategy: Strategy) -> str:
+    """What ``strategy``'s expert parallelism buys and costs, in one sentence with the
+    model's figures: where the all-to-all goes and the model states it saves."""
+    if strategy.ep == 1:
+        return ""
+    experts = model.graph.num_experts
+    link = link_for_axis(strategy.ep, 1, model.cluster, model.profile)
+    with_ep = model.estimate(strategy)
+    without = model.estimate(strategy.model_copy(update={"ep": 1}))
+    states = ("weights", "gradients", "optimizer")
+    after = sum(with_ep.memory_gib.get(k, 0.0) for k in states)
+    before = sum(without.memory_gib.get(k, 0.0) for k in states)
+    moved = alltoall_bytes(model.graph, strategy, model.compute.element_bytes)
+    per_step = moved * strategy.num_microbatches / strategy.pp
+    return (
+        f"ep{strategy.ep}: {experts // strategy.ep} of {experts} experts per rank; the "
+        f"dispatch and combine all-to-alls run over {strategy.ep} consecutive ranks on the "
+        f"{link.name} link ({per_step / 1e9:.2f} GB per rank per step, "
+        f"{with_ep.breakdown_s.get('comm_ep', 0.0):.3f} s exposed); model states "
+        f"{after:.1f} GiB per GPU instead of {before:.1f} at ep 1"
+    )

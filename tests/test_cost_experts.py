@@ -1,0 +1,118 @@
+"""Expert parallelism in the cost model: all-to-all bytes, expert states, the search."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cost.build import build_cost_model, spec_graph
+from planner.cost.experts import alltoall_bytes, expert_tradeoff
+from planner.cost.options import CostOptions
+from planner.cost.tp import ShardKey
+from planner.errors import SpecError
+from planner.parallel_dims import ParallelDims
+from planner.presets import get_preset
+from planner.solve.search import ModelLimits, Pins, in_search_space, search
+from planner.spec import Cluster, ModelSpec, RecomputeMode, Strategy, Training
+
+MIXTRAL = get_preset("mixtral-8x7b")
+
+
+def _model(spec: ModelSpec, gpus: int, batch: int, **options: object):
+    training = Training(global_batch_size=batch, seq_len=spec.seq_len)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus)
+    opts = CostOptions(**options)  # type: ignore[arg-type]
+    graph = spec_graph(spec, training, opts)
+    return build_cost_model(graph, cluster, training, causal=True, options=opts)
+
+
+def _limits(spec: ModelSpec, model) -> ModelLimits:
+    return ModelLimits(
+        num_blocks=spec.num_layers, seq_len=spec.seq_len, num_heads=spec.num_heads,
+        num_kv_heads=spec.kv_heads, vocab_size=spec.vocab_size,
+        num_experts=model.graph.num_experts,
+    )  # fmt: skip
+
+
+def test_alltoall_bytes_are_four_transfers_of_the_routed_pairs_per_moe_layer() -> None:
+    spec = get_preset("tiny-moe")
+    model = _model(spec, 8, 16)
+    strategy = Strategy(dp=4, tp=2, ep=4, micro_batch_size=2, num_microbatches=2)
+    tokens = 2 * spec.seq_len // 2  # micro-batch tokens split over tp
+    moe_layers = spec.num_layers - spec.dense_layers
+    expected = 4 * tokens * spec.top_k * spec.hidden_size * 2 * moe_layers
+    assert alltoall_bytes(model.graph, strategy, 2) == expected
+    assert alltoall_bytes(model.graph, strategy.model_copy(update={"ep": 1}), 2) == 0
+
+
+def test_every_ep_prices_as_if_priced_directly() -> None:
+    """The cache reprices only the all-to-alls and held experts for ep > 2."""
+    model = _model(MIXTRAL, 64, 256)
+    moe = next(t for t in model.graph.types.values() if t.num_experts)
+    for mode in RecomputeMode:
+        for tp in (1, 2):
+            key = ShardKey(tp, 1, False, 1, 8)
+            derived = model._type_cost(moe, key, mode)
+            direct = model._pricer.price(moe, key, mode)
+            for name in ("forward_s", "backward_s", "recompute_s", "comm_ep_s",
+                         "expert_param_count", "param_count", "activation_bytes"):  # fmt: skip
+                assert getattr(derived, name) == pytest.approx(getattr(direct, name)), name
+
+
+def test_ep_shards_expert_states_and_moves_tokens() -> None:
+    model = _model(MIXTRAL, 64, 256)
+    base = Strategy(dp=64, zero=1, micro_batch_size=1, num_microbatches=4)
+    without, with_ep = model.estimate(base), model.estimate(base.model_copy(update={"ep": 8}))
+    states = ("weights", "gradients", "optimizer")
+    before = sum(without.memory_gib[k] for k in states)
+    after = sum(with_ep.memory_gib[k] for k in states)
+    assert after < before / 2  # experts are ~96% of Mixtral's parameters
+    assert with_ep.breakdown_s["comm_ep"] > 0 == without.breakdown_s["comm_ep"]
+
+
+def test_imbalance_and_overlap_move_the_step() -> None:
+    strategy = Strategy(dp=64, zero=1, ep=8, micro_batch_size=1, num_microbatches=4)
+    even = _model(MIXTRAL, 64, 256).estimate(strategy)
+    skewed = _model(MIXTRAL, 64, 256, expert_imbalance=1.3).estimate(strategy)
+    hidden = _model(MIXTRAL, 64, 256, ep_overlap=True).estimate(strategy)
+    assert skewed.step_time_s > even.step_time_s
+    assert hidden.breakdown_s["comm_ep"] < even.breakdown_s["comm_ep"]
+
+
+def test_ep_group_crossing_nodes_costs_more() -> None:
+    spec = get_preset("qwen3-30b-a3b")  # 128 experts: ep 8 fits a node, ep 32 spans four
+    qwen = _model(spec, 64, 256)
+    small = qwen.estimate(Strategy(dp=64, zero=1, ep=8, micro_batch_size=1, num_microbatches=4))
+    large = qwen.estimate(Strategy(dp=64, zero=1, ep=32, micro_batch_size=1, num_microbatches=4))
+    assert large.breakdown_s["comm_ep"] > small.breakdown_s["comm_ep"]
+
+
+def test_expert_blocker_names_the_fix() -> None:
+    dims = ParallelDims(dp=4, zero=0, ep=3)
+    assert "does not divide num_experts" in (dims.expert_blocker(8) or "")
+    assert "dp * cp * tp = 4" in (ParallelDims(dp=4, ep=8).expert_blocker(16) or "")
+    assert "without experts" in (ParallelDims(dp=4, ep=2).expert_blocker(0) or "")
+    assert ParallelDims(dp=2, tp=2, ep=4).expert_blocker(8) is None
+
+
+def test_search_chooses_ep_and_explains_it() -> None:
+    model = _model(MIXTRAL, 64, 256)
+    limits = _limits(MIXTRAL, model)
+    best = search(model, limits, top_k=1).best.strategy
+    assert best.ep > 1
+    text = expert_tradeoff(model, best)
+    assert f"ep{best.ep}" in text and "link" in text and "GiB per GPU instead of" in text
+
+
+def test_published_moe_layouts_lie_in_the_search_space() -> None:
+    model = _model(MIXTRAL, 64, 256)
+    limits = _limits(MIXTRAL, model)
+    megatron = Strategy(dp=16, pp=4, ep=8, zero=1, micro_batch_size=1, num_microbatches=16)
+    assert in_search_space(model, limits, megatron)
+    pinned = search(model, limits, pins=Pins(ep=4), top_k=1).best.strategy
+    assert pinned.ep == 4
+
+
+def test_an_ep_that_splits_no_experts_is_refused() -> None:
+    model = _model(get_preset("tiny-moe"), 8, 16)
+    with pytest.raises(SpecError, match=r"ep\(16\) does not divide num_experts \(8\)"):
+        search(model, _limits(get_preset("tiny-moe"), model), pins=Pins(ep=16), top_k=1)

@@ -1,0 +1,127 @@
+"""benchmarks/data/moe_runs.csv is well-formed, and the accuracy benchmark reads it."""
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.parallel_dims import ParallelDims
+from planner.presets import PRESETS
+from planner.spec import ModelSpec, Strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+CSV = ROOT / "benchmarks" / "data" / "moe_runs.csv"
+SHARED_COLUMNS = (ROOT.parent / "shared" / "data" / "published_runs.csv").resolve()
+MOE_COLUMNS = (
+    "preset", "active_params_b", "num_experts", "top_k", "etp", "virtual_stages",
+    "gpus_per_node", "framework", "routing", "flop_convention", "source_url", "source_commit",
+)  # fmt: skip
+INTEGERS = ("layers", "hidden", "heads", "seq", "vocab", "gbs", "mbs", "n_gpus", "tp", "pp", "dp",
+            "cp", "ep", "zero", "num_experts", "top_k", "etp", "virtual_stages", "gpus_per_node")  # fmt: skip
+FLOATS = ("params_b", "active_params_b", "measured_tflops_per_gpu", "measured_mfu",
+          "measured_tokens_per_s_per_gpu", "measured_step_time_s", "measured_hfu",
+          "measured_peak_mem_gib", "derived_tokens_per_s_per_gpu")  # fmt: skip
+MEASURED = ("measured_step_time_s", "measured_tokens_per_s_per_gpu", "measured_tflops_per_gpu")
+
+
+def _rows() -> list[dict[str, str]]:
+    with CSV.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+ROWS = _rows()
+IDS = [f"{i}:{r['model']}x{r['n_gpus']}" for i, r in enumerate(ROWS)]
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_accuracy"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_columns_are_the_shared_ones_then_the_moe_ones():
+    header = next(csv.reader(CSV.open()))
+    if SHARED_COLUMNS.is_file():
+        shared = next(csv.reader(SHARED_COLUMNS.open()))
+        assert header[: len(shared)] == shared
+    assert tuple(header[-len(MOE_COLUMNS) :]) == MOE_COLUMNS
+    assert len(ROWS) >= 6
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_row_is_sourced_and_numbers_parse(row):
+    assert row["source"] and row["source_url"].startswith("https://") and row["notes"]
+    assert len(row["source_commit"]) == 40 and int(row["source_commit"], 16) >= 0
+    for column in INTEGERS:
+        assert row[column] == "" or int(row[column]) > 0 or column == "zero", column
+    for column in FLOATS:
+        assert row[column] == "" or float(row[column]) > 0, column
+    assert any(row[c] for c in MEASURED), "a row needs a measured step time, tokens/s or TFLOP/s"
+    assert row["precision"] in ("bf16", "fp8")
+    assert row["row_quality"] in ("A", "A-", "B")
+    assert row["dp_is_derived"] in ("yes", "no")
+    if not row["measured_step_time_s"] and not row["measured_tokens_per_s_per_gpu"]:
+        assert row["flop_convention"].startswith("megatron-"), "TFLOP/s alone needs a convention"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_degrees_multiply_to_the_gpus_and_experts_split(row):
+    degrees = {k: int(row[k]) for k in ("dp", "tp", "pp", "cp", "ep", "zero")}
+    strategy = Strategy(**degrees)
+    dims = ParallelDims.of(strategy)
+    assert dims.world_size == int(row["n_gpus"])
+    assert dims.expert_blocker(int(row["num_experts"])) is None
+    assert int(row["gbs"]) % (strategy.dp * int(row["mbs"])) == 0
+    assert int(row["top_k"]) <= int(row["num_experts"])
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_a_preset_that_exists_matches_the_row(row):
+    spec = PRESETS.get(row["preset"])
+    if spec is None:
+        pytest.skip(f"preset {row['preset']!r} not in planner.presets yet")
+    shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_experts, spec.top_k)
+    assert shape == tuple(
+        int(row[k]) for k in ("layers", "hidden", "heads", "num_experts", "top_k")
+    )
+
+
+def test_megatron_2024_flops_are_megatrons_formula():
+    """Megatron-Core v0.8's num_floating_point_operations for Mixtral 8x7B, literally."""
+    bench = _bench()
+    row = next(r for r in ROWS if r["flop_convention"] == "megatron-2024")
+    b, s, layers, h, heads, groups, ffn, k, vocab = 256, 4096, 32, 4096, 32, 8, 14336, 2, 32000
+    expected = (12 * b * s * layers * h * h) * (
+        (1 + groups / heads + s / h) + ffn / h * k * 1.5 + vocab / (2 * layers * h)
+    )
+    mixtral = ModelSpec(
+        name="mixtral", family="llama", num_layers=layers, hidden_size=h, num_heads=heads,
+        num_kv_heads=groups, ffn_hidden_size=ffn, vocab_size=vocab, seq_len=s, num_experts=8, top_k=k,
+    )  # fmt: skip
+    assert bench.megatron_moe_flops(mixtral, row) == pytest.approx(expected)
+    causal = {**row, "flop_convention": "megatron-causal"}
+    saved = 6 * b * s * layers * heads * (h // heads) * s  # half the score-matrix FLOPs
+    assert bench.megatron_moe_flops(mixtral, causal) == pytest.approx(expected - saved)
+
+
+def test_rows_the_planner_cannot_price_are_skipped_with_the_reason():
+    bench = _bench()
+    gb200 = next(r for r in ROWS if r["gpu"] == "GB200")
+    assert "no hardware profile for GB200" in (bench.moe_case(gb200).skipped or "")
+    unknown = {**ROWS[0], "preset": "no-such-moe"}
+    assert "'no-such-moe' is not in planner.presets.PRESETS" in (
+        bench.moe_case(unknown).skipped or ""
+    )
+    if ROWS[0]["preset"] not in PRESETS:
+        pytest.skip(f"preset {ROWS[0]['preset']!r} not in planner.presets yet")
+    priced = bench.moe_case(ROWS[0])
+    assert priced.skipped is None and priced.config["strategy"]["ep"] == int(ROWS[0]["ep"])
+    assert priced.measured_step_s == pytest.approx(3.102, abs=0.001)  # 438 TFLOP/s on 64 GPUs
