@@ -84,6 +84,7 @@ def _limits(run: RunConfig) -> ModelLimits:
         seq_len=spec.seq_len,
         num_heads=spec.num_heads,
         num_kv_heads=spec.kv_heads,
+        num_experts=spec.num_experts,
     )
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "latency_steps",
     "LinkModel",
     "collective_time",
+    "alltoall_time",
     "link_for_axis",
     "MeshLinks",
 ]
@@ -134,6 +135,22 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
         "inter_node", min(members_per_node * bandwidth, intra.busbw_Bps), latency * 1e-6,
         _factors(link), _call_s(link),
     )  # fmt: skip
+
+
+def alltoall_time(size_bytes: float, n: int, cluster: Cluster, profile: HardwareProfile) -> float:
+    """An all-to-all of ``size_bytes`` per rank over ``n`` consecutive ranks (each sends
+    ``1/n`` of it to every other). Within a node it is :func:`collective_time` on the
+    scale-up link; across nodes the share bound for other nodes leaves through the rank's
+    own NIC (no sharing: every rank sends at once) while the rest crosses the scale-up
+    link, and the slower part decides."""
+    per_node = min(cluster.gpus_per_node, cluster.num_gpus, n)
+    intra = _intra(cluster, profile)
+    if per_node == n:
+        return collective_time(Collective.ALL_TO_ALL, size_bytes, n, intra)
+    inter = _inter(cluster, profile, 1)
+    local = size_bytes * (per_node - 1) / n / intra.busbw_for(Collective.ALL_TO_ALL)
+    remote = size_bytes * (n - per_node) / n / inter.busbw_for(Collective.ALL_TO_ALL)
+    return inter.call_s + inter.latency_s + max(local, remote)
 
 
 def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwareProfile) -> LinkModel:

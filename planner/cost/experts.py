@@ -9,7 +9,8 @@ rank then moves:
 - dispatch and combine: two all-to-alls over the EP group (``ep`` consecutive ranks)
   of its routed pairs, ``tokens / tp * top_k * hidden`` elements each, in forward and
   again in backward (their gradients); at the expected (balanced) load a fraction
-  ``(ep - 1) / ep`` leaves the rank, which the all-to-all's bus factor prices. The
+  ``(ep - 1) / ep`` leaves the rank, the part bound for other nodes through its own NIC
+  (:func:`~planner.cost.communication.alltoall_time`). The
   slowest rank receives ``expert_imbalance`` times the mean (1: balanced), which scales
   its expert GEMMs and its all-to-alls.
 - with ``tp > 1``: an all-gather of the layer's output over ``tp`` in forward and of
@@ -25,7 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from planner.cost.communication import Collective, MeshLinks, collective_time, link_for_axis
+from planner.cost.communication import (
+    Collective,
+    MeshLinks,
+    alltoall_time,
+    collective_time,
+    link_for_axis,
+)
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpRole, SegmentType
@@ -107,9 +114,8 @@ def ep_comm(
     if key.ep == 1 or not seg_type.num_experts:
         return EPComm(0.0, 0.0)
     dims = key.dims
-    ep_link = link_for_axis(key.ep, 1, links.cluster, links.profile)
     pairs = routed_elements(seg_type, key) * element_bytes
-    alltoall = 2 * imbalance * collective_time(Collective.ALL_TO_ALL, pairs, key.ep, ep_link)
+    alltoall = 2 * imbalance * alltoall_time(pairs, key.ep, links.cluster, links.profile)
     gather = 0.0
     if key.tp > 1:
         tokens = pairs / seg_type.top_k * key.tp  # the layer's whole output
