@@ -3,7 +3,10 @@
 Speed (each whole search in a fresh process, tracing included):
 
 - GPT-3 175B on 1024 A100-80GB, global batch 1536 (target < 5 s);
-- Llama-3.1-405B on 16,384 H100s, seq 8192, global batch 2048 (target < 10 s).
+- Llama-3.1-405B on 16,384 H100s, seq 8192, global batch 2048 (target < 10 s);
+- mixture of experts, expert parallelism searched with every other dimension:
+  DeepSeek-V3 (671B, 256 experts) on 2048 H100s, seq 4096, global batch 15360, and
+  Mixtral 8x22B on 256 H100s, seq 4096, global batch 1024 (target < 10 s).
 
 Quality: for every run in ``published_runs.csv`` with a global batch, the search on the
 same model, GPUs, global batch and software options must contain the published
@@ -37,6 +40,12 @@ SPEED_CASES = {
     ),
     "llama3.1-405b on 16384 x h100-sxm-80gb, seq 8192, gbs 2048 (target < 10 s)": (
         "llama3.1-405b", "h100-sxm-80gb", 16384, 2048, 8192,
+    ),
+    "deepseek-v3 on 2048 x h100-sxm-80gb, seq 4096, gbs 15360 (target < 10 s)": (
+        "deepseek-v3", "h100-sxm-80gb", 2048, 15360, 4096,
+    ),
+    "mixtral-8x22b on 256 x h100-sxm-80gb, seq 4096, gbs 1024 (target < 10 s)": (
+        "mixtral-8x22b", "h100-sxm-80gb", 256, 1024, 4096,
     ),
 }  # fmt: skip
 
