@@ -36,7 +36,6 @@ from planner.cost.communication import (
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpRole, SegmentType
-from planner.parallel_dims import ParallelDims
 from planner.spec import Axis, Strategy
 
 if TYPE_CHECKING:
@@ -128,8 +127,7 @@ def alltoall_bytes(graph: OpGraph, strategy: Strategy, element_bytes: int) -> fl
     """Bytes one rank hands to ``all_to_all_single`` per micro-batch, forward and
     backward, over every MoE layer of the model (``element_bytes`` per element): four
     all-to-alls of its routed pairs per layer. 0 without EP."""
-    dims = ParallelDims.of(strategy)
-    if dims.ep == 1:
+    if strategy.ep == 1:
         return 0.0
     key = ShardKey(strategy.tp, strategy.cp, strategy.sequence_parallel,
                    strategy.micro_batch_size, strategy.ep)  # fmt: skip
