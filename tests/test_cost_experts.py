@@ -116,3 +116,19 @@ def test_an_ep_that_splits_no_experts_is_refused() -> None:
     model = _model(get_preset("tiny-moe"), 8, 16)
     with pytest.raises(SpecError, match=r"ep\(16\) does not divide num_experts \(8\)"):
         search(model, _limits(get_preset("tiny-moe"), model), pins=Pins(ep=16), top_k=1)
+
+
+def test_plan_cli_gives_an_explained_ep_plan(tmp_path, capsys) -> None:
+    """The issue's command at a smaller scale: a plan with EP, said where it goes."""
+    from planner.cli import main
+    from planner.spec import Plan, load_document
+
+    out = tmp_path / "plan.json"
+    args = ["--model", "mixtral-8x22b", "--cluster", "h100-sxm-80gb", "--gpus", "256",
+            "--global-batch", "1024", "--seq", "4096", "-o", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    plan = load_document(Plan, out)
+    assert plan.strategy.ep > 1
+    assert "expert parallel" in printed and "all-to-alls run over" in " ".join(printed.split())
+    assert any(t.startswith(f"ep{plan.strategy.ep}:") for t in plan.tradeoffs)
