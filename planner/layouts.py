@@ -86,7 +86,8 @@ def megatron_constraints(spec: ModelSpec, sequence_parallel: bool) -> LayoutCons
     Attention ``wq/wk/wv`` and FFN ``w1``/``w3`` column-parallel, ``wo``/``w2``
     row-parallel, the token embedding vocabulary-parallel, the position embedding
     replicated, the output head column-parallel with the loss vocabulary-parallel,
-    norms sequence-parallel under SP (else replicated).
+    norms sequence-parallel under SP (else replicated); shared experts as the FFN, routers
+    and routed experts whole (expert parallelism splits their tokens instead).
     """
     norm = TPStyle.SEQUENCE_PARALLEL if sequence_parallel else TPStyle.REPLICATE
     styles = {
@@ -104,6 +105,10 @@ def megatron_constraints(spec: ModelSpec, sequence_parallel: bool) -> LayoutCons
     }
     if spec.act is Activation.SWIGLU:
         styles["layers.*.feed_forward.w3"] = TPStyle.COLWISE
+    if spec.num_shared_experts:  # Megatron-Core shards shared experts as a dense MLP
+        styles["layers.*.feed_forward.shared_experts.w1"] = TPStyle.COLWISE
+        styles["layers.*.feed_forward.shared_experts.w3"] = TPStyle.COLWISE
+        styles["layers.*.feed_forward.shared_experts.w2"] = TPStyle.ROWWISE
     if spec.family is not Family.LLAMA:
         styles["pos_embeddings"] = TPStyle.REPLICATE
     return LayoutConstraints(styles=styles, loss_parallel=True)

@@ -30,10 +30,8 @@ _BERT = {"vocab_size": 30592, "seq_len": 512, "tied_embeddings": True, "norm_eps
 
 # Mixture-of-experts models, from their published Hugging Face config.json, trained at
 # 4096 tokens (Megatron-Core's MoE benchmarks). Qwen3-MoE's heads are 128 wide (32 x 128
-# query features on a 2048 hidden state) and carry q/k norms; ModelSpec derives
-# head_dim = hidden / heads, so its presets keep the head counts (and GQA ratio) with
-# hidden / heads wide heads: attention projections are smaller than published (see
-# tests/test_moe_models.py for the totals against the published ones).
+# query features on a 2048 hidden state, 64 x 128 on 4096), each query and key head
+# RMS-normalised before rotary.
 _MIXTRAL = {
     "vocab_size": 32000,
     "seq_len": 4096,
@@ -48,6 +46,8 @@ _QWEN3_MOE = {
     "rope_theta": 1e6,
     "norm_eps": 1e-6,
     "num_kv_heads": 4,
+    "head_dim": 128,
+    "qk_norm": True,
     "num_experts": 128,
     "top_k": 8,
 }

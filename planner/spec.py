@@ -358,6 +358,10 @@ class ModelSpec(_Doc):
     hidden_size: Hidden
     num_heads: Heads
     num_kv_heads: Heads | None = None  # None: same as num_heads (no GQA)
+    # Query/key/value features per head (None: hidden_size // num_heads); Qwen3's
+    # 32 heads of 128 on a 2048 hidden state set it.
+    head_dim: FfnSize | None = None
+    qk_norm: bool = False  # RMSNorm of every query and key head before rotary (Qwen3)
     ffn_hidden_size: FfnSize | None = None  # None: 4 * hidden (gelu), Llama rule (swiglu)
     vocab_size: Vocab
     seq_len: SeqLen
@@ -419,6 +423,12 @@ class ModelSpec(_Doc):
                     "multi-head latent attention: set kv_lora_rank or leave them unset"
                 )
             return self
+        if self.head_dim is not None:
+            raise ValueError(
+                f"head_dim ({self.head_dim}) with kv_lora_rank ({self.kv_lora_rank}): latent "
+                "attention's heads are qk_nope_head_dim + qk_rope_head_dim and v_head_dim "
+                "wide; leave head_dim unset"
+            )
         if any(d is None for d in mla) or self.family is not Family.LLAMA:
             raise ValueError(
                 f"kv_lora_rank ({self.kv_lora_rank}) needs qk_nope_head_dim, qk_rope_head_dim "
@@ -430,16 +440,23 @@ class ModelSpec(_Doc):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> Self:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                f"({self.num_heads}), or set head_dim"
             )
         if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})"
             )
-        if self.family is Family.LLAMA and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.qk_norm and (self.family is not Family.LLAMA or self.latent_attention):
+            raise ValueError(
+                f"qk_norm with family {self.family.value!r}"
+                + (" and kv_lora_rank" if self.latent_attention else "")
+                + ": per-head q/k norms are for standard attention of family 'llama'"
+            )
+        if self.family is Family.LLAMA and self.head_size % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_size}")
         return self
 
     @property
@@ -447,8 +464,9 @@ class ModelSpec(_Doc):
         return self.num_kv_heads or self.num_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """Features of one attention head: ``head_dim``, or ``hidden_size // num_heads``."""
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @property
     def act(self) -> Activation:
@@ -527,9 +545,10 @@ class ModelSpec(_Doc):
             kv = h * (self.kv_lora_rank + rope) + self.kv_lora_rank
             kv += self.kv_lora_rank * heads * (nope + v_dim)
             return q + kv + heads * v_dim * h
-        kv = self.kv_heads * self.head_dim
-        bias = self.family is not Family.LLAMA
-        return h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
+        q, kv = heads * self.head_size, self.kv_heads * self.head_size
+        bias = self.family is not Family.LLAMA  # q, k, v biases and the output's (h)
+        qk_norms = 2 * self.head_size if self.qk_norm else 0
+        return 2 * h * q + 2 * h * kv + (q + 2 * kv + h if bias else 0) + qk_norms
 
 
 class LinkTier(_Doc):

@@ -150,8 +150,8 @@ def _check_compression(plan: Plan) -> None:
 def _spec_matrices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """The 2-D gradients of the zoo model ``spec`` builds, as torch's PowerSGD sees them."""
     h, f, v = spec.hidden_size, spec.ffn_size, spec.vocab_size
-    kv = spec.kv_heads * spec.head_dim
-    block = {"wq": (h, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, h), "w1": (f, h), "w2": (h, f)}
+    q, kv = spec.num_heads * spec.head_size, spec.kv_heads * spec.head_size
+    block = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "w1": (f, h), "w2": (h, f)}
     if spec.act is Activation.SWIGLU:
         block["w3"] = (f, h)
     matrices = {f"layers.*.{name}": shape for name, shape in block.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import types
@@ -30,6 +31,62 @@ def test_presets_build_on_meta_with_the_spec_parameter_count(name):
     assert next(model.parameters()).device == torch.device("meta")
     assert sum(p.numel() for p in model.parameters()) == spec.num_params()
     assert list(model.layers) == [str(i) for i in range(spec.num_layers)]
+
+
+# Qwen3's shape: heads wider than hidden / heads (4 x 16 query features on 48)
+WIDE_HEADS = ModelSpec(
+    name="wide-heads", family="llama", num_layers=2, hidden_size=48, num_heads=4,
+    num_kv_heads=2, head_dim=16, vocab_size=256, seq_len=32,
+)  # fmt: skip
+QK_NORM = WIDE_HEADS.model_copy(update={"name": "qk-norm", "qk_norm": True})
+
+
+@pytest.mark.parametrize(
+    ("spec", "architecture"),
+    [(WIDE_HEADS, "LlamaForCausalLM"), (QK_NORM, "Qwen3ForCausalLM")],
+    ids=["wide-heads", "qk-norm"],
+)
+def test_wide_heads_and_qk_norms_match_hugging_face(spec, architecture):
+    transformers = pytest.importorskip("transformers")
+    from planner.models.hf_layout import hf_llama_config, zoo_name
+
+    zoo = build(spec, device="cpu", seed=0).eval()
+    attention = zoo.layers["0"].attention
+    assert (attention.wq.weight.shape, attention.wk.weight.shape) == ((64, 48), (32, 48))
+    assert attention.wo.weight.shape == (48, 64)
+    assert sum(p.numel() for p in zoo.parameters()) == spec.num_params()
+    fields = hf_llama_config(spec)
+    assert fields["architectures"] == [architecture]
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert type(hf).__name__ == architecture
+    for name, value in hf.state_dict().items():
+        if name.endswith("_norm.weight"):  # not all ones, so the norms are compared
+            value.uniform_(0.5, 1.5)
+    zoo.load_state_dict({zoo_name(name): value for name, value in hf.state_dict().items()})
+    tokens = torch.randint(0, spec.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo(tokens), hf(tokens).logits)
+
+
+def test_wide_head_attention_takes_its_heads_from_local_shapes():
+    """Column shards of wq/wk/wv and row shards of wo (tensor parallelism) sum to the
+    whole; the per-head q/k norms run on each shard's own heads."""
+    attention = build(QK_NORM, device="cpu", seed=0).layers["0"].attention
+    assert attention.q_norm is not None and attention.q_norm.weight.shape == (16,)
+    x = torch.randn(2, 8, 48)
+    with torch.no_grad():
+        whole, parts = attention(x), torch.zeros(2, 8, 48)
+        for rank in range(2):
+            shard = copy.deepcopy(attention)
+            for name in ("wq", "wk", "wv"):
+                weight = getattr(attention, name).weight
+                rows = weight.shape[0] // 2
+                getattr(shard, name).weight = nn.Parameter(weight[rank * rows : (rank + 1) * rows])
+            shard.wo.weight = nn.Parameter(attention.wo.weight[:, rank * 32 : (rank + 1) * 32])
+            parts += shard(x)
+    torch.testing.assert_close(parts, whole)
 
 
 def test_fingerprints_are_stable_and_distinct():

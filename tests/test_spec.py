@@ -78,6 +78,38 @@ def test_head_divisibility_is_checked():
         load_document(ModelSpec, {**_llama().model_dump(), "num_kv_heads": 3})
 
 
+def test_head_dim_sets_the_head_width_apart_from_hidden_over_heads():
+    narrow = _llama()
+    wide = ModelSpec.model_validate({**narrow.model_dump(), "head_dim": 32})
+    assert (narrow.head_dim, narrow.head_size, wide.head_size) == (None, 16, 32)
+    # q and o: 64 x (4 x 32) each, k and v: 64 x (2 x 32) each, against 64 x 64 and 64 x 32
+    per_block = (2 * 64 * 128 + 2 * 64 * 64) - (2 * 64 * 64 + 2 * 64 * 32)
+    assert wide.num_params() - narrow.num_params() == narrow.num_layers * per_block
+    odd_hidden = ModelSpec.model_validate(
+        {**narrow.model_dump(), "hidden_size": 50, "head_dim": 16}
+    )
+    assert odd_hidden.head_size == 16
+    with pytest.raises(SpecError, match=r"divisible by num_heads \(4\), or set head_dim"):
+        load_document(ModelSpec, {**narrow.model_dump(), "hidden_size": 50})
+    with pytest.raises(SpecError, match=r"even head_dim, got 15"):
+        load_document(ModelSpec, {**narrow.model_dump(), "head_dim": 15})
+    latent = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+    with pytest.raises(SpecError, match=r"head_dim \(32\) with kv_lora_rank \(16\)"):
+        load_document(ModelSpec, {**wide.model_dump(), **latent})
+
+
+def test_qk_norm_adds_one_weight_per_head_feature_to_queries_and_keys():
+    spec = _llama()
+    normed = ModelSpec.model_validate({**spec.model_dump(), "qk_norm": True})
+    assert normed.num_params() - spec.num_params() == spec.num_layers * 2 * 16
+    assert normed.active_params() - spec.active_params() == spec.num_layers * 2 * 16
+    with pytest.raises(SpecError, match=r"qk_norm with family 'gpt'"):
+        load_document(ModelSpec, {**normed.model_dump(), "family": "gpt"})
+    latent = {"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+    with pytest.raises(SpecError, match=r"qk_norm with family 'llama' and kv_lora_rank"):
+        load_document(ModelSpec, {**normed.model_dump(), **latent})
+
+
 def test_strategy_derived_degrees_and_mesh():
     strategy = Strategy(dp=8, dp_shard=4, zero=3, tp=4, pp=2, num_microbatches=8)
     assert (strategy.shard_degree, strategy.replicate_degree) == (4, 2)

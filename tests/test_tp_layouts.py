@@ -69,12 +69,22 @@ def _summary(graph: OpGraph, assignment) -> tuple[float, float, dict[tuple[str, 
     return params, flops, comm
 
 
-@pytest.mark.parametrize("preset", ["tiny-gpt", "llama-kv4"])
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+_FORMULA_CASES = [
+    *(
+        (preset, tp, sp)
+        for preset in ("tiny-gpt", "llama-kv4")
+        for tp in (2, 4)
+        for sp in (False, True)
+    ),
+    ("tiny-moe", 2, False),  # 2 key/value heads; sequence parallelism does not run through MoE
+]
+
+
+@pytest.mark.parametrize(("preset", "tp", "sequence_parallel"), _FORMULA_CASES)
 def test_zoo_formula_prices_megatrons_solved_layout_exactly(preset, tp, sequence_parallel):
     """The zoo keeps its fast formula graph; Megatron's layout solved on the real trace
-    gives the same parameters, tensor-core FLOPs and collective bytes per rank."""
+    gives the same parameters, tensor-core FLOPs and collective bytes per rank (a
+    mixture of experts: routers and routed experts whole, shared experts as the FFN)."""
     spec = LLAMA if preset == "llama-kv4" else get_preset(preset)
     handle = resolve_model(preset) if preset != "llama-kv4" else _zoo(spec)
     training = TRAINING.model_copy(update={"seq_len": spec.seq_len})

@@ -164,14 +164,17 @@ _ROTARY = (
 )  # fmt: skip
 
 
-def _norm(b: _Builder, module: str, spec: ModelSpec, h: int) -> None:
-    """LayerNorm is one fused kernel keeping input and output (Korthikanti: 2+2 bytes per
-    element); eager RMSNorm also keeps its fp32 upcast and normalised value (4+2+2)."""
+def _norm(b: _Builder, module: str, spec: ModelSpec, h: int, params: int | None = None) -> None:
+    """A norm over ``h`` features a token (``params`` weights, default ``h``: fewer for
+    per-head norms). LayerNorm is one fused kernel keeping input and output (Korthikanti:
+    2+2 bytes per element); eager RMSNorm also keeps its fp32 upcast and normalised value
+    (4+2+2)."""
     scale = b.e / HALF_BYTES
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
         kept = FP32_BYTES + 2 * HALF_BYTES  # fp32 upcast, normalised value, output
-        b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=h)
+        weights = h if params is None else params
+        b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=weights)
     else:
         b.chain(module, OpKind.NORM, h, (("layer_norm", b.e, b.e),), 2.0 * b.e, params=2 * h)
 
@@ -183,17 +186,20 @@ def _residual(b: _Builder, name: str, h: int, dropout: bool) -> None:
 def _attention(b: _Builder, spec: ModelSpec, seq: int) -> None:
     """Multi-head attention with grouped queries (Megatron-LM's layout)."""
     e, h, bias = b.e, spec.hidden_size, spec.family is not Family.LLAMA
-    kv = spec.kv_heads * spec.head_dim
-    b.linear("attention.wq", h, h, bias, saved_input=False)
+    q, kv = spec.num_heads * spec.head_size, spec.kv_heads * spec.head_size
+    b.linear("attention.wq", q, h, bias, saved_input=False)
     b.linear("attention.wk", kv, h, bias, saved_input=False)
     b.linear("attention.wv", kv, h, bias, saved_input=False)
+    if spec.qk_norm:  # per-head RMSNorms of queries and keys (Qwen3)
+        _norm(b, "attention.q_norm", spec, q, params=spec.head_size)
+        _norm(b, "attention.k_norm", spec, kv, params=spec.head_size)
     if spec.family is Family.LLAMA:
-        _rotary(b, h + kv)
-    if kv < h:  # grouped-query attention: K and V repeated to every query head
-        b.chain("attention", OpKind.ELEMENTWISE, 2 * h, (("repeat_kv", e * kv / h, e),), 0.0)
-    b.attention(spec.num_heads, seq, spec.head_dim)
-    b.chain("attention", OpKind.ELEMENTWISE, h, (("merge_heads", e, e),), 0.0)
-    b.linear("attention.wo", h, h, bias, saved_input=True)
+        _rotary(b, q + kv)
+    if kv < q:  # grouped-query attention: K and V repeated to every query head
+        b.chain("attention", OpKind.ELEMENTWISE, 2 * q, (("repeat_kv", e * kv / q, e),), 0.0)
+    b.attention(spec.num_heads, seq, spec.head_size)
+    b.chain("attention", OpKind.ELEMENTWISE, q, (("merge_heads", e, e),), 0.0)
+    b.linear("attention.wo", h, q, bias, saved_input=True)
 
 
 def _rotary(b: _Builder, width: int) -> None:

@@ -47,7 +47,7 @@ from typing import Literal
 
 from planner.cost.communication import Collective
 from planner.dtypes import FP32_BYTES
-from planner.graph import OpGraph, OpKind, OpNode, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, OpRole, SegmentType
 from planner.parallel_dims import ParallelDims
 
 __all__ = [
@@ -171,19 +171,43 @@ def replicated_grad_comm(node: OpNode) -> Comm:
 # --- Megatron-LM's layout of the zoo transformer, by module name ------------------------
 
 
-def _is_split(node: OpNode) -> bool:
+# A router and grouped-weight experts stay whole on every tensor-parallel rank, as the
+# runtime keeps them (expert parallelism splits the experts' tokens, planner.cost.experts).
+_WHOLE_ROLES = frozenset({OpRole.ROUTER, OpRole.EXPERTS})
+
+
+def _is_split(node: OpNode, per_head: frozenset[str]) -> bool:
     parts = node.module.split(".") if node.module else []
     if node.kind is OpKind.LOSS or (parts and parts[-1] in _VOCAB_PARALLEL):
         return True
-    return bool(parts) and parts[0] in _SUBLAYERS and node.kind is not OpKind.NORM
+    if node.role in _WHOLE_ROLES:
+        return False
+    in_sublayer = bool(parts) and parts[0] in _SUBLAYERS
+    return in_sublayer and (node.kind is not OpKind.NORM or node.module in per_head)
 
 
-def _split_runs(nodes: Sequence[OpNode]) -> list[list[int]]:
+def _per_head_norms(nodes: Sequence[OpNode]) -> frozenset[str]:
+    """Norms inside a sublayer whose weight is narrower than the rows they normalise
+    (Qwen3's per-head q/k norms): they run on each rank's own heads, weight whole."""
+    weights: dict[str, int] = {}
+    for node in nodes:
+        if node.kind is OpKind.NORM:
+            weights[node.module] = weights.get(node.module, 0) + node.param_count
+    return frozenset(
+        node.module
+        for node in nodes
+        if node.kind is OpKind.NORM
+        and node.module.split(".")[0] in _SUBLAYERS
+        and 0 < weights[node.module] < node.output_shape[-1]
+    )
+
+
+def _split_runs(nodes: Sequence[OpNode], per_head: frozenset[str]) -> list[list[int]]:
     """Index runs of consecutive split nodes: one per tensor-parallel sublayer (or the
     embedding, or the head's output and loss), without views at either end."""
     runs: list[list[int]] = [[]]
     for index, node in enumerate(nodes):
-        if _is_split(node):
+        if _is_split(node, per_head):
             runs[-1].append(index)
         elif runs[-1]:
             runs.append([])
@@ -204,6 +228,17 @@ def _rowwise(nodes: Sequence[OpNode], run: list[int]) -> int | None:
     return linears[-1] if len(linears) > 1 else None
 
 
+def _partial_inputs(nodes: Sequence[OpNode], run: list[int]) -> int:
+    """Backward all-reduces of a split run's input gradient: one, or, for shared experts
+    beside whole routed experts, one per column-parallel linear (each partial gradient
+    is reduced before it meets the routed experts' whole one)."""
+    if nodes[run[0]].role is not OpRole.SHARED_EXPERTS:
+        return 1
+    if not any(n.role is OpRole.EXPERTS for n in nodes):
+        return 1
+    return sum(nodes[i].kind is OpKind.MATMUL for i in run) - 1
+
+
 def _run_comms(nodes: Sequence[OpNode], run: list[int], sp: bool, regather: bool) -> list[Comm]:
     """A split run's collectives (a sublayer, the embedding, or the head and loss)."""
     first, last = nodes[run[0]], nodes[run[-1]]
@@ -216,7 +251,7 @@ def _run_comms(nodes: Sequence[OpNode], run: list[int], sp: bool, regather: bool
             if regather:
                 comms.append(Comm(Collective.ALL_GATHER, entry, True))
         else:
-            comms.append(Comm(Collective.ALL_REDUCE, entry, True))
+            comms += [Comm(Collective.ALL_REDUCE, entry, True)] * _partial_inputs(nodes, run)
     if last.kind is OpKind.LOSS:
         comms += loss_parallel_comms(math.prod(last.input_shapes[0][:-1]))
     elif sp and first.kind is not OpKind.EMBEDDING:
@@ -233,15 +268,16 @@ def _megatron_segment(
 ) -> SegmentTP:
     nodes = seg_type.nodes
     on_sequence = sp and not before_blocks  # sequence parallelism starts at the first block
+    per_head = _per_head_norms(nodes)
     work, params, comms = [], [], []
     for node in nodes:
-        split = _is_split(node)
+        split, whole = _is_split(node, per_head), node.module in per_head
         work.append(tp if split or on_sequence else 1)
-        params.append(node.param_count / tp if split else float(node.param_count))
-        if on_sequence and not split and node.param_count:
+        params.append(node.param_count / tp if split and not whole else float(node.param_count))
+        if (whole or (on_sequence and not split)) and node.param_count:
             comms.append(replicated_grad_comm(node))
     gathered = 0.0
-    for run in _split_runs(nodes):
+    for run in _split_runs(nodes, per_head):
         comms += _run_comms(nodes, run, sp, regather)
         rowwise = _rowwise(nodes, run)
         if rowwise is not None:  # its bias stays whole on every rank

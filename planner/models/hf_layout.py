@@ -4,7 +4,8 @@ The zoo's Llama (:class:`planner.models.transformer.Transformer`, family ``llama
 Hugging Face's ``LlamaForCausalLM`` renamed: the same projections, unfused and
 unbiased, rotate-half rotary embeddings at the same frequencies, RMSNorm scaled after the
 cast, SiLU-gated MLP. So a checkpoint moves between the two by renaming alone, with no
-permutation or fusing. The zoo's GPT and encoder families differ from their Hugging Face
+permutation or fusing. With ``qk_norm`` (per-head query and key RMSNorms before rotary)
+it is ``Qwen3ForCausalLM``, Llama's layout plus ``self_attn.q_norm``/``k_norm``. The zoo's GPT and encoder families differ from their Hugging Face
 counterparts in the maths (GPT-2's fused ``c_attn`` in ``Conv1D`` layout, tanh GELU), so
 they have no Hugging Face layout here.
 """
@@ -30,6 +31,8 @@ _RENAMES = (
     ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
     ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
@@ -96,17 +99,19 @@ def hf_names_for(model: nn.Module) -> Callable[[str], str]:
 
 
 def hf_llama_config(spec: ModelSpec, *, dtype: str = "float32") -> dict[str, Any]:
-    """``config.json`` of the ``LlamaForCausalLM`` equal to the zoo model of ``spec``."""
+    """``config.json`` of the ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with
+    ``qk_norm``) equal to the zoo model of ``spec``."""
     check_hf_layout(spec)
+    architecture, model_type = ("Qwen3", "qwen3") if spec.qk_norm else ("Llama", "llama")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [f"{architecture}ForCausalLM"],
+        "model_type": model_type,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.ffn_size,
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
+        "head_dim": spec.head_size,
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.seq_len,
         "rms_norm_eps": spec.norm_eps,

@@ -70,21 +70,26 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         bias = spec.family is not Family.LLAMA
-        kv_dim = spec.kv_heads * spec.head_dim
-        self.head_dim = spec.head_dim
+        h, self.head_dim = spec.hidden_size, spec.head_size
+        q_dim, kv_dim = spec.num_heads * self.head_dim, spec.kv_heads * self.head_dim
         self.kv_groups = spec.num_heads // spec.kv_heads
         self.causal = spec.causal
         self.rope_theta = spec.rope_theta if spec.family is Family.LLAMA else None
-        self.wq = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
-        self.wk = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
-        self.wv = nn.Linear(spec.hidden_size, kv_dim, bias=bias)
-        self.wo = nn.Linear(spec.hidden_size, spec.hidden_size, bias=bias)
+        self.wq = nn.Linear(h, q_dim, bias=bias)
+        self.wk = nn.Linear(h, kv_dim, bias=bias)
+        self.wv = nn.Linear(h, kv_dim, bias=bias)
+        self.wo = nn.Linear(q_dim, h, bias=bias)
+        # Qwen3: every query and key head normalised before rotary
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             positions = _positions(position_ids, x)
             q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
