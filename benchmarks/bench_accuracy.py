@@ -394,7 +394,7 @@ def megatron_moe_flops(spec: ModelSpec, row: dict[str, str]) -> float:
         raise ValueError(f"{spec.name}: Megatron's MLA FLOP count is not implemented here")
     causal = {"megatron-2024": False, "megatron-causal": True}[row["flop_convention"]]
     h, s = spec.hidden_size, _int(row["seq"])
-    q, kv = spec.num_heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    q, kv = spec.num_heads * spec.head_size, spec.kv_heads * spec.head_size
     attention = 6 * h * (2 * q + 2 * kv) + (6 if causal else 12) * q * s
     dense = 18 * h * (spec.ffn_hidden_size or 0)
     moe = 18 * h * spec.expert_ffn_size * (spec.top_k + spec.num_shared_experts)
@@ -450,6 +450,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     }  # fmt: skip
     if "ep_overlap" in row["routing"]:
         options["ep_overlap"] = True
+    if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher
+        options["ep_dedup"] = True
     return {
         "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),
@@ -505,9 +507,12 @@ def search_against(run: RunConfig, result: MoeResult) -> None:
     model = build_cost_model(
         graph, run.cluster, free_batch, causal=run.model.causal, options=run.options
     )
+    from bench_search import runnable  # it imports this module: loaded late
+
     limits = _spec_limits(run)
-    result.published = model.estimate(run.strategy)
-    result.inside = in_search_space(model, limits, run.strategy)
+    published = runnable(run.strategy)
+    result.published = model.estimate(published)
+    result.inside = in_search_space(model, limits, published)
     best = search(model, limits, pins=Pins(), top_k=1).best
     result.chosen, result.chosen_text = best.prediction, best.strategy.describe()
 

@@ -2,10 +2,12 @@
 
 Plans a dozen representative strategies (zoo presets on A100/H100 clusters, each pinned
 to one way of training: FSDP, HSDP, DDP, tp+sp, pipelining with 1F1B, interleaved and
-zero-bubble schedules, cp, fp8, full and selective recompute), exports each to every
+zero-bubble schedules, cp, fp8, full and selective recompute; Mixtral 8x7B and DeepSeek-V3
+with expert parallelism, assembled as given), exports each to every
 release :data:`planner.frameworks.RELEASES` lists, and runs every export through that
 release's own parser in its own Python (``benchmarks/export_parsers/*_check.py``): torchtitan's
-``ConfigManager`` + ``ParallelDims`` + ``parallelize_llama`` on the meta device,
+``ConfigManager`` + ``ParallelDims`` + ``parallelize_llama`` (DeepSeek-V3: torchtitan's
+``deepseek_v3`` 671B, pipelined and expert-parallel) on the meta device,
 Megatron-LM's ``parse_args`` + ``validate_args`` + ``TransformerConfig``, DeepSpeed's
 ``DeepSpeedConfig``. Prints one row per plan and target: ``accepted``, ``refused`` (by
 the exporter, with its reason) or ``REJECTED`` (by the parser, with its error), then the
@@ -40,18 +42,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from planner.assemble import assemble_plan
 from planner.errors import ExportError
 from planner.export import TARGETS, export_plan
 from planner.frameworks import RELEASES, Framework, Target
 from planner.models import resolve_model
 from planner.planning import make_plan
 from planner.solve.search import Pins
-from planner.spec import Cluster, DType, Plan, RecomputeMode, Schedule, Training
+from planner.spec import Cluster, DType, Plan, RecomputeMode, Schedule, Strategy, Training
 
 CHECKERS = Path(__file__).resolve().parent / "export_parsers"
 CHECK_TIMEOUT_S = 300
 # torchtitan's llama3 flavors of the zoo presets (its models/llama3 registry)
 FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3.1-405b": "405B"}
+# torchtitan's other models whose flavors have a zoo preset's sizes: (model, flavor)
+MODELS = {"deepseek-v3": ("deepseek_v3", "671B")}
 # compute capability major of the cluster GPUs (Megatron's validate_args asks CUDA for it)
 GPU_ARCH = {"a100": 8, "h100": 9, "h200": 9, "b200": 10}
 
@@ -75,6 +80,25 @@ class Case:
         )
         cluster = Cluster(gpu=self.gpu, num_gpus=self.gpus)
         return make_plan(resolve_model(self.model), cluster, training, pins=self.pins)
+
+
+@dataclass(frozen=True)
+class FixedCase:
+    """A plan to export: a zoo preset on a cluster under one strategy, assembled as given
+    (not searched: mixture-of-experts plans with ep > 1, which the search may not pick)."""
+
+    label: str
+    model: str
+    gpu: str
+    strategy: Strategy
+    seq_len: int = 4096
+
+    def plan(self) -> Plan:
+        strategy = self.strategy
+        batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+        training = Training(global_batch_size=batch, seq_len=self.seq_len)
+        cluster = Cluster(gpu=self.gpu, num_gpus=strategy.world_size)
+        return assemble_plan(resolve_model(self.model), cluster, training, strategy)
 
 
 H100, A100 = "h100-sxm-80gb", "a100-sxm-80gb"
@@ -110,6 +134,11 @@ CASES = (
     Case("405b selective", "llama3.1-405b", H100, 2048, 2048,
          Pins(tp=8, pp=16, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ONE_F_ONE_B,
               recompute=SELECTIVE)),
+    FixedCase("mixtral ep8 fsdp", "mixtral-8x7b", H100,
+              Strategy(dp=16, zero=3, ep=8, recompute=FULL)),
+    FixedCase("deepseek-v3 ep64", "deepseek-v3", H100,
+              Strategy(dp=64, pp=4, zero=1, ep=64, num_microbatches=8,
+                       schedule=Schedule.ONE_F_ONE_B, recompute=FULL)),
 )  # fmt: skip
 
 
@@ -154,6 +183,9 @@ def checker_args(target: Target, plan: Plan) -> list[str]:
     args = [f"--world-size={plan.strategy.world_size}"]
     if framework is Framework.TORCHTITAN and plan.model_name in FLAVORS:
         args.append(f"--flavor={FLAVORS[plan.model_name]}")
+    if framework is Framework.TORCHTITAN and plan.model_name in MODELS:
+        model, flavor = MODELS[plan.model_name]
+        args += [f"--model={model}", f"--flavor={flavor}"]
     if framework is not Framework.DEEPSPEED:
         arch = next(v for k, v in GPU_ARCH.items() if plan.cluster.gpu.startswith(k))
         args.append(f"--gpu-arch={arch}")
@@ -177,6 +209,12 @@ def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome
         tail = done.stderr.strip().splitlines()[-3:]
         raise RuntimeError(f"{target} checker failed ({done.returncode}): {' | '.join(tail)}")
     result = json.loads(lines[-1])
+    ours = list(range(plan.strategy.ep))  # EP groups: ep consecutive ranks (ParallelDims)
+    if result["ok"] and result.get("expert_group", ours) != ours:
+        return Outcome(
+            "rejected", f"{result['version']}: rank 0's expert-parallel group is "
+            f"{result['expert_group']}, not the planner's ranks {ours}",
+        )  # fmt: skip
     if result["ok"]:
         return Outcome("accepted", f"{target.framework.value} {result['version']}")
     return Outcome("rejected", f"{result['version']} {result['stage']}: {result['error']}")

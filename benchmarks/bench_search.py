@@ -100,8 +100,12 @@ def _limits(run: RunConfig) -> ModelLimits:
 def runnable(strategy: Strategy) -> Strategy:
     """The published strategy as this project's runtime runs it: Megatron's data-parallel
     all-reduce under a pipeline becomes ZeRO-1 (the same bytes, as a reduce-scatter and an
-    all-gather), since DDP cannot run under a pipeline schedule here."""
+    all-gather), since DDP cannot run under a pipeline schedule here; Megatron's sequence
+    parallelism beside expert parallelism is turned off (the experts here take tokens
+    replicated over tp and split them: the same all-to-all bytes)."""
     s = strategy
+    if s.ep > 1 and s.sequence_parallel:
+        s = s.model_copy(update={"sequence_parallel": False})
     if s.zero == 0 and ParallelDims.of(s).ddp_blocker(tied=False):
         return s.model_copy(update={"zero": 1, "dp_shard": s.dp})
     return s

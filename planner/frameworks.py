@@ -35,6 +35,7 @@ from planner.spec import (
 
 __all__ = [
     "RELEASES",
+    "torchtitan_model",
     "Framework",
     "Refusal",
     "Target",
@@ -168,7 +169,17 @@ def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
             "configs of supported families have one)",
             "plan a zoo preset or a ModelSpec file, or target planner or deepspeed",
         )
+    if target.framework is Framework.TORCHTITAN and spec is not None:
+        return _torchtitan_model(spec)
     if target.framework is Framework.MEGATRON and spec is not None:
+        if spec.top_k == 1:
+            return Refusal(
+                "plan.model.top_k",
+                spec.top_k,
+                "Megatron-LM routes one expert per token only with --moe-router-pre-softmax "
+                "(the weight is the expert's probability), while the zoo renormalises it to 1",
+                "use top_k >= 2, or target torchtitan or planner",
+            )
         if spec.family is Family.ENCODER:
             return Refusal(
                 "plan.model.family",
@@ -182,6 +193,34 @@ def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
                 spec.rope_theta,
                 "--rotary-base takes an integer",
                 "use an integral rope_theta",
+            )
+    return None
+
+
+def torchtitan_model(spec: ModelSpec) -> str:
+    """torchtitan's model (its ``models/`` package, 0.2 and 0.3) built like ``spec``:
+    ``deepseek_v3`` for latent attention (with shared experts and leading dense blocks),
+    ``qwen3`` for grouped-query attention with routed experts only, else ``llama3``."""
+    if spec.latent_attention:
+        return "deepseek_v3"
+    return "qwen3" if spec.moe else "llama3"
+
+
+def _torchtitan_model(spec: ModelSpec) -> Refusal | None:
+    if torchtitan_model(spec) != "qwen3":
+        return None
+    for field, value in (
+        ("plan.model.num_shared_experts", spec.num_shared_experts),
+        ("plan.model.dense_layers", spec.dense_layers),
+    ):
+        if value:
+            return Refusal(
+                field,
+                value,
+                "torchtitan's MoE model with grouped-query attention (qwen3) has neither "
+                "shared experts nor leading dense blocks, and the one with them "
+                "(deepseek_v3) has latent attention",
+                "target megatron or planner",
             )
     return None
 
@@ -309,6 +348,23 @@ def _torchtitan_tensor_parallel(
     )
 
 
+def _torchtitan_expert_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    """torchtitan carves EP groups from its FSDP region (``efsdp = dp_shard * cp * tp /
+    ep``, ``parallel_dims.py``), so experts need ZeRO's sharding, as our layout under
+    ZeRO >= 1; :meth:`ParallelDims.expert_blocker` checks the divisibility."""
+    if strategy.ep == 1 or strategy.zero >= 1:
+        return None
+    return Refusal(
+        "strategy.zero",
+        0,
+        f"torchtitan splits experts (ep = {strategy.ep}) over the ranks FSDP shards over "
+        "(dp_shard x cp x tp), and replicated (DDP) weights shard over none",
+        "re-plan with --zero 1, 2 or 3",
+    )
+
+
 def _torchtitan_optimizer(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
     if training.optimizer in (Optimizer.ADAMW, Optimizer.ADAM):
         return None
@@ -338,6 +394,21 @@ def _megatron_schedule(target: Target, strategy: Strategy, training: Training) -
         "Megatron-LM runs 1F1B, interleaved when the model has virtual pipeline stages "
         "(in-flight micro-batches, so memory, differ from this schedule)",
         "re-plan with --schedule 1f1b or interleaved-1f1b",
+    )
+
+
+def _megatron_expert_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    if strategy.ep == 1 or strategy.tp == 1 or strategy.sequence_parallel:
+        return None
+    return Refusal(
+        "strategy.tp",
+        strategy.tp,
+        "Megatron-LM's MoE layer refuses to train with tensor parallelism but no sequence "
+        "parallelism (moe_layer.py), and this planner's expert parallelism takes tokens "
+        "replicated over tp (no sequence parallelism beside it)",
+        "re-plan with --tp 1 (expert parallelism carries the experts)",
     )
 
 
@@ -400,6 +471,21 @@ def _deepspeed_model_parallel(
     return None
 
 
+def _deepspeed_expert_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    if strategy.ep == 1:
+        return None
+    return Refusal(
+        "strategy.ep",
+        strategy.ep,
+        "DeepSpeed-MoE takes ep_size in model code (deepspeed.moe.layer.MoE(ep_size=...)), "
+        "and the config's expert_parallel section (AutoEP, 0.19.6 on) swaps in its own MoE "
+        "layers found by module-name presets, which this export does not map the plan onto",
+        "re-plan with --ep 1, or export to torchtitan or megatron",
+    )
+
+
 def _deepspeed_recompute(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
     if strategy.recompute is RecomputeMode.NONE:
         return None
@@ -451,14 +537,14 @@ _RULES: dict[Framework, tuple[Rule, ...]] = {
     Framework.PLANNER: (),
     Framework.TORCHTITAN: (
         *_COMMON, _torchtitan_data_parallel, _torchtitan_precision, _torchtitan_tensor_parallel,
-        _torchtitan_optimizer,
+        _torchtitan_expert_parallel, _torchtitan_optimizer,
     ),
     Framework.MEGATRON: (
-        *_COMMON, _megatron_schedule, _megatron_recompute,
+        *_COMMON, _megatron_schedule, _megatron_expert_parallel, _megatron_recompute,
         _megatron_precision, _megatron_optimizer,
     ),
     Framework.DEEPSPEED: (
-        *_COMMON, _deepspeed_model_parallel, _deepspeed_recompute, _deepspeed_precision,
+        *_COMMON, _deepspeed_model_parallel, _deepspeed_expert_parallel, _deepspeed_recompute, _deepspeed_precision,
         _deepspeed_sharding,
     ),
 }  # fmt: skip

@@ -116,6 +116,12 @@ class ParallelDims:
             return None
         if not num_experts:
             return f"ep({self.ep}) > 1 on a model without experts: use ep = 1"
+        if self.sp:
+            return (
+                f"ep({self.ep}) > 1 with sequence parallelism: the experts take their tokens "
+                "replicated over the tp ranks and split them there; turn sequence "
+                "parallelism off"
+            )
         if num_experts % self.ep:
             return (
                 f"ep({self.ep}) does not divide num_experts ({num_experts}): each EP rank "

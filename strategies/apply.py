@@ -7,12 +7,13 @@
 3. pipeline split (this rank's chunks; each runs as its stage once steps 4-10 wrapped it)
 4. context parallel (attention gathers keys and values over cp; global positions)
 5. tensor / sequence parallel
-6. activation recompute
-7. FSDP (ZeRO >= 1, sharding over dp_shard x cp)
-8. deferred initialisation of a meta-device model: this rank's shards only
-9. DDP (ZeRO 0, over dp_replicate x cp)
-10. gradient-compression hooks
-11. weights from a checkpoint or Hugging Face safetensors: each rank reads its shards
+6. expert parallel (ep > 1: each EP rank keeps its experts, tokens go by all-to-all)
+7. activation recompute
+8. FSDP (ZeRO >= 1, sharding over dp_shard x cp; experts over their own shard ranks)
+9. deferred initialisation of a meta-device model: this rank's shards only
+10. DDP (ZeRO 0, over dp_replicate x cp; expert gradients averaged over their replicas)
+11. gradient-compression hooks
+12. weights from a checkpoint or Hugging Face safetensors: each rank reads its shards
 
 The same order as torchtitan's ``parallelize_llama``: each later step wraps what the
 earlier ones produced (FSDP shards DTensor-TP parameters into 2-D DTensors, DDP's hooks
@@ -43,6 +44,7 @@ from strategies import (
     compression,
     context_parallel,
     data_parallel,
+    expert_parallel,
     fsdp,
     materialize,
     pipeline,
@@ -108,30 +110,40 @@ def parallelize(
     loaded = frozenset(source.names) if source is not None else frozenset()
     deferred = _Deferred(seed, init, loaded) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
-    parallel = _parallel_model(model, mesh, plan, loss_fn, deferred)
+    meshes = _Meshes(mesh, expert_parallel.build_expert_mesh(plan))
+    parallel = _parallel_model(model, meshes, plan, loss_fn, deferred)
     if source is not None:
         state.load_weights(parallel.model_state, source)
     return parallel
 
 
+@dataclass(frozen=True)
+class _Meshes:
+    """The plan's mesh and, for ``ep > 1``, the experts mesh (built once for all chunks)."""
+
+    dense: DeviceMesh | None
+    experts: expert_parallel.ExpertMesh | None
+
+
 def _parallel_model(
     model: nn.Module,
-    mesh: DeviceMesh | None,
+    meshes: _Meshes,
     plan: Plan,
     loss_fn: LossFn,
     deferred: _Deferred | None,
 ) -> ParallelModel:
+    mesh = meshes.dense
     if mesh is not None and plan.strategy.pp > 1:
         pp_rank = axis_rank(mesh, Axis.PP)
         chunks = [
-            (index, _apply_dimensions(chunk, mesh, plan, pp_rank, deferred))
+            (index, _apply_dimensions(chunk, meshes, plan, pp_rank, deferred))
             for index, chunk in pipeline.split(model, mesh, plan)
         ]
         pipeline.install_stages(chunks, plan)
         runner = pipeline.build_runner(chunks, mesh, plan, loss_fn, lambda: loss_context(plan))
         return ParallelModel(plan, runner, mesh=mesh, loss_fn=loss_fn)
     return ParallelModel(
-        plan, _apply_dimensions(model, mesh, plan, 0, deferred), mesh=mesh, loss_fn=loss_fn
+        plan, _apply_dimensions(model, meshes, plan, 0, deferred), mesh=mesh, loss_fn=loss_fn
     )
 
 
@@ -146,7 +158,7 @@ class _Deferred:
 
 def _apply_dimensions(
     model: nn.Module,
-    mesh: DeviceMesh | None,
+    meshes: _Meshes,
     plan: Plan,
     pp_rank: int,
     deferred: _Deferred | None,
@@ -154,13 +166,15 @@ def _apply_dimensions(
     device = local_device()
     if deferred is None and device.type == "cuda":
         model.to(device)
+    mesh = meshes.dense
     model = context_parallel.apply(model, mesh, plan)
     model = tensor_parallel.apply(model, mesh, plan)
+    model = expert_parallel.apply(model, mesh, meshes.experts, plan)
     model = checkpointing.apply(model, mesh, plan, pp_rank=pp_rank)
-    model = fsdp.apply(model, mesh, plan)
+    model = fsdp.apply(model, mesh, plan, meshes.experts)
     if deferred is not None:
         model = materialize.apply(
             model, device, seed=deferred.seed, init=deferred.init, loaded=deferred.loaded
         )
-    model = data_parallel.apply(model, mesh, plan)
+    model = data_parallel.apply(model, mesh, plan, meshes.experts)
     return compression.apply(model, mesh, plan)

@@ -106,12 +106,15 @@ def _without_partial(grad: DTensor) -> DTensor:
     return grad.redistribute(placements=placements)
 
 
-def stock_clipping_problem(pp: int, tp: int) -> str | None:
-    """Why stock ``clip_grad_norm_`` is wrong for a model split ``pp`` x ``tp``, or ``None``."""
+def stock_clipping_problem(pp: int, tp: int, ep: int = 1) -> str | None:
+    """Why stock ``clip_grad_norm_`` is wrong for a model split ``pp`` x ``tp`` with
+    experts over ``ep`` ranks, or ``None``."""
     if pp > 1:
         return f"pipeline stages (pp = {pp}) each see only their own gradients"
     if tp > 1:
         return f"tensor-parallel shards (tp = {tp}) are not all DTensors on one mesh"
+    if ep > 1:
+        return f"expert-parallel shards (ep = {ep}) are DTensors on the experts' own mesh"
     return None
 
 

@@ -9,6 +9,11 @@ torch composes TP with DDP), so DDP communication hooks (compression) apply too.
 loses tied weights, and DDP's reducer fails when a pipeline schedule runs several
 backwards per step (torch 2.13, gloo): plans there use ZeRO >= 1 (the search offers no
 ZeRO-0 and validation refuses it, :meth:`planner.parallel_dims.ParallelDims.ddp_blocker`).
+
+Expert-parallel experts are no replicas over dp x cp: DDP ignores them, and their
+gradients are averaged over their own replicas instead
+(:func:`strategies.expert_parallel.reduce_replica_gradients`), under any ZeRO stage
+where FSDP2 does not reduce them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.parallel_dims import ParallelDims
 from planner.spec import Plan
-from strategies import fsdp
+from strategies import expert_parallel, fsdp
 from strategies.mesh import replicate_mesh
 
 __all__ = ["apply", "as_shard_of"]
@@ -33,15 +38,38 @@ __all__ = ["apply", "as_shard_of"]
 log = logging.getLogger(__name__)
 
 
-def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
-    """Wrap ``model`` in DDP over dp_replicate x cp (returns the wrapper) when the plan says DP."""
+def apply(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: Plan,
+    experts_mesh: expert_parallel.ExpertMesh | None = None,
+) -> nn.Module:
+    """Wrap ``model`` in DDP over dp_replicate x cp (returns the wrapper) when the plan says
+    DP; average expert gradients over their replicas (``experts_mesh``, ``ep > 1``)."""
+    experts = expert_parallel.expert_parameter_names(model) if experts_mesh is not None else []
+    wrapped = _ddp(model, mesh, plan, experts)
+    group = expert_parallel.replica_group(experts_mesh, plan)
+    if group is not None:
+        params = dict(model.named_parameters())  # DDP over TP shards: its local parameters
+        hooked = expert_parallel.reduce_replica_gradients(
+            model, [params[n] for n in experts], group
+        )
+        log.info("expert gradients: %d parameters averaged over %d replicas", hooked,
+                 ParallelDims.of(plan.strategy).expert_replicas)  # fmt: skip
+    return wrapped
+
+
+def _ddp(model: nn.Module, mesh: DeviceMesh | None, plan: Plan, ignored: list[str]) -> nn.Module:
     if fsdp.uses_fsdp(plan) or ParallelDims.of(plan.strategy).replicas == 1 or mesh is None:
         return model
     dp_mesh = replicate_mesh(mesh)
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.strategy.tp > 1:
         _over_tensor_parallel_shards(model)
     wrapped = DistributedDataParallel(model, device_mesh=dp_mesh)
-    log.info("ddp: over %s, %d ranks", dp_mesh.mesh_dim_names, dp_mesh.size())
+    log.info("ddp: over %s, %d ranks%s", dp_mesh.mesh_dim_names, dp_mesh.size(),
+             f", {len(ignored)} expert parameters left out" if ignored else "")  # fmt: skip
     return wrapped
 
 

@@ -11,21 +11,29 @@ so memory lies between ZeRO-2 and ZeRO-3: FSDP2 has no separate ZeRO-1/2 modes).
 takes the parameter dtype from ``training.dtype`` and the gradient-reduction dtype from
 the plan's compression (fp16/bf16), else fp32; compression ``int8`` replaces the
 gradient reduce-scatter (:mod:`strategies.int8_reduce_scatter`).
+
+With expert parallelism each experts module is sharded first, on its own: over the
+``edp_shard`` ranks of the experts mesh (HSDP with ``edp_replicate``), along dim 1 (its
+dim 0 is the EP axis'); the dense ``fully_shard`` calls leave expert parameters alone
+(:mod:`strategies.expert_parallel`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from planner.errors import SpecError
 from planner.modules import find_blocks
 from planner.parallel_dims import ParallelDims
 from planner.spec import CompressionKind, DType, Plan
 from planner.torch_dtypes import TORCH_DTYPES, mixed_precision_dtype
+from strategies import expert_parallel
 from strategies.int8_reduce_scatter import use_int8_reduce_scatter
 from strategies.mesh import shard_mesh
 
@@ -60,22 +68,51 @@ def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
-def apply(model: nn.Module, mesh: DeviceMesh | None, plan: Plan) -> nn.Module:
-    """Shard ``model`` with FSDP2 over the data-parallel axes when the plan asks for it."""
+def apply(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    plan: Plan,
+    experts_mesh: expert_parallel.ExpertMesh | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the data-parallel axes when the plan asks for it
+    (and its experts over the experts mesh's shard ranks, for ``ep > 1``)."""
+    ignored: set[nn.Parameter] = set()
+    if experts_mesh is not None:
+        if expert_parallel.fsdp_shards_experts(plan):
+            _shard_experts(model, experts_mesh, plan)
+        else:  # their replicas average them (strategies.expert_parallel)
+            ignored = set(expert_parallel.expert_parameters(model))
     if not uses_fsdp(plan) or mesh is None:
         return model
-    _shard(model, shard_mesh(mesh), plan)
+    _shard(model, shard_mesh(mesh), plan, ignored)
     return model
 
 
-def _shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan) -> None:
-    """``fully_shard`` each block, then the root, over ``dp_mesh`` (1-D, or 2-D for HSDP)."""
+def _shard_experts(model: nn.Module, experts_mesh: expert_parallel.ExpertMesh, plan: Plan) -> None:
+    """``fully_shard`` each experts module over ``edp_shard`` (HSDP with
+    ``edp_replicate``), along dim 1."""
+    mesh = experts_mesh.fsdp
+    modules = expert_parallel.experts_modules(model)
+    for _, experts in modules:
+        fully_shard(
+            experts, mesh=mesh, reshard_after_forward=plan.strategy.zero == 3,
+            mp_policy=mixed_precision(plan), shard_placement_fn=lambda _: Shard(1),
+        )  # fmt: skip
+    log.info("fsdp (experts): %d experts modules over %s", len(modules), mesh.mesh_dim_names)
+
+
+def _shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, ignored: set[nn.Parameter]) -> None:
+    """``fully_shard`` each block, then the root, over ``dp_mesh`` (1-D, or 2-D for HSDP),
+    but for ``ignored`` parameters."""
     reshard = plan.strategy.zero == 3
     policy = mixed_precision(plan)
     blocks = find_blocks(model)
+    options: dict[str, Any] = {"reshard_after_forward": reshard, "mp_policy": policy}
+    if ignored:
+        options["ignored_params"] = ignored
     for _, block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     if plan.strategy.compression.kind is CompressionKind.INT8:
         use_int8_reduce_scatter(model)
     log.info(

@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import SpecError
 from strategies.state import local_part
@@ -158,7 +159,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _full_twin(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` without children whose own tensors are full-size CPU
     tensors (floating ones NaN, so an initialiser that skips one is caught)."""
-    twin = copy.copy(module)
+    twin = _shallow_copy(module)
     twin._modules = {}
     full: dict[str, torch.Tensor] = {}
     for key, tensor in _own_tensors(module):
@@ -171,6 +172,19 @@ def _full_twin(module: nn.Module) -> nn.Module:
         for key, p in module._parameters.items()
     }
     twin._buffers = {key: full.get(key) for key in module._buffers}
+    return twin
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """``copy.copy(module)``, as its own class when FSDP2 wrapped it (an FSDP class cannot
+    be copied: its ``__new__`` calls ``__init__`` without arguments; a module with
+    parameters of its own under ``fully_shard``, such as an experts module, needs this)."""
+    if not isinstance(module, FSDPModule):
+        return copy.copy(module)
+    kind = type(module)
+    original = kind.__mro__[kind._orig_cls_mro_index]
+    twin: nn.Module = object.__new__(original)
+    twin.__dict__.update(module.__dict__)
     return twin
 
 

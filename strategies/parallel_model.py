@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from planner.errors import SpecError
 from planner.spec import Axis, CompressionKind, Plan
 from planner.torch_dtypes import mixed_precision_dtype
-from strategies import clipping, state
+from strategies import clipping, expert_parallel, state
 from strategies.compression import after_step_callback, carried_state, restore_carried_state
 from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
@@ -94,7 +94,8 @@ class ParallelModel:
         self._named_parameters = [
             (name, param) for m in self.modules for name, param in _unwrapped(m).named_parameters()
         ]
-        problem = clipping.stock_clipping_problem(plan.strategy.pp, plan.strategy.tp)
+        strategy = plan.strategy
+        problem = clipping.stock_clipping_problem(strategy.pp, strategy.tp, strategy.ep)
         if problem is not None:
             clipping.guard_stock_clipping(self.parameters(), problem)
         self._after_step = (
@@ -340,7 +341,9 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """Reduce gradients only on the last micro-batch (DDP ``no_sync``, FSDP2 flag)."""
+    """Reduce gradients only on the last micro-batch (DDP ``no_sync``, FSDP2 flag, expert
+    replicas' averaging)."""
+    expert_parallel.set_gradient_sync(_unwrapped(model), sync)
     if isinstance(model, DistributedDataParallel) and not sync:
         with model.no_sync():
             yield

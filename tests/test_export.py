@@ -35,6 +35,7 @@ from planner.spec import (
     Compression,
     CompressionKind,
     DType,
+    ModelSpec,
     ModuleTP,
     Optimizer,
     Plan,
@@ -58,6 +59,7 @@ TORCHTITAN_OPTIONS = {
         "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
         "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
         "context_parallel_degree", "context_parallel_rotate_method", "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
     },
     "training": {
         "dataset", "dataset_path", "local_batch_size", "global_batch_size", "seq_len",
@@ -97,6 +99,7 @@ TORCHTITAN_03_OPTIONS = {
     "training.local_batch_size", "training.global_batch_size", "training.seq_len",
     "training.max_norm", "training.mixed_precision_param", "training.mixed_precision_reduce",
     "training.disable_cuda_graphs", "optimizer.param_groups.0.optimizer_name",
+    "parallelism.expert_parallel_degree",
 }  # fmt: skip
 TORCHTITAN_03_SUBCOMMANDS = {
     "activation-checkpoint:" + mode for mode in ("none", "selective", "full")
@@ -153,6 +156,28 @@ MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--accumulate-allreduce-grads-in-fp32": (0, None),
     "--optimizer": (1, {"adam", "sgd", "muon", "dist_muon"}),
     "--clip-grad": (1, None),
+    # mixture of experts and multi-head latent attention (checked with core_v0.14.0,
+    # core_v0.15.3 and core_v0.16.1's parse_args, validate_args and TransformerConfig)
+    "--expert-model-parallel-size": (1, None),
+    "--expert-tensor-parallel-size": (1, None),
+    "--num-experts": (1, None),
+    "--moe-router-topk": (1, None),
+    "--moe-ffn-hidden-size": (1, None),
+    "--moe-shared-expert-intermediate-size": (1, None),
+    "--moe-layer-freq": (1, None),
+    "--moe-router-score-function": (1, {"softmax", "sigmoid"}),
+    "--moe-router-load-balancing-type": (
+        1, {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"}
+    ),
+    "--moe-grouped-gemm": (0, None),
+    "--moe-token-dispatcher-type": (1, {"allgather", "alltoall", "flex"}),
+    "--multi-latent-attention": (0, None),
+    "--q-lora-rank": (1, None),
+    "--kv-lora-rank": (1, None),
+    "--qk-head-dim": (1, None),
+    "--qk-pos-emb-head-dim": (1, None),
+    "--v-head-dim": (1, None),
+    "--rope-type": (1, {"rope", "yarn", "mrope"}),
 }  # fmt: skip
 
 # deepspeed/runtime/config.py and zero/config.py (DeepSpeed 0.18.9, 0.19.6, 0.19.8)
@@ -583,3 +608,139 @@ def test_exports_are_torch_free() -> None:
                 assert name.startswith(allowed) or name.split(".")[0] in sys.stdlib_module_names, (
                     f"{path.name} imports {name}"
                 )
+
+
+# ----- mixture of experts and latent attention ------------------------------------------
+
+TINY_MLA = ModelSpec(
+    name="tiny-mla", family="llama", num_layers=3, hidden_size=64, num_heads=4, vocab_size=256,
+    seq_len=32, num_experts=8, top_k=2, moe_ffn_hidden_size=32, num_shared_experts=2,
+    dense_layers=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
+)  # fmt: skip
+TINY_MIXTRAL = ModelSpec(
+    name="tiny-mixtral", family="llama", num_layers=2, hidden_size=64, num_heads=4,
+    num_kv_heads=2, vocab_size=256, seq_len=32, num_experts=8, top_k=2,
+)  # fmt: skip
+
+
+def megatron_moe_layout(spec: ModelSpec) -> dict[str, ModuleTP]:
+    """Megatron-Core's tensor-parallel layout of a zoo MoE model: attention's query (or
+    its up-projection), key/value (up-)projections and the dense or shared-expert w1/w3
+    column-parallel, wo/w2 row-parallel; router and routed experts whole."""
+    col = ModuleTP(style="colwise", params={"weight": "Shard(0)"})
+    row = ModuleTP(style="rowwise", params={"weight": "Shard(1)"})
+    layout = {"tok_embeddings": ModuleTP(style="vocab_parallel", params={"weight": "Shard(0)"})}
+    layout["output"] = col
+    for index in range(spec.num_layers):
+        prefix = f"layers.{index}."
+        attention = ("wq_b", "wkv_b") if spec.latent_attention else ("wq", "wk", "wv")
+        layout |= {f"{prefix}attention.{name}": col for name in attention}
+        layout[f"{prefix}attention.wo"] = row
+        moe = spec.is_moe_layer(index)
+        if moe and not spec.num_shared_experts:
+            continue
+        ffn = f"{prefix}feed_forward." + ("shared_experts." if moe else "")
+        layout |= {f"{ffn}w1": col, f"{ffn}w3": col, f"{ffn}w2": row}
+    return layout
+
+
+def moe_plan(spec: ModelSpec | str, **strategy_fields: Any) -> Plan:
+    """A plan for a MoE model under ``strategy_fields`` (Megatron's layout when tp > 1)."""
+    handle = _handle(spec) if isinstance(spec, str) else resolve_model(spec)
+    assert handle.spec is not None
+    strategy = Strategy(**strategy_fields)
+    batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+    layout = megatron_moe_layout(handle.spec) if strategy.tp > 1 else None
+    cluster = Cluster(gpu=GPU, num_gpus=strategy.world_size)
+    training = Training(global_batch_size=batch)
+    return assemble_plan(handle, cluster, training, strategy, tp_layout=layout)
+
+
+def moe_layers(freq: str) -> list[int]:
+    """Megatron's ``--moe-layer-freq`` list expression evaluated as its parser does."""
+    assert re.fullmatch(r"[\[\]()*+0-9]+", freq), freq
+    return eval(freq, {"__builtins__": {}})  # digits, brackets, * and + only
+
+
+def test_megatron_moe_arguments_describe_the_experts_and_expert_parallelism() -> None:
+    plan = moe_plan("tiny-moe", dp=8, ep=8, zero=1)
+    spec = plan.model
+    assert spec is not None
+    args = megatron_args(plan)
+    assert args["--num-experts"] == ["8"] and args["--moe-router-topk"] == ["2"]
+    assert args["--moe-ffn-hidden-size"] == [str(spec.expert_ffn_size)]
+    assert args["--moe-shared-expert-intermediate-size"] == [str(spec.expert_ffn_size)]
+    pattern = moe_layers(args["--moe-layer-freq"][0])
+    assert pattern == [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)] == [0, 1, 1, 1]
+    assert args["--expert-model-parallel-size"] == ["8"]
+    assert args["--expert-tensor-parallel-size"] == ["1"]  # Megatron's default would be tp
+    assert args["--moe-token-dispatcher-type"] == ["alltoall"] and "--moe-grouped-gemm" in args
+    assert args["--moe-router-score-function"] == ["softmax"]
+    assert args["--moe-router-load-balancing-type"] == ["none"]
+    # dropless, softmax over the top-k logits (= renormalised top-k probabilities)
+    assert not {"--moe-expert-capacity-factor", "--moe-router-pre-softmax"} & set(args)
+
+
+def test_megatron_writes_latent_attention_and_every_block_moe() -> None:
+    args = megatron_args(moe_plan(TINY_MLA, dp=4, ep=4, zero=1))
+    assert "--multi-latent-attention" in args and "--group-query-attention" not in args
+    assert {key: args[key] for key in (
+        "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+        "--v-head-dim", "--rope-type", "--moe-shared-expert-intermediate-size",
+    )} == {
+        "--q-lora-rank": ["24"], "--kv-lora-rank": ["16"], "--qk-head-dim": ["16"],
+        "--qk-pos-emb-head-dim": ["8"], "--v-head-dim": ["16"], "--rope-type": ["rope"],
+        "--moe-shared-expert-intermediate-size": ["64"],  # two shared experts of 32
+    }  # fmt: skip
+    direct = TINY_MLA.model_copy(update={"q_lora_rank": None, "num_shared_experts": 0,
+                                         "dense_layers": 0})  # fmt: skip
+    args = megatron_args(moe_plan(direct, dp=4, ep=2, zero=1))
+    assert "--q-lora-rank" not in args and "--moe-layer-freq" not in args
+    assert "--moe-shared-expert-intermediate-size" not in args
+
+
+def test_dense_exports_carry_no_expert_settings() -> None:
+    args = megatron_args(plan_for(dp=2, tp=2, zero=1, sequence_parallel=True))
+    assert not {key for key in args if "expert" in key or key.startswith("--moe")}
+    assert "expert_parallel_degree" not in torchtitan_tables(plan_for(dp=2, zero=1))["parallelism"]
+
+
+def test_torchtitan_writes_expert_parallelism_and_names_its_moe_model() -> None:
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=1)
+    tables = torchtitan_tables(plan)
+    assert tables["parallelism"]["expert_parallel_degree"] == 8
+    assert tables["parallelism"]["expert_tensor_parallel_degree"] == 1
+    assert tables["model"] == {"name": "qwen3"}  # torchtitan's default llama3 has no experts
+    options, _ = torchtitan_overrides(plan)
+    assert options["--parallelism.expert_parallel_degree"] == ["8"]
+    assert "model: torchtitan's qwen3" in to_torchtitan(plan)
+    latent = torchtitan_tables(moe_plan(TINY_MLA, dp=8, ep=8, zero=3))
+    assert latent["model"] == {"name": "deepseek_v3"}
+
+
+MOE_REFUSALS = [
+    ("torchtitan", "tiny-moe", {"dp": 8, "ep": 8, "zero": 1}, "plan.model.num_shared_experts = 1"),
+    ("torchtitan", TINY_MIXTRAL, {"dp": 8, "ep": 8, "zero": 0}, "strategy.zero = 0"),
+    ("deepspeed", TINY_MIXTRAL, {"dp": 8, "ep": 8, "zero": 1}, "strategy.ep = 8"),
+    ("megatron", TINY_MIXTRAL.model_copy(update={"top_k": 1}), {"dp": 8, "ep": 8, "zero": 1},
+     "plan.model.top_k = 1"),
+    ("megatron", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1}, "strategy.tp = 2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "model", "strategy", "field"), MOE_REFUSALS)
+def test_refuses_experts_the_target_cannot_run(target, model, strategy, field) -> None:
+    with pytest.raises(ExportError, match=re.escape(field) + r": .*; .*(re-plan|target|use)"):
+        export_plan(moe_plan(model, **strategy), target)
+
+
+def test_expert_parallelism_the_mesh_cannot_split_is_refused_before_any_export() -> None:
+    """ep must divide dp_shard x cp x tp (torchtitan's efsdp = dp_shard * cp * tp / ep,
+    Megatron's expert data-parallel groups per distributed-optimizer instance)."""
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=4, zero=1)
+    hybrid = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"dp_shard": 2})})
+    for target in ("torchtitan", "megatron"):
+        assert export_plan(plan, target)
+        with pytest.raises(SpecError, match=r"strategy\.ep\(4\) does not divide dp_shard"):
+            export_plan(hybrid, target)

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from planner.cli import main
 from planner.errors import ExportError, SpecError
 from planner.export import export_plan
-from planner.frameworks import Framework, model_refusal, parse_target, strategy_refusal
+from planner.frameworks import (
+    Framework,
+    model_refusal,
+    parse_target,
+    strategy_refusal,
+    torchtitan_model,
+)
 from planner.models import handle_for_module, resolve_model
 from planner.planning import make_plan, parallel_dimensions, preferred
 from planner.solve.search import Headroom, Pins, Scored
@@ -33,7 +39,7 @@ from planner.spec import (
     Training,
 )
 from planner.validate import check_plan
-from tests.test_export import plan_for
+from tests.test_export import TINY_MIXTRAL, TINY_MLA, moe_plan, plan_for
 from tests.user_models import gpt
 
 # ---- targets ------------------------------------------------------------------------
@@ -146,6 +152,55 @@ def test_a_strategy_the_rules_allow_always_exports(case, text):
     else:
         with pytest.raises(ExportError, match=f"{refusal.field} = "):
             export_plan(plan, target)
+
+
+_MOE_MODELS = {"mixtral-like": TINY_MIXTRAL, "deepseek-like": TINY_MLA, "shared-gqa": "tiny-moe"}
+
+
+@pytest.mark.parametrize("text", _TARGETS)
+@pytest.mark.parametrize(
+    ("ep", "zero", "dp_shard"),
+    [(1, 0, None), (8, 0, None), (4, 1, None), (2, 3, 4), (8, 3, 4), (8, 1, None)],
+)
+@pytest.mark.parametrize("model", _MOE_MODELS)
+def test_moe_plans_the_rules_allow_export_and_the_others_are_refused(
+    model, ep, zero, dp_shard, text
+):
+    """The same invariant for experts: model_refusal and strategy_refusal are the
+    exporter's verdict (an ep the mesh cannot split is no plan at all)."""
+    plan = moe_plan(_MOE_MODELS[model], dp=8, ep=ep, zero=zero, dp_shard=dp_shard)
+    try:
+        check_plan(plan)
+    except SpecError as error:
+        assert "strategy.ep(" in str(error)  # ep does not divide the expert block
+        return
+    target = parse_target(text)
+    refusal = model_refusal(target, plan.model)
+    refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
+    if refusal is None:
+        assert export_plan(plan, target)
+    else:
+        with pytest.raises(ExportError, match=re.escape(f"{refusal.field} = ")):
+            export_plan(plan, target)
+
+
+def test_expert_rules_name_the_field_value_and_fix():
+    training = Training(global_batch_size=8)
+    ddp = Strategy(dp=8, ep=8)
+    refusal = strategy_refusal(parse_target("torchtitan"), ddp, training)
+    assert refusal is not None and (refusal.field, refusal.value) == ("strategy.zero", 0)
+    refusal = strategy_refusal(parse_target("deepspeed"), ddp.model_copy(update={"zero": 1}),
+                               training)  # fmt: skip
+    assert refusal is not None and (refusal.field, refusal.value) == ("strategy.ep", 8)
+    assert "--ep 1" in refusal.fix
+    assert strategy_refusal(parse_target("megatron"), ddp, training) is None
+    shared = resolve_model("tiny-moe").spec
+    refusal = model_refusal(parse_target("torchtitan"), shared)
+    assert refusal is not None and refusal.field == "plan.model.num_shared_experts"
+    assert torchtitan_model(TINY_MLA) == "deepseek_v3" and torchtitan_model(TINY_MIXTRAL) == "qwen3"
+    top1 = TINY_MIXTRAL.model_copy(update={"top_k": 1})
+    refusal = model_refusal(parse_target("megatron"), top1)
+    assert refusal is not None and (refusal.field, refusal.value) == ("plan.model.top_k", 1)
 
 
 # ---- plan --for ---------------------------------------------------------------------

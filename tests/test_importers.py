@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import planner
 from planner.cli import main
 from planner.cost.run import RunConfig, estimate_run
-from planner.errors import PlannerError, SpecError, UnknownNameError
+from planner.errors import ExportError, PlannerError, SpecError, UnknownNameError
 from planner.export import TARGETS, export_plan
 from planner.frameworks import RELEASES, Framework
 from planner.importers import ImportedRun, describe_changes, detect_format, import_config
@@ -32,6 +33,7 @@ from planner.spec import (
     Compression,
     CompressionKind,
     DType,
+    ModelSpec,
     Optimizer,
     Plan,
     RecomputeMode,
@@ -39,7 +41,7 @@ from planner.spec import (
     Strategy,
     Training,
 )
-from tests.test_export import GPU, _handle, plan_for
+from tests.test_export import GPU, TINY_MIXTRAL, TINY_MLA, _handle, moe_plan, plan_for
 
 
 @functools.cache
@@ -53,7 +55,7 @@ def facts(strategy: Strategy, training: Training, seq_len: int) -> dict[str, Any
     """The fields the round trip must keep."""
     return {
         "dp": strategy.dp, "dp_shard": strategy.shard_degree, "tp": strategy.tp,
-        "pp": strategy.pp, "cp": strategy.cp, "zero": strategy.zero,
+        "pp": strategy.pp, "cp": strategy.cp, "ep": strategy.ep, "zero": strategy.zero,
         "sp": strategy.sequence_parallel, "recompute": strategy.recompute,
         "recompute_blocks": strategy.recompute_blocks,
         "micro_batch": strategy.micro_batch_size, "micro_batches": strategy.num_microbatches,
@@ -422,7 +424,14 @@ REFUSALS = [
      "optimizer.type = 'Lamb'"),
     ("deepspeed", '{"train_batch_size": 64, "bf16": {"enabled": true}, "fp16": {"enabled": true}}',
      "fp16.enabled = true: bf16 is enabled too"),
-    ("megatron", "--num-layers 2 --num-experts 8", "--num-experts = '8': mixture-of-experts"),
+    ("megatron", "--moe-expert-capacity-factor 1.25",
+     "--moe-expert-capacity-factor = '1.25': the planner's experts are dropless"),
+    ("megatron", "--moe-router-score-function sigmoid",
+     "--moe-router-score-function = 'sigmoid': the planner's router is a softmax"),
+    ("deepspeed", '{"train_batch_size": 64, "expert_parallel": {"enabled": true, '
+     '"autoep_size": 8}}', "expert_parallel.enabled = true: AutoEP"),
+    ("torchtitan", "[parallelism]\nexpert_tensor_parallel_degree = 2",
+     "parallelism.expert_tensor_parallel_degree = 2: the planner never splits"),
     ("megatron", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
      "--recompute-method = 'uniform'"),
     ("megatron", "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
@@ -509,7 +518,7 @@ def test_cli_estimate_from_prints_what_it_read_and_the_table(tmp_path, capsys) -
 
 def test_cli_refusals_and_misplaced_options_exit_2(tmp_path, capsys) -> None:
     path = tmp_path / "megatron.args"
-    path.write_text("--num-experts 8\n")
+    path.write_text("--moe-expert-capacity-factor 1.0\n")
     assert main(["estimate", "--from", str(path), "--model", "gpt2", "--gpus", "8"]) == 2
     assert "error: cannot read" in capsys.readouterr().err
     plan = tmp_path / "plan.json"
@@ -525,3 +534,102 @@ def test_every_export_target_has_an_importer() -> None:
 
     assert {framework.value for framework in TARGETS} == set(FORMATS)
     assert Framework.PLANNER not in TARGETS
+
+
+def model_facts(spec: ModelSpec) -> dict[str, Any]:
+    """What makes two specs the same network, experts and latent attention included."""
+    return {
+        "layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
+        "kv_heads": None if spec.latent_attention else spec.kv_heads, "ffn": spec.ffn_size,
+        "vocab": spec.vocab_size, "experts": spec.num_experts, "top_k": spec.top_k,
+        "expert_ffn": spec.expert_ffn_size if spec.moe else None,
+        "shared": spec.num_shared_experts, "dense": spec.dense_layers,
+        "latent": (spec.kv_lora_rank, spec.q_lora_rank, spec.qk_nope_head_dim,
+                   spec.qk_rope_head_dim, spec.v_head_dim),
+        "params": spec.num_params(),
+    }  # fmt: skip
+
+
+MOE_PLANS = {
+    "mixtral-like cp2 ep8": (TINY_MIXTRAL, {"dp": 4, "cp": 2, "ep": 8, "zero": 1}),
+    "deepseek-like pp3 ep4": (TINY_MLA, {"dp": 8, "pp": 3, "ep": 4, "zero": 3,
+                                         "num_microbatches": 3}),
+    "tiny-moe hsdp ep2": ("tiny-moe", {"dp": 8, "dp_shard": 4, "ep": 2, "zero": 1}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", ["megatron", "torchtitan==0.2", "torchtitan==0.3"])
+@pytest.mark.parametrize("label", MOE_PLANS)
+def test_moe_plans_come_back_with_their_experts_and_ep(label, target) -> None:
+    model, strategy = MOE_PLANS[label]
+    plan = moe_plan(model, **strategy)
+    assert plan.model is not None
+    try:
+        text = export_plan(plan, target)
+    except ExportError as error:  # torchtitan has no GQA model with shared experts
+        assert target.startswith("torchtitan") and "num_shared_experts" in str(error)
+        return
+    check_round_trip(plan, target)
+    framework = target.partition("==")[0]
+    read = import_config(text, model=None if framework == "megatron" else plan.model,
+                         cluster=plan.cluster).run  # fmt: skip
+    assert read.strategy.ep == plan.strategy.ep > 1
+    assert model_facts(read.model) == model_facts(plan.model)
+
+
+def _megatron_moe_args(**changes: str | None) -> str:
+    """The export of an ep8 Mixtral-like plan, options replaced (None: removed) or added."""
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=1)
+    lines = []
+    for line in export_plan(plan, "megatron").splitlines():
+        option = line.split(" ")[0]
+        if option in changes:
+            value = changes.pop(option)
+            line = option if value == "" else f"{option} {value}" if value else ""
+        lines.append(line)
+    return "\n".join(lines + [f"{k} {v}".strip() for k, v in changes.items() if v is not None])
+
+
+MEGATRON_MOE_REFUSALS = [
+    ({"--expert-tensor-parallel-size": None, "--tensor-model-parallel-size": "2",
+      "--sequence-parallel": ""},
+     "--expert-tensor-parallel-size = 2: the planner never splits an expert's weights"),
+    ({"--expert-tensor-parallel-size": "2"}, "--expert-tensor-parallel-size = '2'"),
+    ({"--moe-token-dispatcher-type": "allgather"},
+     "--moe-token-dispatcher-type = 'allgather': the planner prices expert parallelism as "
+     "all-to-all"),
+    ({"--moe-router-pre-softmax": ""}, "--moe-router-pre-softmax = true"),
+    ({"--moe-layer-freq": "'([1]*1+[0]*1)'"}, "--moe-layer-freq = '([1]*1+[0]*1)'"),
+    ({"--moe-shared-expert-intermediate-size": "100"},
+     "--moe-shared-expert-intermediate-size = '100'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "message"), MEGATRON_MOE_REFUSALS)
+def test_megatron_experts_other_than_ours_are_refused(changes, message) -> None:
+    with pytest.raises(SpecError, match=re.escape(message) + r".*; \S"):
+        import_config(_megatron_moe_args(**changes), cluster=GPU, gpus=8)
+
+
+def test_megatron_moe_defaults_are_megatrons() -> None:
+    """No --moe-ffn-hidden-size: the dense width; no --moe-router-topk: 2; no
+    --moe-layer-freq: experts in every block; --moe-layer-freq 1 alike."""
+    text = _megatron_moe_args(**{"--moe-ffn-hidden-size": None, "--moe-router-topk": None,
+                                 "--moe-layer-freq": "1"})  # fmt: skip
+    model = import_config(text, cluster=GPU, gpus=8).run.model
+    assert (model.top_k, model.expert_ffn_size, model.dense_layers) == (2, model.ffn_size, 0)
+
+
+def test_qwen3_heads_round_trip_through_megatron(tmp_path):
+    """Heads wider than hidden / heads and per-head q/k norms export as --kv-channels and
+    --qk-layernorm and import back as the same preset."""
+    from planner.export.megatron import to_megatron
+
+    plan = moe_plan("qwen3-30b-a3b", dp=8, ep=8, zero=1)
+    text = to_megatron(plan)
+    assert "--kv-channels 128" in text and "--qk-layernorm" in text
+    path = tmp_path / "qwen3.args"
+    path.write_text(text)
+    run = import_config(path, cluster=GPU, gpus=8).run
+    assert run.model.name == "qwen3-30b-a3b"
+    assert (run.model.head_dim, run.model.qk_norm, run.strategy.ep) == (128, True, 8)

@@ -14,11 +14,15 @@ Steps: the export's launch environment (its ``# env: NAME=VALUE`` header lines) 
 what a launch adds (``--tokenizer-type NullTokenizer``, ``--mock-data``, and
 ``--no-rope-fusion``: the fused RoPE needs Transformer Engine, which has no CPU build); then
 ``parse_args()``, ``validate_args(args)`` for ``WORLD_SIZE`` ranks and
-``core_transformer_config_from_args(args)``. ``validate_args`` asks CUDA for the
-device's compute capability (``get_device_arch_version``); this script answers
+``core_transformer_config_from_args(args)``, then Megatron-Core's
+``initialize_model_parallel`` for those sizes on the fake process-group backend as rank 0
+(the rank order and expert-parallel checks of ``megatron/core/parallel_state.py``; the
+printed ``expert_group`` is rank 0's expert-parallel group). ``validate_args`` asks CUDA for the
+device's compute capability (``get_device_arch_version``, and
+``torch.cuda.get_device_capability`` for ``--moe-grouped-gemm``); this script answers
 ``--gpu-arch`` instead (8 A100, 9 H100, 10 B200).
 
-Prints one JSON line, ``{"ok": true, ...}`` or ``{"ok": false, "stage": ..., "error": ...}``;
+Prints one JSON line, ``{"ok": true, "expert_group": [...], ...}`` or ``{"ok": false, "stage": ..., "error": ...}``;
 exits 0 either way (1 only if this script itself breaks).
 """
 
@@ -41,6 +45,28 @@ _ENV = re.compile(r"^#\s*env:\s*([A-Z_][A-Z0-9_]*)=(\S*)", re.MULTILINE)
 _LAUNCH = ["--tokenizer-type", "NullTokenizer", "--mock-data", "--no-rope-fusion"]
 
 
+def _expert_group(args: argparse.Namespace) -> list[int]:
+    """Megatron-Core's process groups for the export's sizes, built as
+    ``megatron/training/initialize.py`` builds them (its rank order, its expert-parallel
+    checks) on the fake backend as global rank 0; returns rank 0's expert-parallel group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=args.world_size)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
+        create_gloo_process_groups=False,
+    )
+    return dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export", type=Path)
@@ -57,6 +83,7 @@ def main() -> int:
     from megatron.core import package_info
 
     arguments.get_device_arch_version = lambda: options.gpu_arch
+    arguments.torch.cuda.get_device_capability = lambda *device: (options.gpu_arch, 0)
     result: dict[str, object] = {
         "framework": "megatron",
         "version": package_info.__version__,
@@ -72,7 +99,12 @@ def main() -> int:
             arguments.validate_args(args, {})
             stage = "TransformerConfig"
             arguments.core_transformer_config_from_args(args)
-        result |= {"ok": True, "data_parallel_size": args.data_parallel_size}
+            stage = "initialize_model_parallel"
+            expert_group = _expert_group(args)
+        result |= {
+            "ok": True, "data_parallel_size": args.data_parallel_size,
+            "expert_group": expert_group,
+        }  # fmt: skip
     except (Exception, SystemExit) as error:  # argparse exits on an unknown option
         message = f"{type(error).__name__}: {error}"
         if isinstance(error, SystemExit):

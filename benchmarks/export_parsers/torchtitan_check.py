@@ -3,7 +3,7 @@
 Run with the Python of a venv that has torchtitan 0.2.x or 0.3.x (and torch), not the
 planner's::
 
-    python torchtitan_check.py EXPORT --world-size 64 [--flavor 8B] [--gpu-arch 9]
+    python torchtitan_check.py EXPORT --world-size 64 [--model llama3] [--flavor 8B] [--gpu-arch 9]
 
 Steps, each torchtitan's own code, in the trainer's order (``torchtitan/train.py`` in 0.2,
 ``torchtitan/trainer.py`` in 0.3):
@@ -16,7 +16,9 @@ Steps, each torchtitan's own code, in the trainer's order (``torchtitan/train.py
 2. mesh: ``ParallelDims`` for ``--world-size`` ranks and ``build_mesh()`` on the fake
    process-group backend (one process stands for every rank);
 3. batch: the trainer's global/local batch and sequence-length checks;
-4. model (with ``--flavor``, llama3 only): the model on the meta device, its converters,
+4. model (with ``--flavor``; ``--model`` another torchtitan model than llama3, e.g.
+   ``deepseek_v3`` ``671B``, 0.3 under its ``{model}_{flavor}`` config function): the
+   model on the meta device, its converters,
    then ``pipelining_fn`` (pp > 1) or ``parallelize_fn`` exactly as the trainer calls them.
    Meshes are built for the CPU (torchtitan falls back to ``cuda`` without an
    accelerator), the fp8 converter is told the plan's GPU (``--gpu-arch``), and 0.3 builds under ``spmd_backend = "full_dtensor"``: its default
@@ -77,29 +79,32 @@ def _stage(name: str, done: list[str]):
     return _Step()
 
 
-def parse(text: str, flavor: str | None):
+def parse(text: str, flavor: str | None, model_name: str):
     """The config; tyro's complaint about a bad command line becomes the error."""
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return _parse(text, flavor)
+            return _parse(text, flavor, model_name)
     except SystemExit:
         lines = [line.strip(" │╭╰─╮╯") for line in captured.getvalue().splitlines()]
         raise ValueError(" ".join(line for line in lines if line)[-600:]) from None
 
 
-def _parse(text: str, flavor: str | None):
+def _parse(text: str, flavor: str | None, model_name: str):
     from torchtitan.config import ConfigManager
 
     if V03:
-        module, config = (
-            ("tt03_configs", CONFIGS_03[flavor]) if flavor else ("llama3", "llama3_debugmodel")
-        )
+        if model_name != "llama3":  # its own config function for the flavor
+            module, config = model_name, f"{model_name}_{(flavor or 'debugmodel').lower()}"
+        elif flavor:
+            module, config = "tt03_configs", CONFIGS_03[flavor]
+        else:
+            module, config = "llama3", "llama3_debugmodel"
         args = ["--module", module, "--config", config, *shlex.split(text, comments=True)]
         return ConfigManager().parse_args(args)
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as handle:
         handle.write(text)
-    model = ["--model.name", "llama3", "--model.flavor", flavor or "debugmodel"]
+    model = ["--model.name", model_name, "--model.flavor", flavor or "debugmodel"]
     return ConfigManager().parse_args(["--job.config_file", handle.name, *model])
 
 
@@ -224,11 +229,13 @@ def simulate_hardware(gpu_arch: int) -> None:
     float8.has_cuda_capability = lambda major, minor: (gpu_arch, 0) >= (major, minor)
 
 
-def check(text: str, world_size: int, flavor: str | None, gpu_arch: int) -> list[str]:
+def check(
+    text: str, world_size: int, flavor: str | None, gpu_arch: int, model_name: str = "llama3"
+) -> list[str]:
     done: list[str] = []
     simulate_hardware(gpu_arch)
     with _stage("parse", done):
-        config = parse(text, flavor)
+        config = parse(text, flavor, model_name)
     if V03 and flavor is not None:
         # 0.3's default spmd_types backend leaves plain-tensor parameters that fully_shard
         # refuses on this CPU build (torch 2.13); the DTensor backend builds the same shards.
@@ -252,7 +259,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export", type=Path)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--flavor", help="torchtitan llama3 flavor (8B, 70B, 405B)")
+    parser.add_argument("--flavor", help="torchtitan flavor (llama3: 8B, 70B, 405B)")
+    parser.add_argument("--model", default="llama3", help="torchtitan model (deepseek_v3, ...)")
     parser.add_argument("--gpu-arch", type=int, default=9, help="compute capability major")
     args = parser.parse_args()
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -260,7 +268,9 @@ def main() -> int:
     try:
         result |= {
             "ok": True,
-            "stages": check(args.export.read_text(), args.world_size, args.flavor, args.gpu_arch),
+            "stages": check(
+                args.export.read_text(), args.world_size, args.flavor, args.gpu_arch, args.model
+            ),
         }
     except Rejected as rejected:
         message = f"{type(rejected.error).__name__}: {rejected.error}".strip()

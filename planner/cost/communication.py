@@ -137,19 +137,25 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
     )  # fmt: skip
 
 
-def alltoall_time(size_bytes: float, n: int, cluster: Cluster, profile: HardwareProfile) -> float:
+def alltoall_time(
+    size_bytes: float, n: int, cluster: Cluster, profile: HardwareProfile,
+    remote_bytes: float | None = None,
+) -> float:  # fmt: skip
     """An all-to-all of ``size_bytes`` per rank over ``n`` consecutive ranks (each sends
     ``1/n`` of it to every other). Within a node it is :func:`collective_time` on the
-    scale-up link; across nodes the share bound for other nodes leaves through the rank's
-    own NIC (no sharing: every rank sends at once) while the rest crosses the scale-up
-    link, and the slower part decides."""
+    scale-up link; across nodes the share bound for other nodes (``remote_bytes``,
+    default ``size_bytes * (n - ranks per node) / n``) leaves through the rank's own NIC
+    (no sharing: every rank sends at once) while the rest crosses the scale-up link, and
+    the slower part decides."""
     per_node = min(cluster.gpus_per_node, cluster.num_gpus, n)
     intra = _intra(cluster, profile)
     if per_node == n:
         return collective_time(Collective.ALL_TO_ALL, size_bytes, n, intra)
     inter = _inter(cluster, profile, 1)
+    if remote_bytes is None:
+        remote_bytes = size_bytes * (n - per_node) / n
     local = size_bytes * (per_node - 1) / n / intra.busbw_for(Collective.ALL_TO_ALL)
-    remote = size_bytes * (n - per_node) / n / inter.busbw_for(Collective.ALL_TO_ALL)
+    remote = remote_bytes / inter.busbw_for(Collective.ALL_TO_ALL)
     return inter.call_s + inter.latency_s + max(local, remote)
 
 

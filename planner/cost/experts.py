@@ -13,16 +13,19 @@ rank then moves:
   (:func:`~planner.cost.communication.alltoall_time`). The
   slowest rank receives ``expert_imbalance`` times the mean (1: balanced), which scales
   its expert GEMMs and its all-to-alls.
+- with ``ep_dedup`` (DeepEP, Megatron-Core's flex dispatcher) a token crosses the
+  network once per other node holding one of its experts, not once per expert.
 - with ``tp > 1``: an all-gather of the layer's output over ``tp`` in forward and of
   its input gradient in backward (``tokens * hidden`` elements).
 
 Full recompute re-runs the forward's all-to-alls and gather. The all-to-all
-payload a rank hands to the collective (:func:`alltoall_bytes`) does not depend on the
-routing: every routed pair is sent once, to some rank, itself included.
+payload a rank hands to the collective (:func:`alltoall_bytes`), averaged over the ranks,
+does not depend on the routing: every routed pair is sent once, to some rank.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -107,14 +110,17 @@ class EPComm:
 
 
 def ep_comm(
-    seg_type: SegmentType, key: ShardKey, element_bytes: int, links: MeshLinks, imbalance: float
-) -> EPComm:
-    """The dispatch/combine all-to-alls and the tp gathers of ``seg_type`` at ``key``."""
+    seg_type: SegmentType, key: ShardKey, element_bytes: int, links: MeshLinks,
+    imbalance: float, *, dedup: bool = False,
+) -> EPComm:  # fmt: skip
+    """The dispatch/combine all-to-alls and the tp gathers of ``seg_type`` at ``key``
+    (``dedup``: a token crosses the network once per node it is bound for)."""
     if key.ep == 1 or not seg_type.num_experts:
         return EPComm(0.0, 0.0)
     dims = key.dims
     pairs = routed_elements(seg_type, key) * element_bytes
-    alltoall = 2 * imbalance * alltoall_time(pairs, key.ep, links.cluster, links.profile)
+    remote = _deduplicated_remote(seg_type, key, pairs, links) if dedup else None
+    alltoall = 2 * imbalance * alltoall_time(pairs, key.ep, links.cluster, links.profile, remote)
     gather = 0.0
     if key.tp > 1:
         tokens = pairs / seg_type.top_k * key.tp  # the layer's whole output
@@ -123,10 +129,29 @@ def ep_comm(
     return EPComm(alltoall + gather, alltoall + gather)
 
 
+def _deduplicated_remote(
+    seg_type: SegmentType, key: ShardKey, pairs_bytes: float, links: MeshLinks
+) -> float:
+    """Bytes a rank sends to other nodes when each token goes once to every node holding
+    one of its ``top_k`` experts (DeepEP, Megatron-Core's flex dispatcher): the expected
+    number of other nodes hit by ``top_k`` experts drawn evenly without replacement."""
+    per_node = min(links.cluster.gpus_per_node, links.cluster.num_gpus, key.ep)
+    nodes = key.ep // per_node
+    experts, k = seg_type.num_experts, seg_type.top_k
+    on_node = experts // nodes
+    missed = math.comb(experts - on_node, k) / math.comb(experts, k)  # a node holds none
+    other_nodes_hit = (nodes - 1) * (1 - missed)
+    return pairs_bytes / k * other_nodes_hit
+
+
 def alltoall_bytes(graph: OpGraph, strategy: Strategy, element_bytes: int) -> float:
-    """Bytes one rank hands to ``all_to_all_single`` per micro-batch, forward and
-    backward, over every MoE layer of the model (``element_bytes`` per element): four
-    all-to-alls of its routed pairs per layer. 0 without EP."""
+    """Bytes a rank hands to ``all_to_all_single`` per micro-batch, forward and backward,
+    over every MoE layer of the model (``element_bytes`` per element), averaged over the
+    ranks: four all-to-alls of its routed pairs per layer. The dispatch's forward input
+    does not depend on the routing (every pair is sent once, to some rank, itself
+    included); the rows a rank receives back do, so only their mean over ranks equals
+    this. A pipeline rank moves its stages' share; full recompute runs the forward's two
+    again. 0 without EP."""
     if strategy.ep == 1:
         return 0.0
     key = ShardKey(strategy.tp, strategy.cp, strategy.sequence_parallel,

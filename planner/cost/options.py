@@ -60,6 +60,9 @@ class CostOptions(BaseModel):
     # DualPipe, Megatron-Core's EP overlap); off in torch's eager runtime.
     expert_imbalance: float = Field(default=1.0, ge=1)
     ep_overlap: bool = False
+    # ep_dedup: a token bound for several experts on one node crosses the network once
+    # (DeepEP, Megatron-Core's flex dispatcher); torch's all_to_all sends every pair.
+    ep_dedup: bool = False
 
     @property
     def dp_bucket_bytes(self) -> float:

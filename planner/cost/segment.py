@@ -210,7 +210,10 @@ class SegmentPricer:
         self, seg_type: SegmentType, key: ShardKey, cover: tuple[float, float]
     ) -> tuple[float, float]:
         """Exposed expert-parallel (forward, backward) seconds beyond ``cover``."""
-        comm = ep_comm(seg_type, key, self.element_bytes, self.links, self.options.expert_imbalance)
+        comm = ep_comm(
+            seg_type, key, self.element_bytes, self.links, self.options.expert_imbalance,
+            dedup=self.options.ep_dedup,
+        )  # fmt: skip
         return max(comm.forward_s - cover[0], 0.0), max(comm.backward_s - cover[1], 0.0)
 
     def _cp_comm(

@@ -274,7 +274,8 @@ def _megatron_segment(
         split, whole = _is_split(node, per_head), node.module in per_head
         work.append(tp if split or on_sequence else 1)
         params.append(node.param_count / tp if split and not whole else float(node.param_count))
-        if (whole or (on_sequence and not split)) and node.param_count:
+        reduced_per_pass = node.role is not OpRole.EXPERTS  # EP reduces experts per step
+        if (whole or (on_sequence and not split)) and node.param_count and reduced_per_pass:
             comms.append(replicated_grad_comm(node))
     gathered = 0.0
     for run in _split_runs(nodes, per_head):

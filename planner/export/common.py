@@ -41,9 +41,16 @@ _MEGATRON_STYLES = {
     "layers.*.feed_forward.w1": TPStyle.COLWISE,
     "layers.*.feed_forward.w3": TPStyle.COLWISE,
     "layers.*.feed_forward.w2": TPStyle.ROWWISE,
+    # multi-head latent attention: the up-projections split by head (down-projections,
+    # norms replicated), as Megatron-Core's MLA; the shared experts as a dense MLP. The
+    # router and routed experts are replicated (expert tensor parallelism 1).
+    "layers.*.attention.wq_b": TPStyle.COLWISE,
+    "layers.*.attention.wkv_b": TPStyle.COLWISE,
+    "layers.*.feed_forward.shared_experts.w1": TPStyle.COLWISE,
+    "layers.*.feed_forward.shared_experts.w3": TPStyle.COLWISE,
+    "layers.*.feed_forward.shared_experts.w2": TPStyle.ROWWISE,
     "output": TPStyle.COLWISE,
 }
-_REQUIRED = ("layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.w1")
 _NORMS = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
 # Same parameter bytes per rank either way; only the collective after the lookup differs.
 _EMBEDDING_STYLES = (TPStyle.VOCAB_PARALLEL, TPStyle.COLWISE)
@@ -204,10 +211,23 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
             continue
         raise _layout_refusal(plan, target, key, style)
     present = {re.sub(r"^layers\.\d+\.", "layers.*.", key) for key in plan.tp_layout}
-    for pattern in (*_REQUIRED, "tok_embeddings", "output"):
+    for pattern in (*_required(plan), "tok_embeddings", "output"):
         if pattern not in present:
             raise _layout_refusal(plan, target, pattern, None)
     return notes
+
+
+def _required(plan: Plan) -> tuple[str, ...]:
+    """Modules a Megatron layout of this model shards: the query and output projections
+    and a feed-forward (dense, else the shared experts; routed experts are not split)."""
+    spec = plan.model
+    query = "wq_b" if spec is not None and spec.q_lora_rank is not None else "wq"
+    required = (f"layers.*.attention.{query}", "layers.*.attention.wo")
+    if spec is None or spec.dense_layers or not spec.moe:
+        return (*required, "layers.*.feed_forward.w1")
+    if spec.num_shared_experts:
+        return (*required, "layers.*.feed_forward.shared_experts.w1")
+    return required
 
 
 def _layout_refusal(plan: Plan, target: str, key: str, style: TPStyle | None) -> ExportError:

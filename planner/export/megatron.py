@@ -117,6 +117,12 @@ def _parallel_args(plan: Plan) -> list[Arg]:
     ]
     if strategy.sequence_parallel:
         args.append(("--sequence-parallel",))
+    if plan.model is not None and plan.model.moe:
+        # Our experts are never tensor-parallel (Megatron's default is the dense tp).
+        args += [
+            ("--expert-model-parallel-size", str(strategy.ep)),
+            ("--expert-tensor-parallel-size", "1"),
+        ]
     return args
 
 
@@ -165,8 +171,14 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
         ("--ffn-hidden-size", str(spec.ffn_size)),
         ("--num-attention-heads", str(spec.num_heads)),
     ]
-    if spec.kv_heads != spec.num_heads:
+    if spec.latent_attention:
+        args += _latent_attention_args(spec)
+    elif spec.kv_heads != spec.num_heads:
         args += [("--group-query-attention",), ("--num-query-groups", str(spec.kv_heads))]
+    if spec.head_dim is not None:  # heads not hidden / heads wide (Qwen3)
+        args.append(("--kv-channels", str(spec.head_size)))
+    if spec.qk_norm:  # per-head RMSNorm of queries and keys
+        args.append(("--qk-layernorm",))
     args += [
         ("--max-position-embeddings", str(max(spec.seq_len, tokens or 0))),
         ("--vocab-size", str(spec.vocab_size)),
@@ -190,7 +202,47 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
         args.append(("--swiglu",))
     if not spec.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights",))
+    return args + (_moe_args(spec) if spec.moe else [])
+
+
+def _latent_attention_args(spec: ModelSpec) -> list[Arg]:
+    """Multi-head latent attention (DeepSeek-V3's layout; plain RoPE, not Megatron's
+    default YaRN)."""
+    args: list[Arg] = [
+        ("--multi-latent-attention",),
+        ("--kv-lora-rank", str(spec.kv_lora_rank)),
+        ("--qk-head-dim", str(spec.qk_nope_head_dim)),
+        ("--qk-pos-emb-head-dim", str(spec.qk_rope_head_dim)),
+        ("--v-head-dim", str(spec.v_head_dim)),
+        ("--rope-type", "rope"),
+    ]
+    if spec.q_lora_rank is not None:
+        args.insert(1, ("--q-lora-rank", str(spec.q_lora_rank)))
     return args
+
+
+def _moe_args(spec: ModelSpec) -> list[Arg]:
+    """The zoo's MoE: softmax over the top-k logits (Megatron's default order, the same
+    weights as renormalised top-k softmax probabilities), dropless (no capacity factor),
+    no auxiliary loss, grouped GEMM experts and all-to-all dispatch."""
+    args: list[Arg] = [
+        ("--num-experts", str(spec.num_experts)),
+        ("--moe-router-topk", str(spec.top_k)),
+        ("--moe-ffn-hidden-size", str(spec.expert_ffn_size)),
+    ]
+    if spec.num_shared_experts:
+        width = spec.num_shared_experts * spec.expert_ffn_size
+        args.append(("--moe-shared-expert-intermediate-size", str(width)))
+    if spec.dense_layers:
+        moe_layers = spec.num_layers - spec.dense_layers
+        args.append(("--moe-layer-freq", f"([0]*{spec.dense_layers}+[1]*{moe_layers})"))
+    return [
+        *args,
+        ("--moe-router-score-function", "softmax"),
+        ("--moe-router-load-balancing-type", "none"),
+        ("--moe-grouped-gemm",),
+        ("--moe-token-dispatcher-type", "alltoall"),
+    ]
 
 
 def _recompute_args(plan: Plan) -> list[Arg]:

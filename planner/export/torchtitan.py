@@ -52,6 +52,7 @@ from planner.frameworks import (
     TORCHTITAN_PARAM_DTYPES,
     Target,
     parse_target,
+    torchtitan_model,
     torchtitan_shards,
 )
 from planner.io import dumps_json
@@ -92,6 +93,13 @@ def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
         notes.append(
             "module_fqns_per_model_part names this model's modules (as torchtitan's llama)"
         )
+    module = torchtitan_model(plan.model) if plan.model is not None else "llama3"
+    if module != "llama3":
+        notes.append(
+            f"model: torchtitan's {module} (0.2: [model] name; 0.3: --module {module}) with a "
+            "flavor of plan.model's sizes; torchtitan takes the router's score function, "
+            "normalisation and load balancing from the flavor"
+        )
     if target.at_least(TORCHTITAN_OVERRIDES):
         return _overrides(plan, target, notes)
     return _toml_config(plan, target, notes)
@@ -104,6 +112,8 @@ def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
         "disable_loss_parallel": False,
         "enable_async_tensor_parallel": False,
     }
+    if plan.model is not None and plan.model.moe:  # 0.3 has no expert tensor parallelism
+        parallelism["expert_tensor_parallel_degree"] = 1
     checkpoint: dict[str, TomlValue] = {"mode": plan.strategy.recompute.value}
     if plan.strategy.recompute is RecomputeMode.SELECTIVE:
         checkpoint["selective_ac_option"] = "op"
@@ -113,8 +123,11 @@ def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
         "activation_checkpoint": checkpoint,
         "optimizer": {"name": OPTIMIZERS[plan.training.optimizer]},
     }
+    module = torchtitan_model(plan.model) if plan.model is not None else "llama3"
+    if module != "llama3":  # torchtitan's default model, which has no experts
+        tables["model"] = {"name": module}
     if plan.training.dtype is DType.FP8:
-        tables["model"] = {"converters": [FLOAT8_CONVERTER]}
+        tables.setdefault("model", {})["converters"] = [FLOAT8_CONVERTER]
         if plan.strategy.tp > 1:  # models/llama3/infra/parallelize.py in 0.2.2
             notes.append(
                 "torchtitan 0.2's parallelize_llama enables float8 tensor-parallel "
@@ -185,6 +198,8 @@ def _parallelism(plan: Plan) -> dict[str, TomlValue]:
         "context_parallel_degree": strategy.cp,
         "pipeline_parallel_degree": strategy.pp,
     }
+    if plan.model is not None and plan.model.moe:
+        table["expert_parallel_degree"] = strategy.ep
     if strategy.pp > 1:
         table |= {
             "pipeline_parallel_schedule": SCHEDULES[strategy.schedule],

@@ -311,6 +311,11 @@ def _shape(spec: ModelSpec) -> dict[str, Any]:
         "vocab": spec.vocab_size, "activation": spec.act, "tied": spec.tied_embeddings,
         "norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta if spec.family is Family.LLAMA else None,
+        "experts": (spec.num_experts, spec.top_k, spec.moe and spec.expert_ffn_size,
+                    spec.num_shared_experts, spec.dense_layers),
+        "latent": (spec.kv_lora_rank, spec.q_lora_rank, spec.qk_nope_head_dim,
+                   spec.qk_rope_head_dim, spec.v_head_dim),
+        "head": (spec.head_size, spec.qk_norm),
     }  # fmt: skip
 
 

@@ -72,6 +72,8 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                     "training"),
     "progressive_layer_drop.enabled": ((None, False), "layers are skipped during training"),
     "sparse_attention.mode": ((None,), "sparse attention is not priced"),
+    "expert_parallel.enabled": ((None, False), "AutoEP (0.19.6 on) swaps in its own MoE layers "
+                                "found by module-name presets, not the planner's experts"),
 }  # fmt: skip
 
 

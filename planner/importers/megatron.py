@@ -17,9 +17,15 @@ recompute, the distributed optimizer (ZeRO-1, hybrid with
 ``--num-distributed-optimizer-instances``), Megatron-FSDP (ZeRO-2/3), precision and
 gradient-reduction dtype, optimizer, gradient clipping, and what the cost options
 describe: ``--overlap-grad-reduce``, ``--overlap-param-gather`` (Megatron-LM overlaps
-only when asked), ``--tp-comm-overlap`` and dropout (0.1 unless set). Refused: what the
-planner does not price (mixture of experts, offloading, multi-latent attention,
-multi-token prediction, batch-size ramp-up, uniform recompute of layer groups...).
+only when asked), ``--tp-comm-overlap`` and dropout (0.1 unless set); mixture of experts
+(``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
+``--moe-shared-expert-intermediate-size``, leading dense blocks from ``--moe-layer-freq``,
+``--expert-model-parallel-size``) and multi-head latent attention (``--kv-lora-rank``,
+``--q-lora-rank``, ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``).
+Refused: what the planner does not price (offloading, multi-token prediction, batch-size
+ramp-up, uniform recompute of layer groups...) and experts other than ours (tensor-parallel
+experts, capacity factors that drop tokens, pre-softmax or scaled routing, an EP dispatcher
+other than all-to-all).
 """
 
 from __future__ import annotations
@@ -69,25 +75,28 @@ _FLAGS = frozenset({
     "--use-rotary-position-embeddings", "--distribute-saved-activations", "--use-torch-fsdp2",
     "--optimizer-cpu-offload", "--cpu-offloading", "--multi-latent-attention",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--fp8-param-gather",
+    "--fp8-param-gather", "--moe-grouped-gemm", "--moe-router-pre-softmax", "--qk-layernorm",
 })  # fmt: skip
 # Options that change what a step computes or keeps, unpriced: option -> (harmless values, why).
 _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "--num-experts": ((None,), "mixture-of-experts layers are not priced"),
-    "--expert-model-parallel-size": ((None, "1"), "expert parallelism is not priced"),
     "--use-torch-fsdp2": ((None,), "the importer reads Megatron-FSDP (--use-megatron-fsdp), "
                           "not the torch FSDP2 path"),
     "--optimizer-cpu-offload": ((None,), "the planner does not model CPU offload"),
     "--cpu-offloading": ((None,), "the planner does not model CPU offload"),
     "--distribute-saved-activations": ((None,), "activations split over tensor-parallel ranks "
                                        "are not priced"),
-    "--multi-latent-attention": ((None,), "multi-latent attention is not priced"),
     "--mtp-num-layers": ((None, "0"), "multi-token prediction layers are not priced"),
     "--rampup-batch-size": ((None,), "the planner prices one batch size per step"),
     "--account-for-embedding-in-pipeline-split": ((None,), "this stage split is not read"),
     "--account-for-loss-in-pipeline-split": ((None,), "this stage split is not read"),
     "--fp8-param-gather": ((None,), "fp8 weight gathers are not priced"),
+    "--moe-expert-capacity-factor": ((None,), "the planner's experts are dropless (every routed "
+                                     "token computed); a capacity factor drops tokens"),
+    "--moe-router-topk-scaling-factor": ((None,), "the planner's router weights are the "
+                                         "renormalised top-k probabilities, unscaled"),
+    "--moe-router-score-function": ((None, "softmax"), "the planner's router is a softmax"),
 }  # fmt: skip
+_LAYER_FREQ = re.compile(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?")  # "([0]*3+[1]*58)", as exported
 _DEFAULT_DROPOUT = 0.1  # Megatron-LM's --attention-dropout and --hidden-dropout
 _DEFAULT_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by
 _FAMILIES = {("RMSNorm", "rope"): Family.LLAMA, ("LayerNorm", "learned_absolute"): Family.GPT}
@@ -125,6 +134,7 @@ def read_megatron(text: str, source: str, detected: str, options: Options) -> Im
     }  # fmt: skip
     strategy = {
         "dp": dp, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
+        "ep": _expert_parallel(settings, model, tp),
         "sequence_parallel": _sequence_parallel(settings, tp, notes),
         "micro_batch_size": micro, "virtual_stages": virtual,
         "schedule": (Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B).value,
@@ -190,9 +200,111 @@ def _model(settings: Settings, tp: int, notes: list[str]) -> ModelSpec | None:
         "tied_embeddings": not settings.flag("--untie-embeddings-and-output-weights"),
         "norm_eps": settings.number("--norm-epsilon", 1e-5),
         "rope_theta": settings.number("--rotary-base", 10000.0),
+        **_latent_attention(settings, notes),
+        **_experts(settings),
+        **_head_width(settings),
     }  # fmt: skip
+    if settings.flag("--multi-latent-attention"):
+        fields["num_kv_heads"] = heads  # latent attention has no query groups
     spec = load_document(ModelSpec, fields, f"{settings.source} network-size arguments")
     return matching_preset(spec) or spec
+
+
+def _latent_attention(settings: Settings, notes: list[str]) -> dict[str, Any]:
+    """Multi-head latent attention's sizes (Megatron-LM's defaults where absent)."""
+    if not settings.flag("--multi-latent-attention"):
+        return {}
+    rope_type = settings.text("--rope-type", "yarn")  # MLATransformerConfig's default
+    if rope_type != "rope":
+        notes.append(
+            f"--rope-type {rope_type}: priced as plain RoPE (the rotary frequencies do not "
+            "change the cost)"
+        )
+    return {
+        "kv_lora_rank": settings.integer("--kv-lora-rank", 32),
+        "q_lora_rank": settings.integer("--q-lora-rank", 1)
+        if "--q-lora-rank" in settings
+        else None,
+        "qk_nope_head_dim": settings.integer("--qk-head-dim", 128),
+        "qk_rope_head_dim": settings.integer("--qk-pos-emb-head-dim", 64),
+        "v_head_dim": settings.integer("--v-head-dim", 128),
+    }
+
+
+def _experts(settings: Settings) -> dict[str, Any]:
+    """The MoE fields: routed experts, top-k, expert width, shared experts (Megatron's one
+    shared MLP of ``num_shared x width``) and the leading dense layers."""
+    if "--num-experts" not in settings:
+        return {}
+    experts = settings.integer("--num-experts", 1)
+    top_k = settings.integer("--moe-router-topk", 2)
+    if settings.flag("--moe-router-pre-softmax") and top_k > 1:
+        raise settings.refuse(
+            "--moe-router-pre-softmax", True,
+            "the planner's router weights are the top-k probabilities renormalised (softmax "
+            "over the top-k logits), not the softmax over every expert",
+            "remove --moe-router-pre-softmax",
+        )  # fmt: skip
+    width = settings.integer("--moe-ffn-hidden-size", settings.integer("--ffn-hidden-size", 1))
+    return {
+        "num_experts": experts, "top_k": top_k, "moe_ffn_hidden_size": width,
+        "num_shared_experts": _shared_experts(settings, width),
+        "dense_layers": _dense_layers(settings),
+    }  # fmt: skip
+
+
+def _shared_experts(settings: Settings, width: int) -> int:
+    key = "--moe-shared-expert-intermediate-size"
+    size = settings.integer(key, 0, least=0)
+    if size % width:
+        raise settings.refuse(
+            key, settings.get(key),
+            f"the planner's shared experts are whole experts of --moe-ffn-hidden-size {width}",
+            f"use a multiple of {width}",
+        )  # fmt: skip
+    return size // width
+
+
+def _dense_layers(settings: Settings) -> int:
+    """Leading dense blocks: ``--moe-layer-freq 1`` (every block) or ``([0]*k+[1]*n)``."""
+    value = str(settings.get("--moe-layer-freq", "1")).replace(" ", "")
+    if value == "1":
+        return 0
+    match = _LAYER_FREQ.fullmatch(value)
+    if match is None or int(match[1]) + int(match[2]) != settings.integer("--num-layers", 1):
+        raise settings.refuse(
+            "--moe-layer-freq", value,
+            "the planner's MoE models have k dense blocks first, then experts in every block",
+            "write it as \"([0]*k+[1]*n)\" with k + n = --num-layers, or 1",
+        )  # fmt: skip
+    return int(match[1])
+
+
+def _expert_parallel(settings: Settings, model: ModelSpec, tp: int) -> int:
+    """``--expert-model-parallel-size``, checked to be our layout: experts not
+    tensor-parallel (Megatron's --expert-tensor-parallel-size defaults to tp) and
+    all-to-all dispatch."""
+    ep = settings.integer("--expert-model-parallel-size", 1)
+    if not model.moe:
+        return ep
+    etp = settings.integer("--expert-tensor-parallel-size", tp)
+    if etp != 1:
+        raise settings.refuse(
+            "--expert-tensor-parallel-size", settings.get("--expert-tensor-parallel-size", tp),
+            "the planner never splits an expert's weights over tensor-parallel ranks "
+            "(Megatron's default is the tensor-parallel size)",
+            "add --expert-tensor-parallel-size 1",
+        )  # fmt: skip
+    dispatcher = settings.text("--moe-token-dispatcher-type", "allgather")
+    if ep > 1 and dispatcher != "alltoall":
+        raise settings.refuse(
+            "--moe-token-dispatcher-type", dispatcher,
+            "the planner prices expert parallelism as all-to-all token exchanges",
+            "use --moe-token-dispatcher-type alltoall",
+        )  # fmt: skip
+    settings.flag("--moe-grouped-gemm")  # how experts compute, priced alike
+    settings.get("--moe-router-load-balancing-type")
+    return ep
 
 
 def _sequence(settings: Settings) -> int:
@@ -221,17 +333,18 @@ def _check_bias(settings: Settings, family: Family) -> None:
         )  # fmt: skip
 
 
-def _check_heads(settings: Settings) -> None:
+def _head_width(settings: Settings) -> dict[str, Any]:
+    """``head_dim`` when ``--kv-channels`` is not hidden / heads (Qwen3), and ``qk_norm``
+    from ``--qk-layernorm``."""
+    fields: dict[str, Any] = {"qk_norm": settings.flag("--qk-layernorm")}
     channels = settings.get("--kv-channels")
-    if channels is not None:
-        per_head = settings.integer("--hidden-size", 1) // settings.integer(
-            "--num-attention-heads", 1
-        )
-        if settings.integer("--kv-channels", 1) != per_head:
-            raise settings.refuse(
-                "--kv-channels", channels, f"the planner's heads are hidden / heads = {per_head} wide",
-                "remove --kv-channels",
-            )  # fmt: skip
+    per_head = settings.integer("--hidden-size", 1) // settings.integer("--num-attention-heads", 1)
+    if channels is not None and settings.integer("--kv-channels", 1) != per_head:
+        fields["head_dim"] = settings.integer("--kv-channels", 1)
+    return fields
+
+
+def _check_heads(settings: Settings) -> None:
     percent = settings.number("--rotary-percent", 1.0)
     if percent != 1.0:
         raise settings.refuse(

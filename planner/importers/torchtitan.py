@@ -40,7 +40,7 @@ from typing import Any
 
 from planner.errors import SpecError, UnknownNameError
 from planner.export.torchtitan import FLOAT8_CONVERTER, OPTIMIZERS, SCHEDULES
-from planner.frameworks import TORCHTITAN_PARAM_DTYPES, torchtitan_shards
+from planner.frameworks import TORCHTITAN_PARAM_DTYPES, torchtitan_model, torchtitan_shards
 from planner.importers.common import (
     ImportedRun,
     Options,
@@ -69,6 +69,7 @@ _FP8_CONVERTERS = (FLOAT8_CONVERTER, "float8")  # and its older registry name
 _HEAD_ALIASES = {"lm_head": "output"}  # torchtitan 0.3's llama names its head lm_head
 _DOTTED = re.compile(r"^--\w[\w-]*\.")  # --section.key
 _SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:([\w-]+)$")  # tyro's policy subcommand
+_EXPERT_MODULES = ("deepseek_v3", "qwen3")  # torchtitan's MoE models the exporter names
 _MODULE_03 = "llama3"  # the torchtitan 0.3 module whose config functions follow
 # torchtitan 0.3's llama3 config functions that train a zoo preset, and what each sets
 # beyond the dataclass defaults (models/llama3/config_registry.py).
@@ -99,7 +100,10 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                         "float32 reduction"),
     "optimizer.early_step_in_backward": ((None, False), "stepping the optimizer in backward "
                                          "frees gradients early, which is not priced"),
-    "parallelism.expert_parallel_degree": ((None, 1), "expert parallelism is not priced"),
+    "parallelism.expert_tensor_parallel_degree": ((None, 1), "the planner never splits an "
+                                                  "expert's weights over tensor-parallel ranks"),
+    "parallelism.expert_parallel_comm_backend": ((None, "standard"), "the planner prices "
+                                                 "all-to-all token exchanges, not DeepEP's"),
     "parallelism.pipeline_parallel_schedule_csv": ((None, ""), "a schedule from a CSV file is "
                                                    "not priced"),
     "parallelism.pipeline_parallel_split_points": ((None, []), "split points are deprecated "
@@ -120,6 +124,7 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
         notes.insert(0, "read with torchtitan 0.3's key names and defaults")
     described, keys = _model(settings)
     model = choose_model(settings, described, keys, options.model)
+    _check_module(settings, model)
     cluster, (replicas, shard, tp, pp, cp) = _mesh(settings, options)
     dp = replicas * shard
     zero = _zero(settings, dp, shard, cp, pp)
@@ -131,6 +136,7 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
         "dp": dp, "dp_shard": shard if zero else None, "tp": tp, "pp": pp, "cp": cp,
         "zero": zero, "sequence_parallel": tp > 1
         and settings.flag("parallelism.enable_sequence_parallel", True),
+        "ep": settings.integer("parallelism.expert_parallel_degree", 1),
         "micro_batch_size": micro, "schedule": schedule.value, "virtual_stages": virtual,
         **recompute,
     }  # fmt: skip
@@ -230,6 +236,10 @@ def _model(settings: Settings) -> tuple[ModelSpec | None, str]:
             )  # fmt: skip
         return get_preset(_CONFIGS_03[config][0]), "--config"
     for table in ("model", "model_spec"):
+        if f"{table}.name" in settings and f"{table}.flavor" not in settings:
+            name = settings.text(f"{table}.name", "llama3")
+            if name in _EXPERT_MODULES:  # its flavor unnamed: the model from --model
+                return None, f"{table}.flavor (a {name} flavor: give --model)"
         if f"{table}.name" in settings or f"{table}.flavor" in settings:
             name = settings.text(f"{table}.name", "llama3")
             flavor = settings.text(f"{table}.flavor", "debugmodel")
@@ -245,6 +255,20 @@ def _model(settings: Settings) -> tuple[ModelSpec | None, str]:
                     "(a preset or a ModelSpec JSON file)",
                 ) from None  # fmt: skip
     return None, "[model] name and flavor"
+
+
+def _check_module(settings: Settings, model: ModelSpec) -> None:
+    """torchtitan 0.2's ``[model] name`` builds ``model`` (llama3 a dense one)."""
+    if "model.name" not in settings:
+        return
+    name = settings.text("model.name", "llama3")
+    wanted = torchtitan_model(model)
+    if name in (*_EXPERT_MODULES, "llama3") and name != wanted:
+        raise settings.refuse(
+            "model.name", name,
+            f"torchtitan's {name} is not the model being priced ({model.name}: {wanted})",
+            f"use name = {wanted!r}, or give the --model this config trains",
+        )  # fmt: skip
 
 
 def _mesh(settings: Settings, options: Options) -> tuple[Cluster, tuple[int, ...]]:

@@ -482,6 +482,10 @@ class _Space:
                 for mbs in sizes:
                     microbatches = self.training.global_batch_size // (dp * mbs)
                     for sp in sps:
+                        if sp and ParallelDims(tp=tp, sp=sp, ep=ep).expert_blocker(
+                            self.limits.num_experts
+                        ):
+                            continue  # experts take tokens replicated over tp
                         yield from self._groups(
                             (dp, tp, pp, cp, ep), mbs, microbatches, sp, variants
                         )
