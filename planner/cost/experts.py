@@ -38,7 +38,7 @@ from planner.cost.communication import (
 )
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
-from planner.graph import OpGraph, OpRole, SegmentType
+from planner.graph import OpGraph, OpNode, OpRole, SegmentType
 from planner.spec import Axis, Strategy
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ __all__ = [
     "expert_layout",
     "expert_tradeoff",
     "ep_comm",
+    "rank_local",
     "routed_elements",
 ]
 
@@ -79,6 +80,21 @@ def expert_layout(
         params[index] = 0.0
     return replace(split, work_divisor=tuple(work), saved_divisor=tuple(saved),
                    param_elements=tuple(params)), held  # fmt: skip
+
+
+def rank_local(nodes: tuple[OpNode, ...], ep: int) -> tuple[OpNode, ...]:
+    """``nodes`` as one EP rank runs them: a routed experts' GEMM reads the weights of
+    its ``1 / ep`` of the experts (the same FLOPs over more rows each)."""
+    if ep == 1:
+        return nodes
+    return tuple(_held(n, ep) if n.role is OpRole.EXPERTS and n.param_bytes else n for n in nodes)
+
+
+def _held(node: OpNode, ep: int) -> OpNode:
+    dropped = node.param_bytes * (1 - 1 / ep)
+    return replace(
+        node, param_bytes=node.param_bytes - dropped, bytes_read=node.bytes_read - dropped
+    )
 
 
 def routed_elements(seg_type: SegmentType, key: ShardKey) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from planner.cost.communication import Collective, MeshLinks, collective_time
 from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
-from planner.cost.experts import ep_comm, expert_layout
+from planner.cost.experts import ep_comm, expert_layout, rank_local
 from planner.cost.options import AttentionKernel, CostOptions, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
 from planner.dtypes import FP32_BYTES
@@ -45,11 +45,18 @@ class TypeCost:
     recompute_peak_bytes: float
     logits_bytes: float
     ep_cover_s: tuple[float, float] = (0.0, 0.0)  # compute EP overlap hides under (fwd, bwd)
+    # the routed experts' GEMMs: (forward, backward, recomputed forward) seconds
+    expert_gemm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def comm_ep_s(self) -> float:
         """Exposed expert-parallel communication of forward and backward."""
         return self.comm_ep_forward_s + self.comm_ep_backward_s
+
+
+def _expert_gemm(node: OpNode) -> bool:
+    """Whether ``node`` is a routed experts' GEMM (its time depends on the experts held)."""
+    return node.role is OpRole.EXPERTS and node.kind is OpKind.MATMUL
 
 
 class SegmentPricer:
@@ -72,7 +79,7 @@ class SegmentPricer:
 
     def price(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
         """Per-micro-batch cost of ``seg_type`` under ``key`` and recompute ``mode``."""
-        nodes = seg_type.nodes
+        nodes = rank_local(seg_type.nodes, key.ep)
         split, expert_params = expert_layout(seg_type, self.layout(seg_type, key), key)
         work = [key.token_scale / d for d in split.work_divisor]
         saved = [key.token_scale / d for d in split.saved_divisor]
@@ -105,22 +112,53 @@ class SegmentPricer:
             activation_bytes=kept,
             recompute_peak_bytes=max(kept_all - kept, 0.0) if recomputed else 0.0,
             logits_bytes=logits, ep_cover_s=cover,
+            expert_gemm_s=self._expert_gemms(nodes, times, recomputed),
         )  # fmt: skip
 
     def with_ep(
         self, base: TypeCost, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode
     ) -> TypeCost:
-        """``base`` (priced at another ``ep > 1``: EP's compute does not depend on the
-        degree) at ``key``'s ``ep``: its all-to-alls and the experts a rank holds."""
+        """``base`` (priced at another ``ep > 1``, where all but the degree's terms are
+        the same) at ``key``'s ``ep``: its all-to-alls, the experts a rank holds and the
+        expert GEMMs reading them."""
         ep_fwd, ep_bwd = self._ep_comm(seg_type, key, base.ep_cover_s)
-        recompute = base.recompute_s
+        gemms = self._expert_gemm_times(seg_type, key, mode)
+        delta = [new - old for new, old in zip(gemms, base.expert_gemm_s, strict=True)]
+        recompute = base.recompute_s + delta[2]
         if mode is RecomputeMode.FULL:
             recompute += ep_fwd - base.comm_ep_forward_s
         held = sum(n.param_count for n in seg_type.nodes if n.role is OpRole.EXPERTS) / key.ep
         return replace(
-            base, comm_ep_forward_s=ep_fwd, comm_ep_backward_s=ep_bwd, recompute_s=recompute,
-            expert_param_count=held,
+            base, forward_s=base.forward_s + delta[0], backward_s=base.backward_s + delta[1],
+            comm_ep_forward_s=ep_fwd, comm_ep_backward_s=ep_bwd, recompute_s=recompute,
+            expert_param_count=held, expert_gemm_s=gemms,
         )  # fmt: skip
+
+    def _expert_gemm_times(
+        self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode
+    ) -> tuple[float, float, float]:
+        """The routed experts' GEMMs of ``seg_type`` at ``key`` (see :meth:`_expert_gemms`)."""
+        nodes = rank_local(seg_type.nodes, key.ep)
+        split, _ = expert_layout(seg_type, self.layout(seg_type, key), key)
+        work = [key.token_scale / d for d in split.work_divisor]
+        times = [
+            self.compute.segment_times([n], [w])[0] if _expert_gemm(n) else OpTime(0.0, 0.0)
+            for n, w in zip(nodes, work, strict=True)
+        ]
+        times = self._imbalanced(nodes, times, key)
+        return self._expert_gemms(nodes, times, self.recomputed_nodes(nodes, mode))
+
+    @staticmethod
+    def _expert_gemms(
+        nodes: Sequence[OpNode], times: Sequence[OpTime], recomputed: set[int]
+    ) -> tuple[float, float, float]:
+        """(forward, backward, recomputed forward) seconds of the routed experts' GEMMs."""
+        gemms = [i for i, n in enumerate(nodes) if _expert_gemm(n)]
+        return (
+            sum(times[i].forward_s for i in gemms),
+            sum(times[i].backward_s for i in gemms),
+            sum(times[i].forward_s for i in gemms if i in recomputed),
+        )
 
     def recomputed_nodes(self, nodes: Sequence[OpNode], mode: RecomputeMode) -> set[int]:
         """Indices of the nodes whose forward runs again before backward under ``mode``."""

@@ -19,7 +19,7 @@ compression, pinned or allowed, only where it runs
 (:meth:`~ParallelDims.compression_blocker`). Heuristic restrictions on top: at least
 256 tokens per context-parallel rank unless cp is pinned; micro-batches of at most 16;
 interleaving only with micro-batches a multiple of pp, and with more than 4 virtual
-stages only when they divide the blocks evenly; ZeRO only with more than one replica,
+stages only when they divide the blocks evenly (or are pinned); ZeRO only with more than one replica,
 over all of dp or one node's share of it. ZeRO-1 is searched only when pinned: ZeRO-2
 sends the same bytes and keeps fewer, so it dominates; under a pipeline ZeRO-3 only when
 pinned too, since torch's pipelining keeps the weights gathered all step and ZeRO-3 is
@@ -454,7 +454,8 @@ class _Space:
             return
         for virtual in range(2, self.limits.num_blocks // pp + 1):
             even = self.limits.num_blocks % (pp * virtual) == 0
-            if (even or virtual <= _MAX_UNEVEN_VIRTUAL) and self.pins.allows(
+            pinned = self.pins.virtual_stages == virtual  # the user's, even or not
+            if (even or virtual <= _MAX_UNEVEN_VIRTUAL or pinned) and self.pins.allows(
                 "virtual_stages", virtual
             ):
                 yield Schedule.INTERLEAVED_1F1B.value, virtual
