@@ -2,10 +2,10 @@
 EP plan, and hands the all-to-all the bytes the cost model prices.
 
 Two MoE models: the zoo's ``tiny-moe`` (a dense first block, 8 experts top-2 and a
-shared expert) and a tiny Hugging Face Mixtral (8 local experts, top-2). Each world
-size is one process-group launch running many cases; each case trains ``STEPS`` fp32
-steps on the same global batch as one process and must agree within ``EXACT`` on every
-step.
+shared expert) and a tiny Hugging Face Mixtral (8 local experts, top-2); tiny
+transformers Qwen3-MoE and DeepSeek-V3 run ep2, ep4 and ep2 x FSDP too. Each world size
+is one process-group launch running many cases; each case trains ``STEPS`` fp32 steps
+on the same global batch as one process and must agree within ``EXACT`` on every step.
 """
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from planner.assemble import assemble_plan
 from planner.cost.experts import alltoall_bytes
+from planner.hf import resolve_hf_config
 from planner.layouts import ModelLayouts
 from planner.models import ModelHandle, build, get_preset, handle_for_module
+from planner.modules import check_model_against_plan
+from planner.planning import make_plan
 from planner.spec import Cluster, ModuleTP, Plan, RecomputeMode, Strategy, Training
 from planner.tracing import trace_for_training
+from planner.validate import check_plan
 from strategies.apply import parallelize
 from strategies.expert_parallel import count_alltoall
 from strategies.parallel_model import ParallelModel, local_slice
@@ -46,18 +50,42 @@ STEPS = 3
 SAVED_AT = 2  # steps before the checkpoint in the resume case
 RESUME_STEPS = 4
 MODELS = ("tiny-moe", "hf-mixtral")
+# transformers' other experts layouts: Qwen3-MoE's softmax router (top-k renormalised and
+# not), DeepSeek-V3's sigmoid router beside a shared expert, latent attention, dense block
+OTHER_HF = ("hf-qwen3-moe", "hf-deepseek-v3")
+UNNORMED = ("hf-qwen3-moe-unnormed",)  # routing weights not summing to 1: ep2 is enough
 
 
-def _hf_mixtral(device: str = "cpu") -> nn.Module:
-    from transformers import AutoModelForCausalLM, MixtralConfig
+def _hf_config(model: str) -> Any:
+    """The tiny transformers config of ``model`` (built from fields: no download)."""
+    import transformers
 
-    config = MixtralConfig(
-        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-        num_local_experts=8, num_experts_per_tok=2, use_cache=False,
+    shared = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": VOCAB, "max_position_embeddings": 64, "num_experts_per_tok": 2,
+              "use_cache": False}  # fmt: skip
+    if model == "hf-mixtral":
+        return transformers.MixtralConfig(
+            **shared, intermediate_size=32, num_key_value_heads=2, num_local_experts=8
+        )
+    if model.startswith("hf-qwen3-moe"):  # softmax top-2, renormalised or not
+        return transformers.Qwen3MoeConfig(
+            **shared, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=2,
+            head_dim=16, num_experts=8, norm_topk_prob=model == "hf-qwen3-moe",
+        )  # fmt: skip
+    assert model == "hf-deepseek-v3", model
+    return transformers.DeepseekV3Config(  # a dense first block, then sigmoid routing
+        **shared, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+        topk_group=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16,
     )  # fmt: skip
+
+
+def _hf_model(model: str, device: str = "cpu") -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(_hf_config(model), attn_implementation="sdpa")
 
 
 def build_handle(model: str, device: str = "cpu") -> ModelHandle:
@@ -68,7 +96,7 @@ def build_handle(model: str, device: str = "cpu") -> ModelHandle:
         module = build(spec, device=device, seed=0)
         return ModelHandle(model, f"tests:{model}", module, lambda b, s: (), spec)
     torch.manual_seed(0)
-    return ModelHandle(model, f"tests:{model}", _hf_mixtral(device), lambda b, s: ())
+    return ModelHandle(model, f"tests:{model}", _hf_model(model, device), lambda b, s: ())
 
 
 @dataclass(frozen=True)
@@ -85,17 +113,21 @@ class Case:
         training = Training(global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size,
                             seq_len=SEQ, dtype="fp32", optimizer=self.optimizer)  # fmt: skip
         cluster = Cluster(gpu="cpu", num_gpus=world_size, gpus_per_node=world_size)
-        layout = None if self.model == "tiny-moe" or strategy.tp == 1 else hf_layout(strategy.tp)
+        layout = (
+            None
+            if self.model == "tiny-moe" or strategy.tp == 1
+            else hf_layout(self.model, strategy.tp)
+        )
         return assemble_plan(
             build_handle(self.model), cluster, training, strategy, tp_layout=layout
         )
 
 
 @functools.cache
-def hf_layout(tp: int) -> dict[str, ModuleTP]:
-    """The sharding ILP's tensor-parallel layout of the Hugging Face Mixtral at ``tp`` (the
+def hf_layout(model: str, tp: int) -> dict[str, ModuleTP]:
+    """The sharding ILP's tensor-parallel layout of the Hugging Face ``model`` at ``tp`` (the
     planner has no fixed layout for models outside the zoo), rehearsed on the model."""
-    handle = handle_for_module(build_handle("hf-mixtral", "meta").module, name="hf-mixtral")
+    handle = handle_for_module(build_handle(model, "meta").module, name=model)
     graph = trace_for_training(handle, Training(global_batch_size=BATCH, seq_len=SEQ))
     layout = ModelLayouts(handle, graph, SLOW).layout(tp, False)
     assert layout is not None
@@ -177,12 +209,12 @@ def uninterrupted(model: str) -> list[float]:
     return run_steps(parallel, trainer, 0, range(RESUME_STEPS))
 
 
-def _both(name: str, strategy: dict[str, Any]) -> list[Case]:
-    return [Case(f"{model} {name}", model, strategy) for model in MODELS]
+def _both(name: str, strategy: dict[str, Any], models: tuple[str, ...] = MODELS) -> list[Case]:
+    return [Case(f"{model} {name}", model, strategy) for model in models]
 
 
 WORLD2 = [
-    *_both("ep2 (ddp)", _per_rank(2, ep=2)),
+    *_both("ep2 (ddp)", _per_rank(2, ep=2), MODELS + OTHER_HF + UNNORMED),
     Case("tiny-moe ep2 x fsdp (experts whole per rank)", "tiny-moe", _per_rank(2, ep=2, zero=3)),
     *_both("tp2 x ep2", _per_rank(1, tp=2, ep=2)),
     *_both("cp2 x ep2", _per_rank(1, cp=2, ep=2)),
@@ -190,8 +222,8 @@ WORLD2 = [
     Case("tiny-moe ep2, full recompute", "tiny-moe", _per_rank(2, ep=2, recompute="full")),
 ]
 WORLD4 = [
-    *_both("ep4 (ddp)", _per_rank(4, ep=4)),
-    *_both("ep2 x fsdp (zero 3)", _per_rank(4, ep=2, zero=3)),
+    *_both("ep4 (ddp)", _per_rank(4, ep=4), MODELS + OTHER_HF),
+    *_both("ep2 x fsdp (zero 3)", _per_rank(4, ep=2, zero=3), MODELS + OTHER_HF),
     Case("tiny-moe ep2 x ddp, 2 micro-batches", "tiny-moe", _per_rank(4, ep=2, num_microbatches=2)),
     Case("tiny-moe tp2 x ep2 x ddp", "tiny-moe", _per_rank(2, tp=2, ep=2)),
     Case("tiny-moe tp2 x ep4 x fsdp", "tiny-moe", _per_rank(2, tp=2, ep=4, zero=3)),
@@ -321,3 +353,17 @@ def _resume_failures(model: str, results: list[Any]) -> list[str]:
     worst = max(abs(a - b) for a, b in zip(results[0], expected, strict=True))
     print(f"{name:<44} max |loss - uninterrupted| = {worst:.2e}")
     return [] if worst <= EXACT else [f"{name}: {results[0]} vs uninterrupted {expected}"]
+
+
+@pytest.mark.parametrize("model", OTHER_HF)
+def test_planner_chooses_expert_parallelism_for_hf_moe(model: str, tmp_path: Path) -> None:
+    """The search over 8 H100s puts the tiny Qwen3-MoE and DeepSeek-V3 (read from their
+    config.json) on ep > 1 (each rank then reads a fraction of the expert weights the
+    memory-bound expert GEMMs stream), and the plan passes its own and the model's checks."""
+    (tmp_path / "config.json").write_text(_hf_config(model).to_json_string())
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=8, gpus_per_node=8)
+    training = Training(global_batch_size=BATCH, seq_len=SEQ, dtype="fp32")
+    plan = make_plan(resolve_hf_config(tmp_path), cluster, training)
+    assert plan.strategy.ep > 1, plan.strategy
+    check_plan(plan)
+    check_model_against_plan(plan, resolve_hf_config(tmp_path, device="cpu").module)
