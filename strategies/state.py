@@ -32,7 +32,7 @@ import logging
 import shutil
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from planner.errors import SpecError
 from planner.io import dumps_json, write_text_atomic
-from planner.models.hf_layout import hf_names_for
+from planner.models.hf_layout import ExpertTensors, hf_aliases, hf_names_for, per_expert_layouts
 from strategies.data_parallel import as_shard_of
 
 __all__ = [
@@ -376,11 +376,13 @@ def _set_hyperparameters(
 class WeightSource:
     """Where a model's weights come from: ``names`` maps each of the model's FQNs to its
     key in the checkpoint at ``path`` (a :func:`save` checkpoint, or Hugging Face
-    ``*.safetensors`` files)."""
+    ``*.safetensors`` files); ``experts`` the grouped experts weights stored one tensor
+    per expert there (their ``names`` entry describes the pattern)."""
 
     path: Path
     hugging_face: bool
     names: dict[str, str]
+    experts: dict[str, ExpertTensors] = field(default_factory=dict)
 
     def reader(self) -> FileSystemReader:
         if self.hugging_face:
@@ -400,9 +402,11 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
 
     ``path`` is a checkpoint root or directory from :func:`save`, or a directory of
     Hugging Face ``*.safetensors`` files, named as
-    :func:`planner.models.hf_layout.hf_names_for` says; a weight tied to another loads
+    :func:`planner.models.hf_layout.hf_names_for` says (or the other spelling
+    :func:`~planner.models.hf_layout.hf_aliases` gives); a weight tied to another loads
     from the other's name when its own is absent (Hugging Face omits ``lm_head.weight``
-    under ``tie_word_embeddings``).
+    under ``tie_word_embeddings``). Grouped experts weights absent as such load from
+    their per-expert tensors (:func:`~planner.models.hf_layout.per_expert_layouts`).
     """
     path = Path(path)
     tensors = model_state([model]).tensors
@@ -411,18 +415,60 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
             f"weights {str(path)!r}: no such directory; give a Hugging Face model directory "
             "(*.safetensors) or a checkpoint directory from parallel.save"
         )
-    if any(path.glob("*.safetensors")):
-        source = WeightSource(path, True, {})
-        metadata = source.reader().read_metadata()
-        rename = hf_names_for(model)
-        names = {fqn: rename(fqn) for fqn in tensors}
-        names = _tied_names(model, names, metadata)
-    else:
+    if not any(path.glob("*.safetensors")):
         source = WeightSource(checkpoint_path(path), False, {})
-        metadata = source.reader().read_metadata()
         names = _checkpoint_keys(tensors)
-    _check_covers(source.path, metadata.state_dict_metadata, tensors, names)
-    return WeightSource(source.path, source.hugging_face, names)
+        _check_covers(source.path, source.reader().read_metadata().state_dict_metadata,
+                      tensors, names)  # fmt: skip
+        return WeightSource(source.path, False, names)
+    source = WeightSource(path, True, {})
+    metadata = source.reader().read_metadata()
+    saved = metadata.state_dict_metadata
+    rename = hf_names_for(model)
+    names = {fqn: _saved_name(rename(fqn), saved) for fqn in tensors}
+    names = _tied_names(model, names, metadata)
+    experts = _per_expert_sources(path, tensors, names, saved)
+    rest = {fqn: t for fqn, t in tensors.items() if fqn not in experts}
+    _check_covers(path, saved, rest, names)
+    return WeightSource(path, True, names, experts)
+
+
+def _saved_name(name: str, saved: dict[str, Any]) -> str:
+    """``name``, or its other spelling where only that one is in the checkpoint."""
+    return next((alias for alias in hf_aliases(name) if alias in saved), name)
+
+
+def _per_expert_sources(
+    path: Path, tensors: dict[str, torch.Tensor], names: dict[str, str], saved: dict[str, Any]
+) -> dict[str, ExpertTensors]:
+    """The grouped experts weights the checkpoint holds one tensor per expert (their
+    ``names`` entries become the pattern), each per-expert tensor's shape checked."""
+    experts: dict[str, ExpertTensors] = {}
+    for fqn, tensor in tensors.items():
+        layouts = per_expert_layouts(names[fqn])
+        if names[fqn] in saved or not layouts:
+            continue
+        count = tensor.shape[0]
+        layout = next((lay for lay in layouts if lay.name(0, lay.parts[0]) in saved), layouts[0])
+        part_shape = (tensor.shape[1] // len(layout.parts), tensor.shape[2])
+        for name in layout.names(count):
+            entry = saved.get(name)
+            if entry is None:
+                raise SpecError(
+                    f"Hugging Face safetensors {str(path)!r} have no {name!r} for expert "
+                    f"weights of the model's {fqn!r} {tuple(tensor.shape)} (nor the grouped "
+                    f"{names[fqn]!r}): they are of another model; give its directory"
+                )
+            size = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+            if size != part_shape:
+                raise SpecError(
+                    f"Hugging Face safetensors {str(path)!r}: {name!r} has shape {size} but "
+                    f"the model's {fqn!r} {tuple(tensor.shape)} takes {part_shape} per "
+                    "expert: the checkpoint is of another model size"
+                )
+        experts[fqn] = layout
+        names[fqn] = layout.describe()
+    return experts
 
 
 def _tied_names(model: nn.Module, names: dict[str, str], metadata: Metadata) -> dict[str, str]:
@@ -440,17 +486,77 @@ def _tied_names(model: nn.Module, names: dict[str, str], metadata: Metadata) -> 
 
 def load_weights(model: ModelState, source: WeightSource) -> None:
     """Read this rank's part of each of ``model``'s tensors from ``source`` in place
-    (collective)."""
+    (collective); grouped experts stored per expert: only the experts and rows the
+    rank holds, a slice of one expert's tensor at a time."""
     state: dict[str, torch.Tensor] = {}
     targets: set[int] = set()  # local storages already read into (a tied weight: once)
     for fqn, tensor in model.tensors.items():
         local, _ = local_part(tensor)
-        if local.numel() and local.data_ptr() in targets:
+        if fqn in source.experts or (local.numel() and local.data_ptr() in targets):
             continue
         targets.add(local.data_ptr())
         state[source.names[fqn]] = tensor
     _dcp_load(state, source.reader())
+    if source.experts:
+        _read_experts(model, source)
     log.info("weights: %d tensors loaded from %s", len(model.tensors), source.describe())
+
+
+def _read_experts(model: ModelState, source: WeightSource) -> None:
+    """Each per-expert-stored grouped weight's part this rank holds, sliced from the
+    safetensors files (no collective)."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(source.path)
+    with contextlib.ExitStack() as stack:
+        handles = {
+            file: stack.enter_context(safe_open(file, framework="pt"))
+            for file in set(files.values())
+        }
+
+        def read(name: str, rows: slice, columns: slice) -> torch.Tensor:
+            return handles[files[name]].get_slice(name)[rows, columns]
+
+        for fqn, layout in source.experts.items():
+            tensor = model.tensors[fqn]
+            local, box = local_part(tensor)
+            if not local.numel():
+                continue
+            box = box or tuple(slice(0, n) for n in tensor.shape)
+            with torch.no_grad():
+                _fill_experts(local, box, tensor.shape[1], layout, read)
+
+
+def _fill_experts(
+    local: torch.Tensor,
+    box: tuple[slice, ...],
+    height: int,
+    layout: ExpertTensors,
+    read: Callable[[str, slice, slice], torch.Tensor],
+) -> None:
+    """Copy into ``local``, the part ``box`` of a grouped weight ``[E, height, H]`` whose
+    dim 1 stacks ``layout.parts``, the rows of each of its experts' parts, each read by
+    ``read(name, rows, columns)``."""
+    experts, rows, columns = box
+    per_part = height // len(layout.parts)
+    for j, expert in enumerate(range(experts.start, experts.stop)):
+        for k, part in enumerate(layout.parts):
+            start, stop = max(rows.start, k * per_part), min(rows.stop, (k + 1) * per_part)
+            if start < stop:
+                inside = slice(start - k * per_part, stop - k * per_part)
+                target = local[j, start - rows.start : stop - rows.start]
+                target.copy_(read(layout.name(expert, part), inside, columns))
+
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """Which ``*.safetensors`` file of ``path`` holds each tensor (headers only)."""
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            files |= dict.fromkeys(handle.keys(), file)
+    return files
 
 
 def _dcp_save(state: dict[str, Any], writer: FileSystemWriter) -> None:
@@ -500,8 +606,10 @@ def export_hf(
 
     Tensors are read from the checkpoint a shard file at a time (at most
     ``max_shard_bytes`` of them, or one tensor if larger), so memory stays bounded by one
-    shard; ``rename(fqn)`` gives each tensor's name (unchanged when ``None``). The
-    directory appears whole or not at all (written beside it, then renamed).
+    shard; ``rename(fqn)`` gives each tensor's name (unchanged when ``None``); a grouped
+    experts weight is written one tensor per expert, as Hugging Face checkpoints keep
+    them (:func:`_hf_tensors`). The directory appears whole or not at all (written beside
+    it, then renamed).
     """
     from safetensors.torch import save_file
 
@@ -518,10 +626,9 @@ def export_hf(
     total = 0
     for number, keys in enumerate(shards, start=1):
         name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = _read_whole(path, keys)
-        save_file({rename(key): tensor for key, tensor in tensors.items()}, staging / name,
-                  metadata={"format": "pt"})  # fmt: skip
-        weight_map |= {rename(key): name for key in tensors}
+        tensors = _hf_tensors(_read_whole(path, keys), rename)
+        save_file(tensors, staging / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (staging / "model.safetensors.index.json").write_text(dumps_json(index, what="the index"))
@@ -531,6 +638,26 @@ def export_hf(
     log.info("export: %d tensors, %d bytes in %d files to %s", len(weight_map), total,
              len(shards), out)  # fmt: skip
     return out
+
+
+def _hf_tensors(
+    tensors: dict[str, torch.Tensor], rename: Callable[[str], str]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` under their Hugging Face names; each grouped experts weight split into
+    its per-expert tensors under the first of
+    :func:`~planner.models.hf_layout.per_expert_layouts` (Mixtral's ``w1/w3/w2`` under
+    ``block_sparse_moe``, ``gate_proj/up_proj/down_proj`` under ``mlp``)."""
+    named: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        name = rename(key)
+        layouts = per_expert_layouts(name)
+        if not layouts:
+            named[name] = tensor
+            continue
+        layout = layouts[0]
+        for part, rows in zip(layout.parts, tensor.chunk(len(layout.parts), dim=1), strict=True):
+            named |= {layout.name(e, part): rows[e].clone() for e in range(tensor.shape[0])}
+    return named
 
 
 def _export_shards(metadata: Metadata, max_bytes: int) -> list[list[str]]:

@@ -315,11 +315,12 @@ def test_hf_experts_in_another_layout_are_refused_naming_the_field(tmp_path):
         expected_load_experts(handle.module, model_type="mixtral")
 
 
-def test_llama_safetensors_refuse_experts_and_latent_attention_naming_the_field():
-    from planner.models.hf_layout import check_hf_layout
+def test_hf_safetensors_refuse_what_mixtral_and_llama_lack_naming_the_field():
+    from planner.models.hf_layout import check_hf_layout, hf_llama_config
 
-    with pytest.raises(SpecError, match="num_experts=8"):
-        check_hf_layout(get_preset("tiny-moe"))
+    check_hf_layout(get_preset("tiny-moe"))  # experts export under Mixtral's names
+    with pytest.raises(SpecError, match="num_shared_experts=1"):
+        hf_llama_config(get_preset("tiny-moe"))
     dense_mla = ModelSpec.model_validate(
         {**TINY_MLA.model_dump(), "num_experts": 0, "top_k": 0, "moe_ffn_hidden_size": None,
          "num_shared_experts": 0, "dense_layers": 0}

@@ -88,10 +88,11 @@ def _check_checkpointing(args: argparse.Namespace, plan: Plan) -> None:
         if given and args.checkpoint_dir is None:
             raise SpecError(f"{flag} needs --checkpoint-dir DIR (where checkpoints are kept)")
     if args.export_hf is not None:
-        from planner.models.hf_layout import check_hf_layout  # loads torch: not for --help
+        from planner.models.hf_layout import check_hf_layout, hf_llama_config  # loads torch
 
         if plan.model is not None:
             check_hf_layout(plan.model)
+            hf_llama_config(plan.model)  # a model transformers has no class for: say so now
         if args.export_hf.exists():
             raise SpecError(f"--export-hf {args.export_hf} exists: give a new directory")
 
@@ -104,7 +105,8 @@ def _export_hf(plan: Plan, checkpoint_dir: Path, out: Path, *, show: bool) -> No
     assert plan.model is not None  # run_plan trains only plans with a model spec
     export_hf(checkpoint_dir, out, rename=hf_name, config=hf_llama_config(plan.model))
     if show:
-        print(f"exported to {out} (Hugging Face LlamaForCausalLM safetensors)")
+        kind = "MixtralForCausalLM" if plan.model.moe else "LlamaForCausalLM"
+        print(f"exported to {out} (Hugging Face {kind} safetensors)")
 
 
 def _report(record: Any, *, show: bool) -> dict[str, Any]:
