@@ -158,8 +158,8 @@ def apply(
         tp_size=tp, tp_rank=mesh["tp"].get_local_rank() if tp > 1 and mesh is not None else 0,
         grad_scale=_expert_gradient_scale(ParallelDims.of(plan.strategy)),
     )  # fmt: skip
-    for fqn, module in modules:
-        _shard_experts(module, fqn, ep_mesh)
+    for _, module in modules:
+        _shard_experts(module, ep_mesh)
         module.forward = functools.partial(ep_forward, module, groups)
     log.info(
         "expert parallel: ep=%d, %d experts modules, %s experts per rank, tokens split over "
@@ -190,19 +190,13 @@ def _experts_per_rank(modules: list[tuple[str, nn.Module]], ep: int) -> str:
     return "/".join(map(str, counts)) or "no"
 
 
-def _shard_experts(module: nn.Module, fqn: str, ep_mesh: DeviceMesh) -> None:
+def _shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Replace ``module``'s grouped weights by DTensors ``Shard(0)`` over ``ep_mesh``."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for name in ("gate_up_proj", "down_proj"):
         param = module._parameters[name]
         assert param is not None
-        experts = param.shape[0]
-        if experts % ep:
-            raise SpecError(
-                f"{fqn}.{name} holds {experts} experts, not divisible by ep({ep}): each EP "
-                "rank holds whole experts; choose ep dividing the number of experts"
-            )
-        per_rank = experts // ep
+        per_rank = param.shape[0] // ep  # ep divides them: parallelize checked the model
         local = param.detach()[rank * per_rank : (rank + 1) * per_rank]
         dtensor = DTensor.from_local(
             local.clone(), ep_mesh, [Shard(0)], run_check=False,

@@ -34,6 +34,7 @@ from strategies.apply import parallelize
 from strategies.runner import Trainer
 from strategies.state import _fill_experts, export_hf
 from tests.ranks import Task, run_on_ranks
+from tests.test_checkpoint import check_loads
 from tests.test_deferred_init import _one_process_plan
 from tests.test_runtime_expert_parallel import Case, _hf_model, _per_rank, run_steps
 from tests.test_runtime_numerics import LR, SEQ, VOCAB, parameter_digests
@@ -254,21 +255,4 @@ def test_moe_safetensors_load_sharded_and_train_as_one_process(tmp_path: Path) -
         case.name: functools.partial(load_and_train, case, directories[case.model], 4)
         for case in LOADS
     }
-    results = run_on_ranks(4, tasks, tmp_path)
-    failures = []
-    for case in LOADS:
-        per_rank, reference = results[case.name], expected[case.model]
-        raised = next((r for r in per_rank if isinstance(r, str)), None)
-        if raised is not None:
-            failures.append(f"{case.name}: raised\n{raised}")
-            continue
-        held = {name: d for result in per_rank for name, d in result["weights"].items()}
-        if held != reference["weights"]:
-            failures.append(f"{case.name}: loaded weights differ from one process's")
-        worst = max(
-            abs(a - b) for a, b in zip(per_rank[0]["losses"], reference["losses"], strict=True)
-        )
-        print(f"{case.name:<28} weights equal; max |loss - one process| = {worst:.2e}")
-        if worst > LOSS_BOUND:
-            failures.append(f"{case.name}: losses {per_rank[0]['losses']} vs {reference}")
-    assert not failures, "\n".join(failures)
+    check_loads(LOADS, run_on_ranks(4, tasks, tmp_path), expected, LOSS_BOUND)

@@ -235,7 +235,7 @@ def predict_op_classes(
     graph = _graph(plan, options)
     model = _cost_model(plan, graph, profile, options)
     s = plan.strategy
-    key = ShardKey(s.tp, s.cp, s.sequence_parallel, s.micro_batch_size, s.ep)
+    key = ShardKey.of(s)
     layout = model.tp_layout(s.tp, s.sequence_parallel)
     totals = {"matmul": 0.0, "attention": 0.0, "memory-bound": 0.0}
     for segment in graph.segments:

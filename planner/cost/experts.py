@@ -170,8 +170,7 @@ def alltoall_bytes(graph: OpGraph, strategy: Strategy, element_bytes: int) -> fl
     again. 0 without EP."""
     if strategy.ep == 1:
         return 0.0
-    key = ShardKey(strategy.tp, strategy.cp, strategy.sequence_parallel,
-                   strategy.micro_batch_size, strategy.ep)  # fmt: skip
+    key = ShardKey.of(strategy)
     per_layer = [routed_elements(graph.segment_type(s), key) for s in graph.segments]
     return 4 * element_bytes * sum(per_layer)
 

@@ -209,10 +209,7 @@ class CostModel:
     # ----- per strategy -----------------------------------------------------------------
 
     def _shard_key(self, strategy: Strategy) -> ShardKey:
-        return ShardKey(
-            strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size,
-            strategy.ep,
-        )  # fmt: skip
+        return ShardKey.of(strategy)
 
     def segment_costs(
         self, strategy: Strategy, *, recompute: Sequence[RecomputeMode] | None = None

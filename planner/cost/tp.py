@@ -43,12 +43,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from planner.cost.communication import Collective
 from planner.dtypes import FP32_BYTES
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, SegmentType
 from planner.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from planner.spec import Strategy
 
 __all__ = [
     "ShardKey",
@@ -81,6 +84,14 @@ class ShardKey:
     sequence_parallel: bool
     micro_batch_size: int
     ep: int = 1
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> ShardKey:
+        """The key ``strategy``'s segments are priced at."""
+        return cls(
+            strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size,
+            strategy.ep,
+        )  # fmt: skip
 
     @property
     def token_scale(self) -> float:
