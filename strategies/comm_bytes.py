@@ -1,10 +1,13 @@
 """Bytes counted at the collectives DTensor runs (tensor-parallel redistributions).
 
-:class:`CollectiveBytes` is torch's ``CommDebugMode`` that also adds up the bytes of
-each functional collective (the ops DTensor redistributes with), by kind and pass, in
-the cost model's convention: the whole array (an all-gather's output, a reduce-scatter's
-or all-reduce's input, an all-to-all's input). ``torch.distributed`` calls made
-directly (DDP, FSDP2, a loss average) are not functional collectives and are left out.
+:class:`CollectiveBytes` is a dispatch mode, as torch's ``CommDebugMode`` is, that
+adds up the bytes of each functional collective (the ops DTensor redistributes with),
+by kind and pass, in the cost model's convention: the whole array (an all-gather's
+output, a reduce-scatter's or all-reduce's input, an all-to-all's input).
+``torch.distributed`` calls made directly (DDP, FSDP2, a loss average, the experts'
+all-to-all) are not functional collectives and are left out. It tracks no modules:
+``CommDebugMode``'s module tracker breaks on a module called twice in one forward (an
+activation module applied per expert).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveBytes"]
 
@@ -28,7 +32,7 @@ _FUNCTIONAL = {
 }
 
 
-class CollectiveBytes(CommDebugMode):
+class CollectiveBytes(TorchDispatchMode):
     """``with CollectiveBytes() as counted: ...``; then ``counted.bytes`` maps
     ``(kind, "forward" | "backward")`` to bytes."""
 
@@ -37,18 +41,22 @@ class CollectiveBytes(CommDebugMode):
         self.bytes: Counter[tuple[str, str]] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into the collectives counted here
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
             return out
-        packet = func._overloadpacket
-        if "_c10d_functional" not in str(packet):
-            return out
-        kind = _FUNCTIONAL.get(str(packet).rsplit(".", 1)[-1])
+        packet = str(func._overloadpacket)
+        kind = _FUNCTIONAL.get(packet.rsplit(".", 1)[-1]) if "_c10d_functional" in packet else None
         if kind is not None:
             array = out if kind == "all_gather" else args[0]
-            phase = "backward" if self.advanced_module_tracker.is_bw else "forward"
-            self.bytes[(kind, phase)] += _nbytes(array)
+            self.bytes[(kind, _phase())] += _nbytes(array)
         return out
+
+
+def _phase() -> str:
+    """``"backward"`` while autograd runs a graph task, else ``"forward"``."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
 def _nbytes(value: Any) -> int:

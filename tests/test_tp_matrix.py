@@ -4,13 +4,14 @@ the project did not write, against one process.
 Models: the zoo's GPT and Llama, a nanoGPT-style user module (fused ``c_attn``, blocks
 in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama (also with
 tied embeddings), Qwen2, Mistral, GPT-2, GPT-NeoX and Mixtral configs. Plans: what ``make_plan`` emits with the
-tensor-parallel degree and sequence parallelism pinned, at tp 2 and 4 and dp 2 x tp 2
+tensor-parallel degree and sequence parallelism pinned (the expert-parallel degree is
+the search's: for Mixtral it spreads the experts over the tp ranks), at tp 2 and 4 and dp 2 x tp 2
 (DDP, or FSDP2 where DDP cannot keep tied weights over TP shards), on a test device where tensor parallelism pays even for tiny layers (slow compute, a
 fast link). Every plan must
 
 - train 3 SGD steps under gloo with the same losses and (gathered) parameters as one
   process, to 1e-5;
-- hold exactly the parameter elements per rank its prediction counts;
+- hold exactly the parameter elements per rank its prediction counts (experts too);
 - move exactly the tensor-parallel bytes per step its prediction counts, as counted
   at DTensor's collectives (:class:`strategies.comm_bytes.CollectiveBytes`).
 
@@ -70,13 +71,11 @@ ZOO_LLAMA = ModelSpec(
     name="zoo-llama", family="llama", num_layers=2, hidden_size=64, num_heads=4,
     num_kv_heads=4, vocab_size=VOCAB, seq_len=SEQ,
 )  # fmt: skip
-# hf-mixtral at ep = 1 is left out while a regression from the MoE work is fixed (tp 2:
-# CommDebugMode's module hook fails in transformers' Mixtral forward; tp 4: its priced
-# parameters per rank miss the experts); EP plans of it run in test_runtime_expert_parallel.
-MODELS = ["zoo-gpt", "zoo-llama", "nanogpt", "nanogpt-tied",
-          *(f"hf-{f}" for f in HF if f != "mixtral")]  # fmt: skip
+# "-ep1": the search's plan with expert parallelism pinned off (experts whole beside TP).
+MODELS = ["zoo-gpt", "zoo-llama", "nanogpt", "nanogpt-tied", *(f"hf-{f}" for f in HF),
+          "hf-mixtral-ep1"]  # fmt: skip
 MESHES = [(1, 2), (1, 4), (2, 2)]  # (dp, tp)
-NO_SEQUENCE_PARALLEL = {"hf-mixtral"}
+NO_SEQUENCE_PARALLEL = {"hf-mixtral", "hf-mixtral-ep1"}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +100,7 @@ def build(model: str, root: Path, device: str = "meta") -> ModelHandle:
     if model.startswith("nanogpt"):
         source = "tests.user_models:gpt_tied" if model.endswith("tied") else "tests.user_models:gpt"
         return resolve_model(source, device=device, seed=0)
-    return resolve_hf_config(root / model.removeprefix("hf-"), device=device)
+    return resolve_hf_config(root / model.removeprefix("hf-").removesuffix("-ep1"), device=device)
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def _plan(model: str, root: Path, dp: int, tp: int, sp: bool) -> Plan:
     tied = ParallelDims(dp=dp, tp=tp).ddp_blocker(tied=shares_parameters(handle.module))
     pins = Pins(
         dp=dp, tp=tp, pp=1, cp=1, zero=0 if tied is None else 2, sequence_parallel=sp,
-        recompute="none", micro_batch_size=BATCH // dp,
+        recompute="none", micro_batch_size=BATCH // dp, ep=1 if model.endswith("-ep1") else None,
     )  # fmt: skip
     return make_plan(handle, cluster, TRAINING, pins=pins)
 
@@ -170,14 +169,15 @@ def _train(case: Case, root: Path, out: Path, rank: int) -> dict[str, Any]:
 
 
 def _tp_local_elements(param: torch.Tensor) -> int:
-    """Elements a tensor-parallel rank holds of ``param`` (its share of the ``tp`` axis
-    only: a data-parallel FSDP2 shard of it counts whole, as the prediction does)."""
+    """Elements a tensor-parallel rank holds of ``param``: its share of the ``tp`` axis,
+    and of the experts' ``ep`` axis when the search chose expert parallelism (a
+    data-parallel FSDP2 shard of it counts whole, as the prediction does)."""
     if not isinstance(param, DTensor):
         return param.numel()  # plain, or DDP's local shard of a tensor-parallel one
     shape = list(param.shape)
     names = param.device_mesh.mesh_dim_names or ()
     for axis, placement in enumerate(param.placements):
-        if placement.is_shard() and names[axis] == "tp":
+        if placement.is_shard() and names[axis] in ("tp", "ep"):
             shape[placement.dim] //= param.device_mesh.size(axis)
     return math.prod(shape)
 
@@ -227,6 +227,10 @@ def test_every_emitted_plan_runs_matches_and_is_priced_exactly(setup, tmp_path, 
     }
     assert {line.split(":")[0] for line in refused} == expected_refusals, refused
     assert all("sequence" in line for line in refused), refused
+    mixtral_ep = {
+        c.name: Plan.model_validate_json(c.plan).strategy.ep for c in cases if "mixtral" in c.model
+    }
+    assert all((ep == 1) == ("-ep1" in name) for name, ep in mixtral_ep.items()), mixtral_ep
     tasks = {case.name: functools.partial(_train, case, root, tmp_path) for case in cases}
     per_case = run_on_ranks(world, tasks, tmp_path)
     references = {model: _reference(model, root) for model in MODELS}
