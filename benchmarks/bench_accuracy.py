@@ -552,6 +552,7 @@ def moe_report(path: Path, with_search: bool = True) -> None:
     print(f"\nMoE rows ({path.name}): predicted vs measured step time")
     print(f"{'run':<52}{'prec':<6}{'meas s':>9}{'pred s':>9}{'err':>8}{'fits':>6}  search")
     errors: dict[str, list[float]] = defaultdict(list)
+    fitting = 0
     checks = {"in space": 0, "chosen >= published": 0, "searched": 0}
     for case in cases:
         outcome = case.skipped or moe_result(case, with_search)
@@ -561,6 +562,7 @@ def moe_report(path: Path, with_search: bool = True) -> None:
         pred, measured = outcome.predicted, case.measured_step_s or math.nan
         error = pred.step_time_s / measured - 1
         errors[case.precision].append(error)
+        fitting += pred.fits
         print(f"{case.label[:51]:<52}{case.precision:<6}{measured:>9.3f}{pred.step_time_s:>9.3f}"
               f"{error:>+8.1%}{'yes' if pred.fits else 'NO':>6}  {_search_text(outcome)}")  # fmt: skip
         if outcome.chosen is not None and outcome.published is not None:
@@ -574,6 +576,7 @@ def moe_report(path: Path, with_search: bool = True) -> None:
         print(f"MoE {precision}: {len(group)} rows, mean |err| {mean:.1%}, max |err| {worst:.1%}")
     priced = sum(len(group) for group in errors.values())
     print(f"MoE rows priced: {priced}/{len(cases)}")
+    print(f"MoE published configurations estimated as fitting: {fitting}/{priced}")
     if with_search:
         n = checks["searched"]
         print(f"search: published config in the space {checks['in space']}/{n}; "
