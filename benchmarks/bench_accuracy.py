@@ -54,6 +54,7 @@ from planner.cost import CostModel, RunConfig, estimate_run, graph_from_spec
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import PlannerError
+from planner.frameworks import KERNELS, Framework
 from planner.hardware import load_profile
 from planner.presets import PRESETS
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
@@ -415,12 +416,14 @@ def moe_measured_step(row: dict[str, str], spec: ModelSpec) -> float:
     return flops / (_int(row["n_gpus"]) * float(row["measured_tflops_per_gpu"]) * 1e12)
 
 
-def _moe_recompute(text: str) -> str:
-    """The row's recompute as this planner's mode: Megatron's fine-grained module
-    recompute (layernorm, moe_act...) is priced as ``selective``."""
-    if text in ("", "none"):
-        return "none"
-    return "full" if text == "full" else "selective"
+def _moe_recompute(text: str) -> tuple[str, dict[str, Any]]:
+    """The row's recompute as this planner's mode and options: Megatron's fine-grained
+    ``selective(layernorm,moe_act)`` is ``selective`` over those recompute modules."""
+    if text in ("", "none", "full"):
+        return text or "none", {}
+    modules = re.fullmatch(r"selective\((.*)\)", text)
+    assert modules is not None, f"recompute {text!r}: none, full or selective(modules)"
+    return "selective", {"selective": "modules", "recompute_modules": modules.group(1).split(",")}
 
 
 def _moe_skip(row: dict[str, str]) -> str | None:
@@ -434,20 +437,31 @@ def _moe_skip(row: dict[str, str]) -> str | None:
     return None
 
 
+def _moe_kernels(framework: str) -> dict[str, bool]:
+    """What the row's kernels keep for backward: Megatron-Core's (``KERNELS``; before
+    v0.13 its experts weighted their outputs, not their activation); AutoModel's
+    Transformer Engine attention (``attn: te``) reads grouped K/V as they are."""
+    if not framework.startswith(MEGATRON_FRAMEWORKS):
+        return {"gqa_native": True}
+    return {**KERNELS[Framework.MEGATRON], "moe_probs_in_activation": "v0.8" not in framework}
+
+
 def moe_config(row: dict[str, str]) -> dict[str, Any]:
     """The row as a RunConfig dict: Megatron-Core rows with its fused kernels and
     overlaps, FSDP rows (zero=3) with flash attention and overlapped gathers."""
     tp, pp, virtual = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["virtual_stages"], 1)
+    recompute, recompute_options = _moe_recompute(row["recompute"])
     strategy = {
         "dp": _int(row["dp"]), "tp": tp, "pp": pp, "cp": _int(row["cp"], 1), "ep": _int(row["ep"], 1),
         "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
-        "recompute": _moe_recompute(row["recompute"]), **_schedule(pp, virtual),
+        "recompute": recompute, **_schedule(pp, virtual),
     }  # fmt: skip
     options: dict[str, Any] = {
         "attention": "flash", "dropout": False, "fused_pointwise": True, "grad_reduce_bytes": 4,
         "overlap_grad_reduce": True, "overlap_param_gather": True,
         "tp_comm_overlap": row["framework"].startswith(MEGATRON_FRAMEWORKS) and tp > 1,
     }  # fmt: skip
+    options.update(_moe_kernels(row["framework"]), **recompute_options)
     if "ep_overlap" in row["routing"]:
         options["ep_overlap"] = True
     if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher

@@ -34,6 +34,7 @@ from planner.spec import (
 )
 
 __all__ = [
+    "KERNELS",
     "RELEASES",
     "torchtitan_model",
     "Framework",
@@ -62,6 +63,17 @@ RELEASES: dict[Framework, tuple[Version, ...]] = {
     Framework.DEEPSPEED: ((0, 18), (0, 19, 6), (0, 19, 8)),
 }
 MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) here
+
+# What each framework's kernels keep for backward, as CostOptions fields (unlisted: the
+# defaults, eager PyTorch; planner.planning.framework_options applies them). Megatron-Core
+# on Transformer Engine (its default --transformer-impl) fuses norms and SwiGLU and reads
+# grouped K/V as they are; since v0.13 its experts multiply the routing probabilities
+# into their activation (experts.py, activation_func_with_probs).
+KERNELS: dict[Framework, dict[str, bool]] = {
+    Framework.MEGATRON: {
+        "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
+    },
+}  # fmt: skip
 
 
 def _show_version(version: Version) -> str:

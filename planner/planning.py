@@ -18,9 +18,18 @@ from planner.cost import CostModel, CostOptions
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.experts import expert_tradeoff
 from planner.cost.memory import in_flight_microbatches
+from planner.cost.options import device_options
 from planner.errors import InfeasibleError, SpecError
-from planner.frameworks import Target, model_refusal, parse_target, strategy_refusal
+from planner.frameworks import (
+    KERNELS,
+    Framework,
+    Target,
+    model_refusal,
+    parse_target,
+    strategy_refusal,
+)
 from planner.graph import OpGraph
+from planner.hardware import load_profile
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle
 from planner.modules import (
@@ -131,6 +140,8 @@ def search_plan(
     """
     started = time.perf_counter()
     target = _check_target(target, handle)
+    device = load_profile(cluster.gpu).device_kind
+    options = framework_options(target.framework, options or device_options(device))
     graph = cost_graph(handle, training, options)
     model, layouts = priced_model(handle, graph, cluster, training, options, ilp_time_limit_s)
     limits = model_limits(handle, graph, cluster, layouts)
@@ -288,6 +299,16 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
     if refined.fits and refined.step_time_s < best.prediction.step_time_s:
         return chunks, refined
     return even, best.prediction
+
+
+def framework_options(framework: Framework, options: CostOptions) -> CostOptions:
+    """``options`` with ``framework``'s kernels (:data:`~planner.frameworks.KERNELS`)
+    where they leave them unset."""
+    kernels = {
+        name: value for name, value in KERNELS.get(framework, {}).items()
+        if name not in options.model_fields_set
+    }  # fmt: skip
+    return options.model_copy(update=kernels) if kernels else options
 
 
 def _check_target(target: Target | str, handle: ModelHandle) -> Target:

@@ -391,6 +391,21 @@ def test_megatron_shell_command_gives_world_model_and_strategy() -> None:
         import_config(MEGATRON_SHELL, cluster=GPU, gpus=8)
 
 
+def test_megatron_prices_its_kernels_and_its_recompute_modules() -> None:
+    run = import_config(MEGATRON_SHELL, cluster=GPU).run
+    assert run.options.fused_norm_swiglu and run.options.gqa_native
+    assert run.options.selective.value == "attention"  # --recompute-modules: core_attn
+    modules = MEGATRON_SHELL.replace(
+        "--recompute-activations", "--recompute-granularity selective --recompute-modules "
+        "layernorm moe_act",
+    )  # fmt: skip
+    run = import_config(modules, cluster=GPU).run
+    assert run.options.selective.value == "modules"
+    assert [m.value for m in run.options.recompute_modules] == ["layernorm", "moe_act"]
+    with pytest.raises(SpecError, match=r"--recompute-modules = 'mla_up_proj mlp'.*not mla_up"):
+        import_config(modules.replace("layernorm moe_act", "mla_up_proj mlp"), cluster=GPU)
+
+
 def test_megatron_needs_the_world_and_pads_the_vocabulary() -> None:
     args = MEGATRON_SHELL.split("pretrain_gpt.py")[1].replace(
         "--make-vocab-size-divisible-by 64", ""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from planner.cost.model import CostModel
 from planner.cost.options import CostOptions, device_options
-from planner.cost.spec_graph import graph_from_spec
+from planner.cost.spec_graph import Kernels, graph_from_spec
 from planner.cost.tp import AssignmentSource
 from planner.errors import SpecError
 from planner.graph import OpGraph
@@ -38,11 +38,17 @@ def model_options(
 
 def spec_graph(spec: ModelSpec, training: Training, options: CostOptions | None = None) -> OpGraph:
     """The formula graph priced for ``spec``: at the training's sequence length (the
-    spec's when unset) and dtype, with the dropout nodes the options ask for."""
-    dropout = (options or CostOptions()).dropout
+    spec's when unset) and dtype, with the dropout nodes and the kernels the options
+    describe."""
+    options = options or CostOptions()
+    kernels = Kernels(
+        fused=options.fused_norm_swiglu, gqa_native=options.gqa_native,
+        probs_in_activation=options.moe_probs_in_activation,
+    )  # fmt: skip
     return graph_from_spec(
-        spec, seq_len=training.seq_len or spec.seq_len, dtype=training.dtype, dropout=dropout
-    )
+        spec, seq_len=training.seq_len or spec.seq_len, dtype=training.dtype,
+        dropout=options.dropout, kernels=kernels,
+    )  # fmt: skip
 
 
 def build_cost_model(

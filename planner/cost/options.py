@@ -14,7 +14,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["AttentionKernel", "SelectivePolicy", "CostOptions", "DDP_BUCKET_MIB", "device_options"]
+__all__ = [
+    "AttentionKernel",
+    "SelectivePolicy",
+    "RecomputeModule",
+    "CostOptions",
+    "DDP_BUCKET_MIB",
+    "device_options",
+]
 
 DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb default
 
@@ -27,6 +34,15 @@ class AttentionKernel(StrEnum):
 class SelectivePolicy(StrEnum):
     ATTENTION = "attention"  # recompute the attention core (Korthikanti et al., Megatron)
     OP = "op"  # save every other matmul output and attention; recompute the rest (torchtitan)
+    MODULES = "modules"  # Megatron-Core's --recompute-modules: the ones in recompute_modules
+
+
+class RecomputeModule(StrEnum):
+    """Megatron-Core's fine-grained recompute modules (``--recompute-modules``)."""
+
+    CORE_ATTN = "core_attn"  # the attention core
+    LAYERNORM = "layernorm"  # the block's norms: each keeps only its input
+    MOE_ACT = "moe_act"  # the experts' activation: the second expert GEMM's input is not kept
 
 
 class CostOptions(BaseModel):
@@ -44,7 +60,15 @@ class CostOptions(BaseModel):
     overlap_powersgd: bool = True  # PowerSGD's bucket reductions run during backward (not when the hook waits, as on gloo)
     tp_comm_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs
     selective: SelectivePolicy = SelectivePolicy.ATTENTION  # what "selective" recompute means
+    recompute_modules: tuple[RecomputeModule, ...] = (RecomputeModule.CORE_ATTN,)  # for "modules"
     fused_pointwise: bool = False  # chains of memory-bound ops run as one kernel (torch.compile, Apex/Megatron fused kernels)
+    # norms and SwiGLU are library kernels (Apex, Transformer Engine, Megatron-Core) that
+    # keep only their inputs and outputs for backward, not eager intermediates (formula
+    # graphs; what torch.compile keeps is its partitioner's choice, not modelled)
+    fused_norm_swiglu: bool = False
+    # attention reads K/V at their own head count (FlashAttention 2+, Transformer Engine,
+    # cuDNN) instead of repeated to every query head (the zoo's eager code), on formula graphs
+    gqa_native: bool = False
     grad_reduce_bytes: Literal[2, 4] = 4  # bytes per gradient element in DP reductions
     # SP backward all-gathers a linear's input again (Megatron), on zoo formula graphs;
     # traced layouts price what the DTensor runtime does (it keeps the gathered input)
@@ -63,6 +87,10 @@ class CostOptions(BaseModel):
     # ep_dedup: a token bound for several experts on one node crosses the network once
     # (DeepEP, Megatron-Core's flex dispatcher); torch's all_to_all sends every pair.
     ep_dedup: bool = False
+    # moe_probs_in_activation: the routing probabilities multiply the experts' activation
+    # (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
+    # weight the experts' outputs (formula graphs)
+    moe_probs_in_activation: bool = False
 
     @property
     def dp_bucket_bytes(self) -> float:

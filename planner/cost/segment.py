@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from planner.cost.communication import Collective, MeshLinks, collective_time
 from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
 from planner.cost.experts import ep_comm, expert_layout, rank_local
-from planner.cost.options import AttentionKernel, CostOptions, SelectivePolicy
+from planner.cost.options import AttentionKernel, CostOptions, RecomputeModule, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
 from planner.dtypes import FP32_BYTES
 from planner.graph import OpKind, OpNode, OpRole, SegmentType
@@ -101,6 +101,12 @@ class SegmentPricer:
             kept = self._input_bytes(nodes, saved) + sum(
                 nodes[i].bytes_written * saved[i] for i in range(len(nodes)) if i not in recomputed
             )
+        elif mode is RecomputeMode.SELECTIVE and self.options.selective is SelectivePolicy.MODULES:
+            modules = self.options.recompute_modules
+            kept = self._kept_bytes(
+                module_recompute_kept(nodes, modules), saved,
+                with_scores=RecomputeModule.CORE_ATTN not in modules,
+            )[0]  # fmt: skip
         elif mode is RecomputeMode.SELECTIVE:
             kept = self._kept_bytes(nodes, saved, with_scores=False)[0]
         else:
@@ -168,6 +174,8 @@ class SegmentPricer:
             return set(range(len(nodes)))
         if self.options.selective is SelectivePolicy.ATTENTION:
             return {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
+        if self.options.selective is SelectivePolicy.MODULES:
+            return module_recompute_nodes(nodes, self.options.recompute_modules)
         matmuls = [i for i, n in enumerate(nodes) if n.kind is OpKind.MATMUL]
         saved = set(matmuls[::2]) | {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
         return set(range(len(nodes))) - saved
@@ -272,3 +280,58 @@ class SegmentPricer:
             fwd += max(gather - time.forward_s, 0.0)
             bwd += max(gather + scatter - time.backward_s, 0.0)
         return fwd, bwd
+
+
+# --- Megatron-Core's fine-grained recompute (--recompute-modules) ------------------------
+
+
+def _block_norms(nodes: Sequence[OpNode]) -> set[int]:
+    """The block's own norms (module at the block's top level: ``attention_norm``,
+    ``input_layernorm``), not the per-head norms inside attention."""
+    return {i for i, n in enumerate(nodes) if n.kind is OpKind.NORM and "." not in n.module}
+
+
+def _expert_activation(nodes: Sequence[OpNode]) -> tuple[set[int], set[int]]:
+    """The routed experts' activation operators (between their GEMMs) and the GEMMs that
+    read it (whose saved input is the activation's output)."""
+    gemms = [i for i, n in enumerate(nodes) if n.role is OpRole.EXPERTS and _expert_gemm(n)]
+    if len(gemms) < 2:
+        return set(), set()
+    between = {
+        i for i in range(gemms[0] + 1, gemms[-1])
+        if nodes[i].role is OpRole.EXPERTS and not _expert_gemm(nodes[i])
+    }  # fmt: skip
+    return between, set(gemms[1:])
+
+
+def module_recompute_nodes(nodes: Sequence[OpNode], modules: Sequence[RecomputeModule]) -> set[int]:
+    """Indices of the operators Megatron-Core's recompute of ``modules`` runs again."""
+    again: set[int] = set()
+    if RecomputeModule.CORE_ATTN in modules:
+        again |= {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
+    if RecomputeModule.LAYERNORM in modules:
+        again |= _block_norms(nodes)
+    if RecomputeModule.MOE_ACT in modules:
+        again |= _expert_activation(nodes)[0]
+    return again
+
+
+def module_recompute_kept(
+    nodes: Sequence[OpNode], modules: Sequence[RecomputeModule]
+) -> list[OpNode]:
+    """``nodes`` with the saved bytes left under Megatron-Core's recompute of ``modules``:
+    a recomputed norm keeps only its input (the checkpoint's); the GEMM after a recomputed
+    expert activation keeps no input (the activation's output is made again)."""
+    kept = list(nodes)
+    if RecomputeModule.LAYERNORM in modules:
+        by_module: dict[str, list[int]] = {}
+        for i in sorted(_block_norms(nodes)):
+            by_module.setdefault(nodes[i].module, []).append(i)
+        for run in by_module.values():
+            for i in run:
+                kept[i] = replace(nodes[i], saved_bytes=0.0)
+            kept[run[0]] = replace(nodes[run[0]], saved_bytes=nodes[run[0]].input_bytes)
+    if RecomputeModule.MOE_ACT in modules:
+        for i in _expert_activation(nodes)[1]:
+            kept[i] = replace(nodes[i], saved_bytes=0.0)
+    return kept

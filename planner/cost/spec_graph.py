@@ -19,7 +19,9 @@ experts' saved bytes (tests/test_moe_models.py).
 
 Memory-bound operators are the eager ones (RMSNorm's fp32 upcast steps, rotary as an
 fp32 complex multiply, SwiGLU's silu and product); ``fused_pointwise`` in the cost
-options models their fusion. Saved-for-backward bytes follow Korthikanti et al.
+options models their fusion. What is kept for backward follows :class:`Kernels`: the
+zoo's eager code by default, Transformer Engine's and Megatron-Core's where the cost
+options say so. Saved-for-backward bytes follow Korthikanti et al.
 (2022): a GPT block keeps ``s*b*h*34`` bytes with dropout masks (the attention scores
 are added by the cost model when the attention kernel is unfused). A norm keeps its
 input and its output (the next linear's input), so tensor-parallel splitting of what
@@ -29,22 +31,47 @@ it keeps follows the norm's rule.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.spec import Activation, DType, Family, ModelSpec
 
-__all__ = ["graph_from_spec"]
+__all__ = ["EAGER", "Kernels", "graph_from_spec"]
 
 _MOE_BLOCK = "moe_block"  # the segment type of blocks with experts ("block": dense ones)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the training code's kernels keep for backward where frameworks differ
+    (the defaults: the zoo's eager PyTorch, as traced).
+
+    ``fused``: norms and SwiGLU run as library kernels (Apex, Transformer Engine,
+    Megatron-Core): a norm keeps its input and output, SwiGLU its two inputs, and no
+    eager intermediate is kept. ``gqa_native``: the attention kernel
+    reads keys and values at their own head count (FlashAttention 2+, Transformer
+    Engine, cuDNN); eager code repeats them to every query head first.
+    ``probs_in_activation``: the routing probabilities multiply the experts' activation
+    (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
+    weight the experts' outputs, which the product keeps.
+    """
+
+    fused: bool = False
+    gqa_native: bool = False
+    probs_in_activation: bool = False
+
+
+EAGER = Kernels()
 
 
 class _Builder:
     """Accumulates the nodes of one segment type, chaining each to the previous one."""
 
-    def __init__(self, element_bytes: int, tokens: int) -> None:
+    def __init__(self, element_bytes: int, tokens: int, kernels: Kernels) -> None:
         self.e = element_bytes
         self.t = tokens
+        self.kernels = kernels
         self.nodes: list[OpNode] = []
         self.role = OpRole.NONE  # the role of the nodes added next
 
@@ -104,16 +131,21 @@ class _Builder:
                 saved_bytes=saved_per_element * t * width if last else 0.0,
             )  # fmt: skip
 
-    def attention(self, heads: int, seq: int, head_dim: int, v_dim: int | None = None) -> None:
+    def attention(
+        self, heads: int, seq: int, head_dim: int, v_dim: int | None = None,
+        kv_heads: int | None = None,
+    ) -> None:  # fmt: skip
         """Scaled dot-product attention: queries and keys ``head_dim`` wide, values
-        ``v_dim`` (default ``head_dim``)."""
-        e, v_dim = self.e, v_dim or head_dim
-        qkv = seq * heads * (2 * head_dim + v_dim) * e
+        ``v_dim`` (default ``head_dim``), keys and values at ``kv_heads`` heads (default
+        ``heads``), all kept for backward."""
+        e, v_dim, kv_heads = self.e, v_dim or head_dim, kv_heads or heads
+        qkv = seq * (heads * head_dim + kv_heads * (head_dim + v_dim)) * e
         flops = 2.0 * heads * seq * seq * (head_dim + v_dim)
         shape, v_shape = (1, heads, seq, head_dim), (1, heads, seq, v_dim)
+        k_shape, kv_v_shape = (1, kv_heads, seq, head_dim), (1, kv_heads, seq, v_dim)
         self._add(
             "attention", OpKind.ATTENTION, "aten.scaled_dot_product_attention", "attention",
-            input_shapes=(shape, shape, v_shape), output_shape=v_shape,
+            input_shapes=(shape, k_shape, kv_v_shape), output_shape=v_shape,
             flops_fwd=flops, flops_bwd=2 * flops,
             bytes_read=float(qkv), bytes_written=float(seq * heads * v_dim * e),
             saved_bytes=float(qkv), gemm=(heads, seq, seq, head_dim),
@@ -166,13 +198,14 @@ _ROTARY = (
 
 def _norm(b: _Builder, module: str, spec: ModelSpec, h: int, params: int | None = None) -> None:
     """A norm over ``h`` features a token (``params`` weights, default ``h``: fewer for
-    per-head norms). LayerNorm is one fused kernel keeping input and output (Korthikanti:
-    2+2 bytes per element); eager RMSNorm also keeps its fp32 upcast and normalised value
-    (4+2+2)."""
+    per-head norms). LayerNorm, and RMSNorm with fused kernels, is one kernel keeping
+    input and output (Korthikanti: 2+2 bytes per element); eager RMSNorm also keeps its
+    fp32 upcast and normalised value (4+2+2)."""
     scale = b.e / HALF_BYTES
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
-        kept = FP32_BYTES + 2 * HALF_BYTES  # fp32 upcast, normalised value, output
+        # input and output; eager also the fp32 upcast and the normalised value
+        kept = 2 * HALF_BYTES if b.kernels.fused else FP32_BYTES + 2 * HALF_BYTES
         weights = h if params is None else params
         b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=weights)
     else:
@@ -195,9 +228,12 @@ def _attention(b: _Builder, spec: ModelSpec, seq: int) -> None:
         _norm(b, "attention.k_norm", spec, kv, params=spec.head_size)
     if spec.family is Family.LLAMA:
         _rotary(b, q + kv)
-    if kv < q:  # grouped-query attention: K and V repeated to every query head
-        b.chain("attention", OpKind.ELEMENTWISE, 2 * q, (("repeat_kv", e * kv / q, e),), 0.0)
-    b.attention(spec.num_heads, seq, spec.head_size)
+    if kv < q and b.kernels.gqa_native:  # grouped-query attention read at kv heads
+        b.attention(spec.num_heads, seq, spec.head_size, kv_heads=spec.kv_heads)
+    else:
+        if kv < q:  # grouped-query attention: K and V repeated to every query head
+            b.chain("attention", OpKind.ELEMENTWISE, 2 * q, (("repeat_kv", e * kv / q, e),), 0.0)
+        b.attention(spec.num_heads, seq, spec.head_size)
     b.chain("attention", OpKind.ELEMENTWISE, q, (("merge_heads", e, e),), 0.0)
     b.linear("attention.wo", h, q, bias, saved_input=True)
 
@@ -235,8 +271,10 @@ def _feed_forward(b: _Builder, spec: ModelSpec, module: str, f: int, bias: bool)
     b.linear(f"{module}.w1", f, h, bias, saved_input=False)
     if spec.act is Activation.SWIGLU:
         b.linear(f"{module}.w3", f, h, bias, saved_input=False)
+        # silu keeps w1's output, the product silu's and w3's (fused: only w3's)
         b.chain(module, OpKind.ELEMENTWISE, f, (("silu", e, e),), saved_per_element=e)
-        b.chain(module, OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=2 * e)
+        product_kept = e if b.kernels.fused else 2 * e
+        b.chain(module, OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=product_kept)
     else:
         b.pointwise("gelu", module, OpKind.ELEMENTWISE, f, 1, saved=float(b.t * f * e))
     b.linear(f"{module}.w2", h, f, bias, saved_input=True)
@@ -261,10 +299,15 @@ def _moe(b: _Builder, spec: ModelSpec) -> None:
     b.grouped("experts_gate_up", module, experts, 2 * f, slots, h)
     gate = float(rows * f * e)
     b.rows("silu", module, OpKind.ELEMENTWISE, (experts, slots, f), read=gate, saved=gate)
-    b.rows("mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate, saved=gate)
+    probs = float(pairs * e) if b.kernels.probs_in_activation else 0.0  # kept with the product
+    b.rows(
+        "mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate, saved=gate + probs
+    )
     b.grouped("experts_down", module, experts, h, slots, f)
-    weighted = float(pairs * h * e + pairs * e)  # expert outputs and routing weights, kept
-    b.rows("combine_mul", module, OpKind.ELEMENTWISE, (pairs, h), weighted, saved=weighted)
+    weighted = float(pairs * h * e + pairs * e)  # expert outputs and routing weights
+    # the combine keeps what it weights, unless the probabilities were applied already
+    kept = 0.0 if b.kernels.probs_in_activation else weighted
+    b.rows("combine_mul", module, OpKind.ELEMENTWISE, (pairs, h), weighted, saved=kept)
     b.rows("combine_sum", module, OpKind.REDUCTION, (t, h), read=float(pairs * h * e))
     if spec.num_shared_experts:
         b.role = OpRole.SHARED_EXPERTS
@@ -274,8 +317,10 @@ def _moe(b: _Builder, spec: ModelSpec) -> None:
     b.role = OpRole.NONE
 
 
-def _block(spec: ModelSpec, seq: int, e: int, dropout: bool, *, moe: bool) -> SegmentType:
-    b = _Builder(e, seq)
+def _block(
+    spec: ModelSpec, seq: int, e: int, dropout: bool, kernels: Kernels, *, moe: bool
+) -> SegmentType:
+    b = _Builder(e, seq, kernels)
     h, bias = spec.hidden_size, spec.family is not Family.LLAMA
     _norm(b, "attention_norm", spec, h)
     if spec.latent_attention:
@@ -297,7 +342,7 @@ def _block(spec: ModelSpec, seq: int, e: int, dropout: bool, *, moe: bool) -> Se
 
 
 def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
-    b = _Builder(e, seq)
+    b = _Builder(e, seq, EAGER)
     h, v = spec.hidden_size, spec.vocab_size
     b.pointwise("tok_embeddings", "tok_embeddings", OpKind.EMBEDDING, h, 0,
                 saved=float(seq * ELEMENT_BYTES["int64"]), params=v * h,
@@ -308,8 +353,8 @@ def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
     return SegmentType(type_id="embedding", kind="embedding", nodes=tuple(b.nodes))
 
 
-def _head(spec: ModelSpec, seq: int, e: int) -> SegmentType:
-    b = _Builder(e, seq)
+def _head(spec: ModelSpec, seq: int, e: int, kernels: Kernels) -> SegmentType:
+    b = _Builder(e, seq, kernels)
     h, v = spec.hidden_size, spec.vocab_size
     _norm(b, "norm", spec, h)
     b.linear("output", v, h, bias=False, saved_input=False)
@@ -324,16 +369,17 @@ def _head(spec: ModelSpec, seq: int, e: int) -> SegmentType:
 
 def graph_from_spec(
     spec: ModelSpec, *, seq_len: int | None = None, dtype: DType = DType.BF16,
-    dropout: bool = False,
+    dropout: bool = False, kernels: Kernels = EAGER,
 ) -> OpGraph:  # fmt: skip
-    """The operator graph of ``spec`` for one sequence of ``seq_len`` tokens (batch 1)."""
+    """The operator graph of ``spec`` for one sequence of ``seq_len`` tokens (batch 1),
+    keeping for backward what ``kernels`` keep."""
     seq = seq_len or spec.seq_len
     e = dtype.activation_bytes
     layer_types = [_MOE_BLOCK if spec.is_moe_layer(i) else "block" for i in range(spec.num_layers)]
     types = {"embedding": _embedding(spec, seq, e, dropout)}
     for type_id in dict.fromkeys(layer_types):
-        types[type_id] = _block(spec, seq, e, dropout, moe=type_id == _MOE_BLOCK)
-    types["head"] = _head(spec, seq, e)
+        types[type_id] = _block(spec, seq, e, dropout, kernels, moe=type_id == _MOE_BLOCK)
+    types["head"] = _head(spec, seq, e, kernels)
     modules_in = ("tok_embeddings",) + (() if spec.family is Family.LLAMA else ("pos_embeddings",))
     segments = (
         Segment("embedding", "embedding", modules_in),

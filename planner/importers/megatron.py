@@ -34,9 +34,10 @@ import math
 import re
 from typing import Any
 
+from planner.cost.options import RecomputeModule, SelectivePolicy
 from planner.errors import SpecError
 from planner.export.megatron import DTYPE_ARGS, SHARDING
-from planner.frameworks import MEGATRON_HALF_REDUCTION
+from planner.frameworks import KERNELS, MEGATRON_HALF_REDUCTION, Framework
 from planner.importers.common import (
     ImportedRun,
     Options,
@@ -143,7 +144,8 @@ def read_megatron(text: str, source: str, detected: str, options: Options) -> Im
     }  # fmt: skip
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
-        training=training, strategy=strategy, options=_cost_options(settings, dp, zero, notes),
+        training=training, strategy=strategy,
+        options=_cost_options(settings, dp, zero, notes) | _recompute_modules(settings, strategy),
         stages=chunks_of(model, counts) if pp > 1 else (), notes=notes,
     )  # fmt: skip
 
@@ -510,6 +512,23 @@ def _recompute(settings: Settings) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def _recompute_modules(settings: Settings, strategy: dict[str, Any]) -> dict[str, Any]:
+    """Selective recompute of ``--recompute-modules`` (Megatron-LM's default: core_attn)."""
+    modules = settings.get("--recompute-modules")
+    if modules is None or strategy["recompute"] != RecomputeMode.SELECTIVE.value:
+        return {}
+    names = [modules] if isinstance(modules, str) else list(modules)
+    known = [m.value for m in RecomputeModule]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise settings.refuse(
+            "--recompute-modules", " ".join(names),
+            f"the planner prices recompute of {', '.join(known)}, not {', '.join(unknown)}",
+            "recompute those modules, or full layers (--recompute-granularity full)",
+        )  # fmt: skip
+    return {"selective": SelectivePolicy.MODULES.value, "recompute_modules": names}
+
+
 def _dtype(settings: Settings, notes: list[str]) -> DType:
     """The training dtype whose Megatron-LM switches (:data:`DTYPE_ARGS`) are given."""
     given: set[tuple[str, ...]] = {(key,) for key in ("--bf16", "--fp16") if settings.flag(key)}
@@ -560,11 +579,13 @@ def _optimizer(settings: Settings) -> Optimizer:
 
 
 def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> dict[str, Any]:
-    """What Megatron-LM overlaps (only when asked) and whether dropout masks are kept."""
+    """What Megatron-LM overlaps (only when asked), whether dropout masks are kept, and
+    what its kernels keep (:data:`~planner.frameworks.KERNELS`)."""
     options: dict[str, Any] = {
         "overlap_grad_reduce": settings.flag("--overlap-grad-reduce"),
         "overlap_param_gather": settings.flag("--overlap-param-gather"),
         "tp_comm_overlap": settings.flag("--tp-comm-overlap"),
+        **KERNELS[Framework.MEGATRON],
     }
     if dp > 1 and not options["overlap_grad_reduce"]:
         notes.append("no --overlap-grad-reduce: the gradient reduction is priced after backward")
