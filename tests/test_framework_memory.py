@@ -139,3 +139,22 @@ def test_core_attn_module_is_megatrons_default_selective_recompute():
 def test_an_unknown_recompute_module_is_refused_naming_the_field():
     with pytest.raises(ValidationError, match="recompute_modules"):
         CostOptions(selective="modules", recompute_modules=("mla_up_proj",))
+
+
+def test_a_plan_for_megatron_fits_megatrons_memory_not_eager_pytorchs():
+    """The same pinned strategy: ``--for megatron`` prices Transformer Engine's kernels
+    (less kept), the default target the zoo's eager runtime."""
+    from planner.models import resolve_model
+    from planner.planning import make_plan
+    from planner.solve.search import Pins
+
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=8)
+    training = Training(global_batch_size=8, seq_len=4096)
+    pins = Pins(dp=8, tp=1, pp=1, cp=1, zero=3, recompute="none", micro_batch_size=1)
+    peak = {
+        target: make_plan(
+            resolve_model("llama3-8b"), cluster, training, pins=pins, target=target
+        ).prediction.peak_memory_gib
+        for target in ("planner", "megatron")
+    }
+    assert peak["megatron"] < peak["planner"]
