@@ -30,8 +30,11 @@ MoE rows (``benchmarks/data/moe_runs.csv``, described in ``benchmarks/data/READM
 are reported apart: per row the predicted against the measured step time, and the
 search on the row's GPUs, global batch and sequence length (whether its plan is
 predicted at least as fast as the published configuration, and whether that
-configuration lies in the search space). A row whose model preset, GPU profile or
-expert layout the planner lacks is listed as skipped with the reason.
+configuration lies in the search space), and how many published configurations are
+predicted to fit. Each row is priced with its framework's kernels (Megatron-Core's:
+``planner.frameworks.KERNELS``) and its fine-grained recompute modules. A row whose
+model preset, GPU profile or expert layout the planner lacks is listed as skipped with
+the reason.
 """
 
 from __future__ import annotations
