@@ -122,6 +122,7 @@ PLANS = {
     "interleaved": "--model gpt3-1.3b --cluster a100-sxm-80gb --gpus 16 --global-batch 64 --pp 4 "
     "--schedule interleaved-1f1b",
     "tiny-zero-bubble": "--model tiny-llama --gpus 2 --global-batch 8 --seq 32 --dtype fp32",
+    "megatron-kernels": "--model llama3-8b --gpus 16 --global-batch 32 --for megatron",
 }
 
 

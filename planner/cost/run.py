@@ -28,6 +28,7 @@ from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.cost.flops import bf16_peak_mfu
 from planner.cost.options import CostOptions, device_options
 from planner.errors import SpecError
+from planner.frameworks import KERNELS, parse_target
 from planner.hardware import load_profile
 from planner.parallel_dims import ParallelDims
 from planner.presets import get_preset
@@ -98,7 +99,8 @@ class RunConfig(BaseModel):
     def from_plan(cls, plan: Plan, source: str = "plan") -> RunConfig:
         """The run a saved plan describes: its model spec, cluster, training, strategy and
         pipeline stages, priced with the options ``plan`` searches with (what the
-        cluster's device runs, :func:`~planner.cost.options.device_options`)."""
+        cluster's device runs, :func:`~planner.cost.options.device_options`, with the
+        kernels of the plan's target, :data:`~planner.frameworks.KERNELS`)."""
         if plan.model is None:
             where = plan.model_source or "a traced module"
             raise SpecError(
@@ -112,6 +114,7 @@ class RunConfig(BaseModel):
             "training": plan.training.model_dump(mode="json"),
             "strategy": plan.strategy.model_dump(mode="json"),
             "stages": [list(chunk) for chunk in plan.stages],
+            "options": KERNELS.get(parse_target(plan.target, field="plan.target").framework, {}),
         }
         return cls.from_dict(data, source)
 
