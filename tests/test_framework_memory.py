@@ -36,7 +36,7 @@ def _kept(graph, type_id: str, module: str) -> float:
 
 def test_fused_norms_keep_input_and_output_eager_ones_also_their_fp32_steps():
     eager = graph_from_spec(LLAMA)
-    fused = graph_from_spec(LLAMA, kernels=Kernels(fused=True))
+    fused = graph_from_spec(LLAMA, kernels=Kernels(fused_norm_swiglu=True))
     assert _kept(eager, "block", "attention_norm") == T * H * (4 + 2 + 2)
     assert _kept(fused, "block", "attention_norm") == T * H * (2 + 2)
 
@@ -46,7 +46,7 @@ def test_fused_swiglu_keeps_its_two_inputs_not_silus_output():
         return _kept(graph, "block", "feed_forward")  # silu and product (w2 keeps its input)
 
     assert ffn(graph_from_spec(LLAMA)) == T * F * E * 3
-    assert ffn(graph_from_spec(LLAMA, kernels=Kernels(fused=True))) == T * F * E * 2
+    assert ffn(graph_from_spec(LLAMA, kernels=Kernels(fused_norm_swiglu=True))) == T * F * E * 2
 
 
 def test_native_gqa_attention_keeps_keys_and_values_at_their_own_heads():
@@ -69,7 +69,7 @@ def test_probabilities_in_the_activation_free_the_weighted_expert_outputs():
     pairs = T * MOE.top_k
     eager, megatron = (
         graph_from_spec(MOE),
-        graph_from_spec(MOE, kernels=Kernels(probs_in_activation=True)),
+        graph_from_spec(MOE, kernels=Kernels(moe_probs_in_activation=True)),
     )
     by_name = [
         {n.name: n.saved_bytes for n in g.types["moe_block"].nodes} for g in (eager, megatron)
@@ -109,7 +109,7 @@ def _modules(*names: str) -> CostOptions:
 
 
 def test_layernorm_recompute_keeps_only_the_block_norms_inputs():
-    graph = graph_from_spec(MOE, kernels=Kernels(fused=True))
+    graph = graph_from_spec(MOE, kernels=Kernels(fused_norm_swiglu=True))
     none, seg = _block(graph, CostOptions(), RecomputeMode.NONE)
     norms, _ = _block(graph, _modules("layernorm"), RecomputeMode.SELECTIVE)
     assert {n.module for n in seg.nodes if n.kind is OpKind.NORM} == {"attention_norm", "ffn_norm"}

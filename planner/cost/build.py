@@ -10,6 +10,7 @@ A plan's prediction is therefore reproduced, to the float, by ``plan estimate --
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 from planner.cost.model import CostModel
 from planner.cost.options import CostOptions, device_options
@@ -41,10 +42,7 @@ def spec_graph(spec: ModelSpec, training: Training, options: CostOptions | None 
     spec's when unset) and dtype, with the dropout nodes and the kernels the options
     describe."""
     options = options or CostOptions()
-    kernels = Kernels(
-        fused=options.fused_norm_swiglu, gqa_native=options.gqa_native,
-        probs_in_activation=options.moe_probs_in_activation,
-    )  # fmt: skip
+    kernels = Kernels(**{field.name: getattr(options, field.name) for field in fields(Kernels)})
     return graph_from_spec(
         spec, seq_len=training.seq_len or spec.seq_len, dtype=training.dtype,
         dropout=options.dropout, kernels=kernels,

@@ -162,7 +162,7 @@ class CostModel:
         """Bytes per step that one rank's tensor-parallel collectives move (whole arrays,
         as :mod:`~planner.cost.communication` prices them), by ``(kind, pass)``, over every
         segment (the whole model: one pipeline rank holds its share of them)."""
-        key = self._shard_key(strategy)
+        key = ShardKey.of(strategy)
         layout = self.tp_layout(strategy.tp, strategy.sequence_parallel)
         counted: dict[tuple[str, str], float] = {}
         for segment in self.graph.segments:
@@ -208,9 +208,6 @@ class CostModel:
 
     # ----- per strategy -----------------------------------------------------------------
 
-    def _shard_key(self, strategy: Strategy) -> ShardKey:
-        return ShardKey.of(strategy)
-
     def segment_costs(
         self, strategy: Strategy, *, recompute: Sequence[RecomputeMode] | None = None
     ) -> list[SegmentCost]:
@@ -245,7 +242,7 @@ class CostModel:
         return costs
 
     def _table(self, strategy: Strategy, recompute: Sequence[RecomputeMode] | None) -> SegmentTable:
-        key = self._shard_key(strategy)
+        key = ShardKey.of(strategy)
         modes = tuple(recompute or [strategy.recompute] * len(self.graph.segments))
         table = self._tables.get((key, modes))
         if table is None:
@@ -262,7 +259,7 @@ class CostModel:
     def whole_model(self, strategy: Strategy) -> WholeModelCost:
         """The model's summed per-micro-batch costs on one tensor x context-parallel group
         (each segment type priced once, times its occurrences)."""
-        key = self._shard_key(strategy)
+        key = ShardKey.of(strategy)
         time = params = experts = 0.0
         least = math.inf
         for type_id, count in self._type_counts.items():
@@ -410,7 +407,7 @@ class CostModel:
     def _logits_bytes(self, strategy: Strategy) -> float:
         """The head's logits and their gradient per micro-batch (bytes)."""
         head = self.graph.segment_type(self.graph.segments[-1])
-        return self._type_cost(head, self._shard_key(strategy), RecomputeMode.NONE).logits_bytes
+        return self._type_cost(head, ShardKey.of(strategy), RecomputeMode.NONE).logits_bytes
 
     def pipeline_floor_s(self, strategy: Strategy) -> float:
         """Seconds of the pipelined forward and backward alone over the default stages.

@@ -104,7 +104,7 @@ class SegmentPricer:
         elif mode is RecomputeMode.SELECTIVE and self.options.selective is SelectivePolicy.MODULES:
             modules = self.options.recompute_modules
             kept = self._kept_bytes(
-                module_recompute_kept(nodes, modules), saved,
+                _module_recompute_kept(nodes, modules), saved,
                 with_scores=RecomputeModule.CORE_ATTN not in modules,
             )[0]  # fmt: skip
         elif mode is RecomputeMode.SELECTIVE:
@@ -175,7 +175,7 @@ class SegmentPricer:
         if self.options.selective is SelectivePolicy.ATTENTION:
             return {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
         if self.options.selective is SelectivePolicy.MODULES:
-            return module_recompute_nodes(nodes, self.options.recompute_modules)
+            return _module_recompute_nodes(nodes, self.options.recompute_modules)
         matmuls = [i for i, n in enumerate(nodes) if n.kind is OpKind.MATMUL]
         saved = set(matmuls[::2]) | {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
         return set(range(len(nodes))) - saved
@@ -294,7 +294,7 @@ def _block_norms(nodes: Sequence[OpNode]) -> set[int]:
 def _expert_activation(nodes: Sequence[OpNode]) -> tuple[set[int], set[int]]:
     """The routed experts' activation operators (between their GEMMs) and the GEMMs that
     read it (whose saved input is the activation's output)."""
-    gemms = [i for i, n in enumerate(nodes) if n.role is OpRole.EXPERTS and _expert_gemm(n)]
+    gemms = [i for i, n in enumerate(nodes) if _expert_gemm(n)]
     if len(gemms) < 2:
         return set(), set()
     between = {
@@ -304,7 +304,9 @@ def _expert_activation(nodes: Sequence[OpNode]) -> tuple[set[int], set[int]]:
     return between, set(gemms[1:])
 
 
-def module_recompute_nodes(nodes: Sequence[OpNode], modules: Sequence[RecomputeModule]) -> set[int]:
+def _module_recompute_nodes(
+    nodes: Sequence[OpNode], modules: Sequence[RecomputeModule]
+) -> set[int]:
     """Indices of the operators Megatron-Core's recompute of ``modules`` runs again."""
     again: set[int] = set()
     if RecomputeModule.CORE_ATTN in modules:
@@ -316,7 +318,7 @@ def module_recompute_nodes(nodes: Sequence[OpNode], modules: Sequence[RecomputeM
     return again
 
 
-def module_recompute_kept(
+def _module_recompute_kept(
     nodes: Sequence[OpNode], modules: Sequence[RecomputeModule]
 ) -> list[OpNode]:
     """``nodes`` with the saved bytes left under Megatron-Core's recompute of ``modules``:

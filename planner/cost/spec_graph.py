@@ -45,21 +45,22 @@ _MOE_BLOCK = "moe_block"  # the segment type of blocks with experts ("block": de
 @dataclass(frozen=True)
 class Kernels:
     """What the training code's kernels keep for backward where frameworks differ
-    (the defaults: the zoo's eager PyTorch, as traced).
+    (the defaults: the zoo's eager PyTorch, as traced); the fields are the
+    :class:`~planner.cost.options.CostOptions` of the same names.
 
-    ``fused``: norms and SwiGLU run as library kernels (Apex, Transformer Engine,
+    ``fused_norm_swiglu``: norms and SwiGLU run as library kernels (Apex, Transformer Engine,
     Megatron-Core): a norm keeps its input and output, SwiGLU its two inputs, and no
     eager intermediate is kept. ``gqa_native``: the attention kernel
     reads keys and values at their own head count (FlashAttention 2+, Transformer
     Engine, cuDNN); eager code repeats them to every query head first.
-    ``probs_in_activation``: the routing probabilities multiply the experts' activation
+    ``moe_probs_in_activation``: the routing probabilities multiply the experts' activation
     (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
     weight the experts' outputs, which the product keeps.
     """
 
-    fused: bool = False
+    fused_norm_swiglu: bool = False
     gqa_native: bool = False
-    probs_in_activation: bool = False
+    moe_probs_in_activation: bool = False
 
 
 EAGER = Kernels()
@@ -205,7 +206,7 @@ def _norm(b: _Builder, module: str, spec: ModelSpec, h: int, params: int | None 
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
         # input and output; eager also the fp32 upcast and the normalised value
-        kept = 2 * HALF_BYTES if b.kernels.fused else FP32_BYTES + 2 * HALF_BYTES
+        kept = 2 * HALF_BYTES if b.kernels.fused_norm_swiglu else FP32_BYTES + 2 * HALF_BYTES
         weights = h if params is None else params
         b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=weights)
     else:
@@ -273,7 +274,7 @@ def _feed_forward(b: _Builder, spec: ModelSpec, module: str, f: int, bias: bool)
         b.linear(f"{module}.w3", f, h, bias, saved_input=False)
         # silu keeps w1's output, the product silu's and w3's (fused: only w3's)
         b.chain(module, OpKind.ELEMENTWISE, f, (("silu", e, e),), saved_per_element=e)
-        product_kept = e if b.kernels.fused else 2 * e
+        product_kept = e if b.kernels.fused_norm_swiglu else 2 * e
         b.chain(module, OpKind.ELEMENTWISE, f, (("mul", 2 * e, e),), saved_per_element=product_kept)
     else:
         b.pointwise("gelu", module, OpKind.ELEMENTWISE, f, 1, saved=float(b.t * f * e))
@@ -299,14 +300,14 @@ def _moe(b: _Builder, spec: ModelSpec) -> None:
     b.grouped("experts_gate_up", module, experts, 2 * f, slots, h)
     gate = float(rows * f * e)
     b.rows("silu", module, OpKind.ELEMENTWISE, (experts, slots, f), read=gate, saved=gate)
-    probs = float(pairs * e) if b.kernels.probs_in_activation else 0.0  # kept with the product
+    probs = float(pairs * e) if b.kernels.moe_probs_in_activation else 0.0  # kept with the product
     b.rows(
         "mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate, saved=gate + probs
     )
     b.grouped("experts_down", module, experts, h, slots, f)
     weighted = float(pairs * h * e + pairs * e)  # expert outputs and routing weights
     # the combine keeps what it weights, unless the probabilities were applied already
-    kept = 0.0 if b.kernels.probs_in_activation else weighted
+    kept = 0.0 if b.kernels.moe_probs_in_activation else weighted
     b.rows("combine_mul", module, OpKind.ELEMENTWISE, (pairs, h), weighted, saved=kept)
     b.rows("combine_sum", module, OpKind.REDUCTION, (t, h), read=float(pairs * h * e))
     if spec.num_shared_experts:
