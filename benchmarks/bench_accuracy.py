@@ -1,6 +1,7 @@
 """Cost-model accuracy against published training runs (step time and peak memory).
 
-    python benchmarks/bench_accuracy.py [--csv PATH] [--rows]
+    python benchmarks/bench_accuracy.py [--csv PATH] [--moe-only] [--fit]
+    python benchmarks/bench_accuracy.py --write-error-bands [PATH]
 
 Reads ``../shared/data/published_runs.csv`` (relative to the repository), turns each
 source's reported figure into a measured step time with that source's own FLOP
@@ -35,6 +36,10 @@ predicted to fit. Each row is priced with its framework's kernels (Megatron-Core
 ``planner.frameworks.KERNELS``) and its fine-grained recompute modules. A row whose
 model preset, GPU profile or expert layout the planner lacks is listed as skipped with
 the reason.
+
+``--write-error-bands`` measures, on every priced row (dense and MoE), the error band of
+each regime that predictions carry (:mod:`planner.cost.error_band`), prints them and
+writes them to ``profiles/validation/error_bands.json`` (or PATH).
 """
 
 from __future__ import annotations
@@ -55,13 +60,15 @@ from scipy.optimize import minimize_scalar
 
 from planner.cost import CostModel, RunConfig, estimate_run, graph_from_spec
 from planner.cost.build import build_cost_model, spec_graph
+from planner.cost.error_band import TABLE, Residual, fit_error_bands
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import PlannerError
 from planner.frameworks import KERNELS, Framework
-from planner.hardware import load_profile
+from planner.hardware import load_profile, profile_dir
+from planner.io import dumps_json, write_text_atomic
 from planner.presets import PRESETS
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
-from planner.spec import ModelSpec, Prediction
+from planner.spec import ErrorBandTable, ModelSpec, Prediction
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "published_runs.csv"
@@ -600,6 +607,52 @@ def moe_report(path: Path, with_search: bool = True) -> None:
               f"chosen plan at least as fast {checks['chosen >= published']}/{n}")  # fmt: skip
 
 
+# --- error bands --------------------------------------------------------------------
+
+
+def residuals(csv_path: Path, moe_path: Path) -> list[Residual]:
+    """Every priced published run (dense and MoE) with its prediction and measurements."""
+    found = []
+    for case in load_cases(csv_path):
+        prediction = estimate_run(case.config)
+        found.append(Residual(prediction, case.measured_step_s, case.measured_memory_gib,
+                              case.config["cluster"]["gpu"]))  # fmt: skip
+    for moe in load_moe_cases(moe_path):
+        outcome = moe.skipped or moe_result(moe, with_search=False)
+        if isinstance(outcome, str) or moe.measured_step_s is None:
+            continue
+        assert moe.config is not None
+        found.append(Residual(outcome.predicted, moe.measured_step_s, None,
+                              moe.config["cluster"]["gpu"]))  # fmt: skip
+    return found
+
+
+def print_bands(table: ErrorBandTable) -> None:
+    """The error band of each regime, as predictions carry them."""
+    print(f"\nerror bands ({table.command}):")
+    print(f"{'family':<7}{'precision':<11}{'device':<8}{'comm':<8}{'runs':>5}{'mean |err|':>12}"
+          f"{'max |err|':>11}{'bias':>8}")  # fmt: skip
+    for band in table.step:
+        figures = "".join(
+            f"{value:>{width}.1%}" if value is not None else f"{'-':>{width}}"
+            for value, width in ((band.step_mean_abs, 12), (band.step_max_abs, 11),
+                                 (band.step_bias, 8))
+        )  # fmt: skip
+        print(f"{band.family:<7}{band.precision:<11}{band.device_kind:<8}{band.comm_share:<8}"
+              f"{band.runs:>5}{figures}")  # fmt: skip
+    for memory in table.memory:
+        print(f"peak memory, {memory.family}: {memory.runs} runs, mean |err| "
+              f"{memory.mean_abs:.1%}, max {memory.max_abs:.1%}")  # fmt: skip
+
+
+def write_error_bands(csv_path: Path, moe_path: Path, out: Path) -> ErrorBandTable:
+    """Measure the bands on every priced run and write them to ``out`` atomically."""
+    table = fit_error_bands(residuals(csv_path, moe_path))
+    text = dumps_json(table.model_dump(mode="json"), what=f"error bands {out}")
+    write_text_atomic(out, text + "\n")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="published runs CSV")
@@ -609,7 +662,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-csv", type=Path, default=MOE_CSV, help="MoE runs CSV")
     parser.add_argument("--moe-only", action="store_true", help="report the MoE rows only")
     parser.add_argument("--no-moe-search", action="store_true", help="skip the search per MoE row")
+    parser.add_argument(
+        "--write-error-bands", nargs="?", type=Path, const=profile_dir() / TABLE, metavar="PATH",
+        help=f"measure the error band of each regime on every row and write them "
+        f"(default: the shipped profiles/{TABLE})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.write_error_bands is not None:
+        print_bands(write_error_bands(args.csv, args.moe_csv, args.write_error_bands))
+        print(f"wrote {args.write_error_bands}")
+        return 0
     if args.moe_only:
         moe_report(args.moe_csv, with_search=not args.no_moe_search)
         return 0

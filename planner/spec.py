@@ -48,6 +48,9 @@ __all__ = [
     "Compression",
     "Strategy",
     "MeshAxis",
+    "ErrorBand",
+    "MemoryBand",
+    "ErrorBandTable",
     "Prediction",
     "Candidate",
     "SolverStats",
@@ -766,6 +769,55 @@ class MeshAxis(_Doc):
     size: GpuCount
 
 
+class ErrorBand(_Doc):
+    """How far the cost model has been from published runs in one prediction's regime
+    (:mod:`planner.cost.error_band` says which regime and measures the band).
+
+    Errors are fractions of the measured value, ``+`` where the model predicted slower
+    (or more memory). ``step_*`` are ``None`` when fewer than
+    :data:`planner.cost.error_band.MIN_RUNS` published runs lie in the regime:
+    calibrate before relying on the prediction."""
+
+    family: Literal["dense", "moe"]
+    precision: Literal["bf16/fp16", "fp8", "fp32"]
+    device_kind: Literal["gpu", "cpu"]
+    comm_share: Literal["<15%", "15-30%", ">=30%"]  # exposed communication / step time
+    runs: int = 0  # published runs priced in this regime
+    step_mean_abs: float | None = None
+    step_max_abs: float | None = None
+    step_bias: float | None = None  # mean signed error
+    devices: tuple[str, ...] = ()  # the GPU profiles those runs were priced on
+    memory_runs: int = 0  # the family's runs with a measured peak (any regime)
+    memory_mean_abs: float | None = None
+    memory_max_abs: float | None = None
+
+    @property
+    def regime(self) -> str:
+        return (
+            f"{self.family} {self.precision} on {self.device_kind}, exposed communication "
+            f"{self.comm_share} of the step"
+        )
+
+
+class MemoryBand(_Doc):
+    """Peak-memory error (fractions) of one family's published runs that report one."""
+
+    family: Literal["dense", "moe"]
+    runs: int
+    mean_abs: float
+    max_abs: float
+
+
+class ErrorBandTable(_Doc):
+    """Step-time bands per regime and memory bands per family, as ``command`` measured
+    them (``profiles/validation/error_bands.json``)."""
+
+    schema_version: Literal[1] = 1
+    command: str
+    step: tuple[ErrorBand, ...] = ()
+    memory: tuple[MemoryBand, ...] = ()
+
+
 class Prediction(_Doc):
     """Predicted cost of one step; the breakdown adds up to ``step_time_s``."""
 
@@ -781,6 +833,7 @@ class Prediction(_Doc):
     breakdown_s: dict[str, float] = {}
     memory_gib: dict[str, float] = {}
     reason: str = ""  # why it does not fit, or other caveats
+    error_band: ErrorBand | None = None  # the model's measured error in this regime
 
 
 class Candidate(_Doc):

@@ -75,6 +75,7 @@ def _read_runs(path: Path) -> tuple[list[dict[str, Any]], bool]:
 
 
 def _table(run: RunConfig, prediction: Prediction, stored: Prediction | None = None) -> str:
+    from planner.cost.error_band import describe_band
     from planner.cost.flops import bf16_peak_mfu
 
     p = prediction
@@ -99,6 +100,8 @@ def _table(run: RunConfig, prediction: Prediction, stored: Prediction | None = N
     if p.reason:
         label = "reason" if not p.fits else "note"
         lines.append(f"  {label:<17}{p.reason}")
+    if p.error_band is not None:
+        lines.append(f"  expected error   {describe_band(p.error_band, run.cluster.gpu)}")
     lines.append("  time breakdown (exposed):")
     lines += [f"    {k:<14}{v:10.3f} s" for k, v in p.breakdown_s.items() if v > 0]
     lines.append("  memory breakdown:")

@@ -60,6 +60,8 @@ def _bf16_mfu(plan: Plan, p: Prediction) -> float | None:
 
 
 def _prediction_rows(plan: Plan, p: Prediction) -> list[tuple[str, str]]:
+    from planner.cost.error_band import describe_band
+
     fit = "fits" if p.fits else "does NOT fit"
     convention = p.flop_convention.split(" (")[0]
     bf16 = _bf16_mfu(plan, p)
@@ -77,6 +79,8 @@ def _prediction_rows(plan: Plan, p: Prediction) -> list[tuple[str, str]]:
     )
     if p.reason:
         rows.append(("why it does not fit" if not p.fits else "note", p.reason))
+    if p.error_band is not None:
+        rows.append(("expected error", describe_band(p.error_band, plan.cluster.gpu)))
     return rows
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from planner.cost.error_band import error_band
 from planner.cost.flops import FLOP_CONVENTION
 from planner.cost.memory import GIB, PIPELINED_FSDP_NOTE
 from planner.graph import OpGraph, OpKind, OpNode, SegmentType
@@ -74,7 +75,11 @@ class Throughput:
             breakdown_s=breakdown,
             memory_gib=memory_gib,
             reason=reason,
-        )
+            error_band=error_band(
+                moe=bool(self.graph.num_experts), dtype=dtype,
+                device_kind=self.profile.device_kind, breakdown_s=breakdown, step_time_s=step,
+            ),
+        )  # fmt: skip
 
     def flops_per_step(self, modes: Sequence[RecomputeMode]) -> tuple[float, float]:
         """(model FLOPs, recomputed FLOPs) per optimizer step, whole cluster (cached)."""
