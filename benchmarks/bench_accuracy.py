@@ -29,7 +29,8 @@ Per-source conventions and software facts (from each row's ``notes``):
 
 MoE rows (``benchmarks/data/moe_runs.csv``, described in ``benchmarks/data/README.md``)
 are reported apart: per row the predicted against the measured step time, and the
-search on the row's GPUs, global batch and sequence length (whether its plan is
+search on the row's GPUs, global batch and sequence length, kept to Megatron-LM for
+Megatron-Core rows and to this runtime for the others (whether its plan is
 predicted at least as fast as the published configuration, and whether that
 configuration lies in the search space), and how many published configurations are
 predicted to fit. Each row is priced with its framework's kernels (Megatron-Core's:
@@ -63,7 +64,7 @@ from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.error_band import TABLE, Residual, fit_error_bands
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import PlannerError
-from planner.frameworks import KERNELS, Framework
+from planner.frameworks import KERNELS, Framework, Target, parse_target
 from planner.hardware import load_profile, profile_dir
 from planner.io import dumps_json, write_text_atomic
 from planner.presets import PRESETS
@@ -394,6 +395,7 @@ class MoeCase:
     config: dict[str, Any] | None
     measured_step_s: float | None
     skipped: str | None = None
+    target: str = "planner"  # the framework the search keeps to: the row's, where planned
 
 
 def megatron_moe_flops(spec: ModelSpec, row: dict[str, str]) -> float:
@@ -496,7 +498,8 @@ def moe_case(row: dict[str, str]) -> MoeCase:
     if skipped is not None:
         return MoeCase(label, _precision(row), None, None, skipped)
     measured = moe_measured_step(row, PRESETS[row["preset"]])
-    return MoeCase(label, _precision(row), moe_config(row), measured)
+    target = "megatron" if row["framework"].startswith(MEGATRON_FRAMEWORKS) else "planner"
+    return MoeCase(label, _precision(row), moe_config(row), measured, target=target)
 
 
 def load_moe_cases(path: Path) -> list[MoeCase]:
@@ -523,9 +526,10 @@ def _spec_limits(run: RunConfig) -> ModelLimits:
     return _limits(run)
 
 
-def search_against(run: RunConfig, result: MoeResult) -> None:
-    """Search the row's GPUs, global batch and sequence (micro-batch free) and compare
-    with the published config priced by the same model."""
+def search_against(run: RunConfig, result: MoeResult, target: Target) -> None:
+    """Search the row's GPUs, global batch and sequence (micro-batch free) for ``target``
+    (Megatron-Core rows: Megatron-LM, else this runtime) and compare with the published
+    config priced by the same model."""
     free_batch = run.training.model_copy(update={"micro_batch_size": None})
     graph = spec_graph(run.model, run.training, run.options)
     model = build_cost_model(
@@ -534,10 +538,10 @@ def search_against(run: RunConfig, result: MoeResult) -> None:
     from bench_search import runnable  # it imports this module: loaded late
 
     limits = _spec_limits(run)
-    published = runnable(run.strategy)
+    published = runnable(run.strategy) if target.is_planner else run.strategy
     result.published = model.estimate(published)
-    result.inside = in_search_space(model, limits, published)
-    best = search(model, limits, pins=Pins(), top_k=1).best
+    result.inside = in_search_space(model, limits, published, target)
+    best = search(model, limits, pins=Pins(), top_k=1, target=target).best
     result.chosen, result.chosen_text = best.prediction, best.strategy.describe()
 
 
@@ -551,7 +555,7 @@ def moe_result(case: MoeCase, with_search: bool) -> MoeResult | str:
         return f"not estimable: {str(error).splitlines()[0][:120]}"
     if with_search:
         try:
-            search_against(run, result)
+            search_against(run, result, parse_target(case.target))
         except (PlannerError, ValueError) as error:
             result.search_error = str(error).splitlines()[0][:100]
     return result

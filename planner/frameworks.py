@@ -40,6 +40,8 @@ __all__ = [
     "Framework",
     "Refusal",
     "Target",
+    "PLANNER",
+    "experts_beside_sequence_parallel_refusal",
     "model_refusal",
     "parse_target",
     "strategy_refusal",
@@ -159,6 +161,39 @@ class Refusal:
 
 
 Rule = Callable[[Target, Strategy, Training], Refusal | None]
+
+
+PLANNER = Target(Framework.PLANNER, RELEASES[Framework.PLANNER][-1])  # this runtime
+
+
+def experts_beside_sequence_parallel_refusal(
+    target: Target, *, ep: int, sequence_parallel: bool
+) -> Refusal | None:
+    """Why ``target`` cannot run expert parallelism beside sequence parallelism, or
+    ``None``. Megatron-Core routes each rank's sequence shard as it is (the layout the
+    cost model prices: no tp collective around the routed experts). This runtime's
+    experts take the tokens replicated over tp and split them there; torchtitan gathers
+    the MoE layer's input over tp and reduce-scatters its output, which is not priced."""
+    if ep == 1 or not sequence_parallel or target.framework is Framework.MEGATRON:
+        return None
+    why = {
+        Framework.PLANNER: "this runtime's experts take their tokens replicated over the tp "
+        "ranks and split them there",
+        Framework.TORCHTITAN: "torchtitan gathers the MoE layer's input over tp and "
+        "reduce-scatters its output, a layout this planner does not price",
+    }.get(target.framework, f"{target.framework.value} runs no expert parallelism")
+    return Refusal(
+        "strategy.sequence_parallel", True, f"beside ep({ep}) > 1: {why}",
+        "turn sequence parallelism off, or target megatron",
+    )  # fmt: skip
+
+
+def _experts_beside_sequence_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    return experts_beside_sequence_parallel_refusal(
+        target, ep=strategy.ep, sequence_parallel=strategy.sequence_parallel
+    )
 
 
 def strategy_refusal(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
@@ -415,12 +450,11 @@ def _megatron_expert_parallel(
     if strategy.ep == 1 or strategy.tp == 1 or strategy.sequence_parallel:
         return None
     return Refusal(
-        "strategy.tp",
-        strategy.tp,
-        "Megatron-LM's MoE layer refuses to train with tensor parallelism but no sequence "
-        "parallelism (moe_layer.py), and this planner's expert parallelism takes tokens "
-        "replicated over tp (no sequence parallelism beside it)",
-        "re-plan with --tp 1 (expert parallelism carries the experts)",
+        "strategy.sequence_parallel",
+        False,
+        f"Megatron-LM's MoE layer refuses to train with tp({strategy.tp}) > 1 but no "
+        "sequence parallelism (moe_layer.py)",
+        "re-plan with --sequence-parallel, or --tp 1",
     )
 
 
@@ -546,10 +580,10 @@ def _deepspeed_sharding(target: Target, strategy: Strategy, training: Training) 
 
 _COMMON: tuple[Rule, ...] = (_hook_compression, _uniform_recompute)
 _RULES: dict[Framework, tuple[Rule, ...]] = {
-    Framework.PLANNER: (),
+    Framework.PLANNER: (_experts_beside_sequence_parallel,),  # strategies.apply asks
     Framework.TORCHTITAN: (
         *_COMMON, _torchtitan_data_parallel, _torchtitan_precision, _torchtitan_tensor_parallel,
-        _torchtitan_expert_parallel, _torchtitan_optimizer,
+        _torchtitan_expert_parallel, _experts_beside_sequence_parallel, _torchtitan_optimizer,
     ),
     Framework.MEGATRON: (
         *_COMMON, _megatron_schedule, _megatron_expert_parallel, _megatron_recompute,

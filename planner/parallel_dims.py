@@ -81,11 +81,12 @@ class ParallelDims:
         return self.zero_shard_ranks > 1
 
     # ----- expert parallelism ------------------------------------------------------------
-    # With ep > 1 each MoE layer splits its tokens over the tp ranks (every rank of a
-    # pipeline stage then routes tokens no other rank holds), sends each routed token to
-    # the rank holding its expert with an all-to-all over ``ep`` consecutive ranks, and
-    # returns the results the same way: Megatron-Core's layout with expert tensor
-    # parallelism 1 (EP innermost, over TP ranks first). With ep = 1 experts are ordinary
+    # With ep > 1 each MoE layer routes its own tokens on every tp rank (split there, or
+    # by sequence parallelism already), sends each routed token to the rank holding its
+    # expert with an all-to-all over ``ep`` consecutive ranks, and returns the results
+    # the same way: Megatron-Core's layout with expert tensor parallelism 1 (EP
+    # innermost, over TP ranks first). Which frameworks run it beside sequence
+    # parallelism is planner.frameworks' to say. With ep = 1 experts are ordinary
     # parameters.
 
     @property
@@ -116,12 +117,6 @@ class ParallelDims:
             return None
         if not num_experts:
             return f"ep({self.ep}) > 1 on a model without experts: use ep = 1"
-        if self.sp:
-            return (
-                f"ep({self.ep}) > 1 with sequence parallelism: the experts take their tokens "
-                "replicated over the tp ranks and split them there; turn sequence "
-                "parallelism off"
-            )
         if num_experts % self.ep:
             return (
                 f"ep({self.ep}) does not divide num_experts ({num_experts}): each EP rank "

@@ -19,9 +19,10 @@ from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.experts import expert_tradeoff
 from planner.cost.memory import in_flight_microbatches
 from planner.cost.options import device_options
-from planner.errors import InfeasibleError, SpecError
+from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.frameworks import (
     KERNELS,
+    PLANNER,
     Framework,
     Target,
     model_refusal,
@@ -154,13 +155,17 @@ def search_plan(
     others = [scored for scored in result.ranked if scored is not best]
     without_target = None
     if not target.is_planner:
-        fastest = search(
-            model, limits, pins=pins, top_k=1, lossy=lossy, memory_headroom_gib=headroom_gib
-        ).ranked[0]
-        without_target = _ruled_out(target, model.training, best, fastest)
+        without_target = _without_target(model, limits, pins, lossy, headroom_gib, target, best)
     chunks, prediction = _refine_stages(model, best)
     strategy = best.strategy
-    layout = layouts.layout(strategy.tp, strategy.sequence_parallel) if strategy.tp > 1 else None
+    # A plan only another framework runs (experts beside sequence parallelism on
+    # Megatron-LM) keeps no layout of this runtime's: the target lays its layers out.
+    runs_here = strategy_refusal(PLANNER, strategy, training) is None
+    layout = (
+        layouts.layout(strategy.tp, strategy.sequence_parallel)
+        if strategy.tp > 1 and runs_here
+        else None
+    )
     stats = result.stats.model_copy(update={"search_time_s": time.perf_counter() - started})
     if layout is not None:
         stats = layout.solution.solver_stats(stats)
@@ -170,7 +175,7 @@ def search_plan(
         cluster,
         training,
         strategy,
-        tp_layout=layout.modules if layout is not None else None,
+        tp_layout=layout.modules if layout is not None else {},
         stages=stages if strategy.pp > 1 else None,
         prediction=prediction,
         runners_up=tuple(_runner_up(best, other) for other in _diverse(best, others, top_k)),
@@ -184,6 +189,22 @@ def search_plan(
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module)
     return PlanSearch(plan, result.costed)
+
+
+def _without_target(
+    model: CostModel, limits: ModelLimits, pins: Pins | None, lossy: LossyCompression | None,
+    headroom_gib: float, target: Target, best: Scored,
+) -> Candidate | None:  # fmt: skip
+    """The fastest plan of this runtime's space that ``target`` cannot run, if faster than
+    ``best``; ``None`` also when the pins leave that space nothing (they may pin what only
+    the target runs, such as experts beside sequence parallelism on Megatron-LM)."""
+    try:
+        fastest = search(
+            model, limits, pins=pins, top_k=1, lossy=lossy, memory_headroom_gib=headroom_gib
+        ).ranked[0]
+    except PlannerError:
+        return None
+    return _ruled_out(target, model.training, best, fastest)
 
 
 def priced_model(

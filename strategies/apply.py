@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.errors import SpecError
+from planner.frameworks import PLANNER, strategy_refusal
 from planner.layouts import check_plan_layout
 from planner.modules import check_model_against_plan
 from planner.spec import Axis, Plan
@@ -100,6 +101,9 @@ def parallelize(
     model (a meta-device model then initialises only what the checkpoint lacks, such as
     non-persistent buffers).
     """
+    refusal = strategy_refusal(PLANNER, plan.strategy, plan.training)
+    if refusal is not None:  # a plan made for another framework (plan.target)
+        raise SpecError(f"plan.{refusal.describe()} (plan made for {plan.target}); {refusal.fix}")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)

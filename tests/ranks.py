@@ -47,11 +47,19 @@ def _worker(rank: int, world_size: int, port: int, tasks: dict[str, Task], out: 
     os._exit(0)
 
 
+# Ranks fork from one forkserver per test session that imported these once (torch,
+# transformers and the project take seconds per process to import; a world of 8 on 2
+# cores pays them 8 times per launch otherwise). The server runs no torch work, so the
+# forked ranks start clean.
+PRELOAD = ["torch", "torch.distributed", "transformers", "planner", "strategies", "tests.ranks"]
+
+
 def run_on_ranks(world_size: int, tasks: dict[str, Task], out: Path) -> dict[str, list[Any]]:
     """Each task's result on every rank (rank order): what it returned, or the traceback (str)."""
+    mp.set_forkserver_preload(PRELOAD)
     mp.start_processes(
         _worker, args=(world_size, free_port(), tasks, str(out)), nprocs=world_size,
-        start_method="spawn",
+        start_method="forkserver",
     )  # fmt: skip
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     return {name: [results[name] for results in per_rank] for name in tasks}

@@ -682,6 +682,22 @@ def test_megatron_moe_arguments_describe_the_experts_and_expert_parallelism() ->
     assert not {"--moe-expert-capacity-factor", "--moe-router-pre-softmax"} & set(args)
 
 
+def test_megatron_runs_expert_parallelism_beside_sequence_parallelism() -> None:
+    """Megatron-Core routes each tp rank's sequence shard (expert tensor parallelism 1);
+    this runtime cannot run the plan (its experts take tokens replicated over tp)."""
+    plan = moe_plan(TINY_MIXTRAL, dp=2, tp=2, ep=4, zero=1, sequence_parallel=True)
+    args = megatron_args(plan)
+    assert "--sequence-parallel" in args and args["--tensor-model-parallel-size"] == ["2"]
+    assert args["--expert-model-parallel-size"] == ["4"]
+    assert args["--expert-tensor-parallel-size"] == ["1"]
+    from strategies.apply import parallelize
+
+    model = resolve_model(TINY_MIXTRAL).module
+    with pytest.raises(SpecError, match=r"plan\.strategy\.sequence_parallel = True: beside "
+                       r"ep\(4\) > 1: this runtime's experts .*target megatron"):  # fmt: skip
+        parallelize(model, plan)
+
+
 def test_megatron_writes_latent_attention_and_every_block_moe() -> None:
     args = megatron_args(moe_plan(TINY_MLA, dp=4, ep=4, zero=1))
     assert "--multi-latent-attention" in args and "--group-query-attention" not in args
@@ -725,7 +741,10 @@ MOE_REFUSALS = [
     ("deepspeed", TINY_MIXTRAL, {"dp": 8, "ep": 8, "zero": 1}, "strategy.ep = 8"),
     ("megatron", TINY_MIXTRAL.model_copy(update={"top_k": 1}), {"dp": 8, "ep": 8, "zero": 1},
      "plan.model.top_k = 1"),
-    ("megatron", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1}, "strategy.tp = 2"),
+    ("megatron", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1},
+     "strategy.sequence_parallel = False"),
+    ("torchtitan", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1, "sequence_parallel": True},
+     "strategy.sequence_parallel = True"),
 ]  # fmt: skip
 
 

@@ -234,6 +234,23 @@ def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():
     assert any("kept to megatron==0.16" in note for note in kept.solver.notes)
 
 
+def test_experts_beside_sequence_parallelism_are_planned_for_megatron_only():
+    """Megatron-Core routes each tp rank's sequence shard; this runtime and torchtitan
+    lay MoE layers out otherwise, so their searches never offer it."""
+    pins = Pins(tp=2, sequence_parallel=True, ep=4)
+    plan = _plan("mixtral-8x7b", 32, 64, pins=pins, target="megatron")
+    assert (plan.strategy.tp, plan.strategy.sequence_parallel, plan.strategy.ep) == (2, True, 4)
+    exported = export_plan(plan, "megatron")
+    assert "--sequence-parallel" in exported and "--expert-model-parallel-size 4" in exported
+    runtime = r"strategy\.sequence_parallel = True: beside ep\(4\) > 1: this runtime's experts"
+    with pytest.raises(SpecError, match=runtime):
+        _plan("mixtral-8x7b", 32, 64, pins=pins)
+    with pytest.raises(SpecError, match="torchtitan gathers the MoE layer's input over tp"):
+        _plan("mixtral-8x7b", 32, 64, pins=pins, target="torchtitan==0.3")
+    free = _plan("mixtral-8x7b", 32, 64, pins=Pins(tp=2, ep=4))
+    assert not free.strategy.sequence_parallel
+
+
 def test_traced_models_cannot_target_frameworks_with_their_own_transformer():
     handle = handle_for_module(gpt())  # a user module: no model description
     cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)

@@ -162,6 +162,15 @@ def _target_line(plan: Plan) -> str:
     )
 
 
+def _own_layout_line(plan: Plan) -> str:
+    """Why a tensor-parallel plan carries no layout: only its target runs it."""
+    from planner.frameworks import PLANNER, strategy_refusal
+
+    refusal = strategy_refusal(PLANNER, plan.strategy, plan.training)
+    why = f": this runtime cannot run the plan ({refusal.describe()})" if refusal else ""
+    return f"[bold]tensor-parallel layout[/bold]: {plan.target}'s own{why}"
+
+
 def render_plan(plan: Plan, console: Console) -> None:
     """Print the plan as tables: strategy, prediction, breakdown, runners-up, solver."""
     cluster = plan.cluster
@@ -178,6 +187,8 @@ def render_plan(plan: Plan, console: Console) -> None:
         console.print(f"[bold]pipeline stages[/bold] (first..last module, count): {spans}")
     if plan.tp_layout:
         console.print(_layout(plan))
+    elif plan.strategy.tp > 1:
+        console.print(_own_layout_line(plan))
     for tradeoff in plan.tradeoffs:
         console.print(f"[bold]trade-off[/bold]: {tradeoff}")
     if plan.runners_up:

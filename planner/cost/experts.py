@@ -15,8 +15,11 @@ rank then moves:
   its expert GEMMs and its all-to-alls.
 - with ``ep_dedup`` (DeepEP, Megatron-Core's flex dispatcher) a token crosses the
   network once per other node holding one of its experts, not once per expert.
-- with ``tp > 1``: an all-gather of the layer's output over ``tp`` in forward and of
-  its input gradient in backward (``tokens * hidden`` elements).
+- with ``tp > 1`` and no sequence parallelism (this runtime's layout): the layer's
+  tokens are replicated over ``tp`` and split there, so an all-gather of its output
+  over ``tp`` in forward and of its input gradient in backward (``tokens * hidden``
+  elements). Under sequence parallelism (Megatron-Core's) each tp rank already holds
+  its own tokens and nothing crosses ``tp`` around the routed experts.
 
 Full recompute re-runs the forward's all-to-alls and gather. The all-to-all
 payload a rank hands to the collective (:func:`alltoall_bytes`), averaged over the ranks,
@@ -138,7 +141,7 @@ def ep_comm(
     remote = _deduplicated_remote(seg_type, key, pairs, links) if dedup else None
     alltoall = 2 * imbalance * alltoall_time(pairs, key.ep, links.cluster, links.profile, remote)
     gather = 0.0
-    if key.tp > 1:
+    if key.tp > 1 and not key.sequence_parallel:
         tokens = pairs / seg_type.top_k * key.tp  # the layer's whole output
         tp_link = links.group(key.tp, dims, Axis.TP)
         gather = collective_time(Collective.ALL_GATHER, tokens, key.tp, tp_link)

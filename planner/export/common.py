@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from planner.errors import ExportError
-from planner.frameworks import Target, model_refusal, strategy_refusal
+from planner.frameworks import PLANNER, Target, model_refusal, strategy_refusal
 from planner.spec import Plan, TPStyle
 
 __all__ = [
@@ -190,6 +190,11 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
     head column-parallel, norms sequence-parallel or replicated; the token embedding
     sharded on the vocabulary, or on the embedding dim (same memory, noted).
     """
+    if not plan.tp_layout and plan.model is not None and _not_for_this_runtime(plan):
+        return [
+            f"tensor-parallel layout: {target}'s own (the plan was made for {plan.target}, "
+            "whose layout of the model's layers the cost model priced)"
+        ]
     notes: list[str] = []
     for key, module in sorted(plan.tp_layout.items()):
         style = module.style
@@ -215,6 +220,11 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
         if pattern not in present:
             raise _layout_refusal(plan, target, pattern, None)
     return notes
+
+
+def _not_for_this_runtime(plan: Plan) -> bool:
+    """Whether this runtime refuses ``plan`` (so make_plan wrote no layout of its own)."""
+    return strategy_refusal(PLANNER, plan.strategy, plan.training) is not None
 
 
 def _required(plan: Plan) -> tuple[str, ...]:

@@ -11,7 +11,9 @@ Every candidate is a point of the space
 
 restricted by the model (heads divisible by tp, blocks for every pipeline chunk) and
 by the mesh rules of :class:`~planner.parallel_dims.ParallelDims`, which validation
-asks too: experts split over the EP group (:meth:`~ParallelDims.expert_blocker`),
+asks too: experts split over the EP group (:meth:`~ParallelDims.expert_blocker`;
+beside sequence parallelism only where the target runs it,
+:func:`~planner.frameworks.experts_beside_sequence_parallel_refusal`),
 the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
 ``2 cp`` equal chunks, and ``seq / cp`` divisible by tp under sequence parallelism),
 plain data parallelism only where DDP runs (:meth:`~ParallelDims.ddp_blocker`), and
@@ -58,7 +60,12 @@ from planner.cost import CostModel
 from planner.cost.memory import in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
-from planner.frameworks import Target, strategy_refusal
+from planner.frameworks import (
+    PLANNER,
+    Target,
+    experts_beside_sequence_parallel_refusal,
+    strategy_refusal,
+)
 from planner.parallel_dims import ParallelDims
 from planner.solve.lossy import (
     CompressionKey,
@@ -338,8 +345,10 @@ class _Space:
         pins: Pins,
         lossy: LossyCompression,
         headroom_gib: float = 0.0,
+        target: Target = PLANNER,
     ) -> None:
         self.model = model
+        self.target = target  # what runs expert parallelism beside sequence parallelism
         self.limits = limits
         self.pins = pins
         self.lossy = lossy
@@ -483,10 +492,10 @@ class _Space:
                 for mbs in sizes:
                     microbatches = self.training.global_batch_size // (dp * mbs)
                     for sp in sps:
-                        if sp and ParallelDims(tp=tp, sp=sp, ep=ep).expert_blocker(
-                            self.limits.num_experts
+                        if experts_beside_sequence_parallel_refusal(
+                            self.target, ep=ep, sequence_parallel=sp
                         ):
-                            continue  # experts take tokens replicated over tp
+                            continue
                         yield from self._groups(
                             (dp, tp, pp, cp, ep), mbs, microbatches, sp, variants
                         )
@@ -623,17 +632,19 @@ def _fill_drain(schedule: str, pp: int, virtual: int) -> float:
     return (pp - 1) / virtual
 
 
-def in_search_space(model: CostModel, limits: ModelLimits, strategy: Strategy) -> bool:
-    """Whether the search enumerates ``strategy`` (memory aside) for ``model``'s set-up:
-    its fields pinned, and the micro-batch count the one the search derives from the
-    global batch (:meth:`ParallelDims.batch_blocker`)."""
+def in_search_space(
+    model: CostModel, limits: ModelLimits, strategy: Strategy, target: Target | None = None
+) -> bool:
+    """Whether the search (for ``target``, default this runtime) enumerates ``strategy``
+    (memory aside) for ``model``'s set-up: its fields pinned, and the micro-batch count
+    the one the search derives from the global batch (:meth:`ParallelDims.batch_blocker`)."""
     batch = ParallelDims.of(strategy).batch_blocker(
         model.training.global_batch_size, strategy.micro_batch_size, strategy.num_microbatches
     )
     if batch is not None:
         return False
     lossy = LossyCompression.allowing(strategy.compression)
-    space = _Space(model, limits, Pins.of(strategy), lossy)
+    space = _Space(model, limits, Pins.of(strategy), lossy, target=target or PLANNER)
     return any(True for _ in space.groups()) or space.over_memory > 0
 
 
@@ -669,10 +680,10 @@ def search(
     pins = pins or Pins()
     lossy = lossy or LossyCompression()
     _check_pinned_compression(pins, lossy)
-    space = _Space(model, limits, pins, lossy, memory_headroom_gib)
+    space = _Space(model, limits, pins, lossy, memory_headroom_gib, target or PLANNER)
     groups = sorted(space.groups(), key=_GROUP_ORDER)
     if not groups and not space.over_memory:
-        raise _no_candidates(model, limits, pins, space.compression_blocked)
+        raise _no_candidates(model, limits, pins, space)
     restriction = _Restriction(target, model)
     best: list[tuple[float, int, Scored]] = []  # heap of the top_k, slowest on top
     costed: list[Scored] = []
@@ -796,9 +807,7 @@ def _check_pinned_compression(pins: Pins, lossy: LossyCompression) -> None:
         )
 
 
-def _no_candidates(
-    model: CostModel, limits: ModelLimits, pins: Pins, compression_blocked: str | None
-) -> SpecError:
+def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Space) -> SpecError:
     """Why the pins leave nothing to search, naming the factors."""
     gpus, batch = model.cluster.num_gpus, model.training.global_batch_size
     degrees = {name: getattr(pins, name) for name in ("dp", "tp", "pp", "cp")}
@@ -856,8 +865,13 @@ def _no_candidates(
         blocker = widest.expert_blocker(limits.num_experts)
         if blocker is not None:
             reasons.append(blocker)
-    if compression_blocked is not None:
-        reasons.append(compression_blocked)
+        refusal = experts_beside_sequence_parallel_refusal(
+            space.target, ep=pins.ep, sequence_parallel=pins.sequence_parallel is True
+        )
+        if refusal is not None:
+            reasons.append(f"{refusal.describe()} ({refusal.fix})")
+    if space.compression_blocked is not None:
+        reasons.append(space.compression_blocked)
     detail = "; ".join(reasons) or (
         "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
         "with the other pins"
