@@ -645,7 +645,7 @@ def print_bands(table: ErrorBandTable) -> None:
         print(f"{band.family:<7}{band.precision:<11}{band.device_kind:<8}{band.comm_share:<8}"
               f"{band.runs:>5}{figures}")  # fmt: skip
     for memory in table.memory:
-        print(f"peak memory, {memory.family}: {memory.runs} runs, mean |err| "
+        print(f"peak memory, {memory.family} on {memory.device_kind}: {memory.runs} runs, mean |err| "
               f"{memory.mean_abs:.1%}, max {memory.max_abs:.1%}")  # fmt: skip
 
 

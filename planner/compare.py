@@ -65,6 +65,15 @@ def _comm(values: dict[str, float]) -> float:
     return sum(v for k, v in values.items() if k.startswith("comm"))
 
 
+def _band_note(plan: Plan, prediction: Prediction) -> tuple[str, ...]:
+    """The cost model's expected error in the prediction's regime, to read the rows by."""
+    from planner.cost.error_band import describe_band
+
+    if prediction.error_band is None:
+        return ()
+    return (f"expected error: {describe_band(prediction.error_band, plan.cluster.gpu)}",)
+
+
 def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Prediction) -> Comparison:
     """Rows for a measured profile of ``plan`` (fingerprints are checked first).
 
@@ -86,6 +95,7 @@ def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Predicti
         f"measured on {measured.provenance.device}, {measured.provenance.date}",
         f"step time spread p10-p90: {measured.step_time_p10_s * 1e3:.1f}-"
         f"{measured.step_time_p90_s * 1e3:.1f} ms over {len(measured.step_times_s)} steps",
+        *_band_note(plan, prediction),
     )
     return Comparison(f"{plan.model_name}: {plan.strategy.describe()}", tuple(rows), notes)
 
@@ -210,6 +220,7 @@ def compare_trace(
     notes = (
         f"trace: {trace.steps} step(s), {trace.source}; a trace carries no plan fingerprint, "
         "so make sure it ran this plan",
+        *_band_note(plan, prediction),
     )
     return Comparison(f"{plan.model_name}: {plan.strategy.describe()} (trace)", tuple(rows), notes)
 

@@ -787,7 +787,7 @@ class ErrorBand(_Doc):
     step_max_abs: float | None = None
     step_bias: float | None = None  # mean signed error
     devices: tuple[str, ...] = ()  # the GPU profiles those runs were priced on
-    memory_runs: int = 0  # the family's runs with a measured peak (any regime)
+    memory_runs: int = 0  # the family's runs on the device kind with a measured peak
     memory_mean_abs: float | None = None
     memory_max_abs: float | None = None
 
@@ -800,17 +800,19 @@ class ErrorBand(_Doc):
 
 
 class MemoryBand(_Doc):
-    """Peak-memory error (fractions) of one family's published runs that report one."""
+    """Peak-memory error (fractions) of one family's published runs on one device kind
+    that report one."""
 
     family: Literal["dense", "moe"]
+    device_kind: Literal["gpu", "cpu"]
     runs: int
     mean_abs: float
     max_abs: float
 
 
 class ErrorBandTable(_Doc):
-    """Step-time bands per regime and memory bands per family, as ``command`` measured
-    them (``profiles/validation/error_bands.json``)."""
+    """Step-time bands per regime and memory bands per family and device kind, as
+    ``command`` measured them (``profiles/validation/error_bands.json``)."""
 
     schema_version: Literal[1] = 1
     command: str

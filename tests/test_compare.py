@@ -108,6 +108,7 @@ def test_compare_measured_rows_and_errors() -> None:
     step = comparison.rows[0]
     assert step.name == "step" and step.error == pytest.approx(-0.5)
     assert "peak memory" in format_comparison(comparison)
+    assert "expected error: step time" in format_comparison(comparison)  # the regime's band
     with pytest.raises(PlanMismatchError):
         compare_measured(make_plan(recompute="full"), measured, prediction)
 

@@ -82,7 +82,9 @@ def test_a_prediction_carries_its_regimes_band():
         == (band.family, band.precision, band.device_kind, band.comm_share)
     )  # fmt: skip
     assert stated.runs >= MIN_RUNS and band.step_mean_abs == stated.step_mean_abs
-    memory = next(m for m in shipped_table().memory if m.family == "dense")
+    memory = next(
+        m for m in shipped_table().memory if (m.family, m.device_kind) == ("dense", "gpu")
+    )
     assert (band.memory_runs, band.memory_mean_abs) == (memory.runs, memory.mean_abs)
     text = describe_band(band, "h100-sxm-80gb")
     assert f"{stated.step_mean_abs:.1%} mean" in text and "none on" not in text
@@ -97,6 +99,8 @@ def test_a_regime_without_published_runs_says_to_calibrate_first():
     assert band.runs == 0 and band.step_mean_abs is None
     text = describe_band(band, "my-cpu.json")
     assert "not validated: 0 published runs" in text and "plan compare" in text
+    assert band.memory_mean_abs is None  # the published peaks are GPU runs
+    assert "peak memory not validated for dense models on cpu" in text
     comm_bound = error_band(
         moe=False, dtype=DType.BF16, device_kind="gpu", breakdown_s={"comm_tp": 0.5},
         step_time_s=1.0,
@@ -115,7 +119,7 @@ def test_a_moe_prediction_is_banded_apart_from_dense_ones():
     band = estimate_run(run).error_band
     assert band is not None and band.family == "moe"
     assert band.memory_mean_abs is None  # no MoE run in the data reports its peak memory
-    assert "peak memory not validated for moe models" in describe_band(band, "h100-sxm-80gb")
+    assert "peak memory not validated for moe models on gpu" in describe_band(band, "h100-sxm-80gb")
 
 
 def test_the_band_travels_in_the_plan_and_prints(tmp_path, capsys):

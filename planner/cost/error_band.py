@@ -6,8 +6,8 @@ device kind and the share of the step spent in exposed communication (below 15%,
 15-30%, 30% and more): the features along which the validation residuals differ
 (``python benchmarks/bench_accuracy.py`` lists each run's error). The band of a regime is
 the mean and largest absolute step-time error and the mean signed error of the
-published runs priced in it, and the peak-memory error of the family's runs that
-report one. :func:`fit_error_bands` measures them (``python
+published runs priced in it, and the peak-memory error of the runs of its family and
+device kind that report one. :func:`fit_error_bands` measures them (``python
 benchmarks/bench_accuracy.py --write-error-bands`` writes the shipped table,
 ``profiles/validation/error_bands.json``); :func:`error_band` hands each prediction
 its regime's band. With fewer than :data:`MIN_RUNS` runs a regime has no band: the
@@ -82,7 +82,7 @@ def _band(key: _Key) -> ErrorBand:
     band = next((b for b in table.step if _key(b) == key), None) or ErrorBand.model_validate(
         {"family": family, "precision": precision, "device_kind": kind, "comm_share": comm}
     )
-    held = next((m for m in table.memory if m.family == family), None)
+    held = next((m for m in table.memory if (m.family, m.device_kind) == (family, kind)), None)
     if held is None:
         return band
     return band.model_copy(
@@ -108,22 +108,22 @@ class Residual:
 def fit_error_bands(residuals: Sequence[Residual]) -> ErrorBandTable:
     """The bands of ``residuals`` (each prediction's ``error_band`` names its regime)."""
     by_regime: dict[_Key, list[Residual]] = defaultdict(list)
-    memory: dict[str, list[float]] = defaultdict(list)
+    memory: dict[tuple[str, str], list[float]] = defaultdict(list)
     for residual in residuals:
         band = residual.prediction.error_band
         assert band is not None, "every prediction carries its regime"
         by_regime[_key(band)].append(residual)
         if residual.measured_memory_gib:
             error = residual.prediction.peak_memory_gib / residual.measured_memory_gib - 1
-            memory[band.family].append(error)
+            memory[band.family, band.device_kind].append(error)
     return ErrorBandTable(
         command=COMMAND,
         step=tuple(_step_band(key, group) for key, group in sorted(by_regime.items())),
         memory=tuple(
-            MemoryBand.model_validate({"family": family, "runs": len(errors),
-                                       "mean_abs": _mean_abs(errors),
+            MemoryBand.model_validate({"family": family, "device_kind": kind,
+                                       "runs": len(errors), "mean_abs": _mean_abs(errors),
                                        "max_abs": max(map(abs, errors))})
-            for family, errors in sorted(memory.items())
+            for (family, kind), errors in sorted(memory.items())
         ),
     )  # fmt: skip
 
@@ -169,7 +169,7 @@ def describe_band(band: ErrorBand, gpu: str) -> str:
             f"{', '.join(band.devices)}{missing}"
         )
     if band.memory_mean_abs is None or band.memory_max_abs is None:
-        return f"{step}; peak memory not validated for {band.family} models"
+        return f"{step}; peak memory not validated for {band.family} models on {band.device_kind}"
     return (
         f"{step}; peak memory {band.memory_mean_abs:.1%} mean, {band.memory_max_abs:.1%} worst "
         f"over {band.memory_runs} runs"
