@@ -2,10 +2,7 @@
 bands are what the benchmark measures, a regime without enough published runs says to
 calibrate first, and the band travels in plans and prints with estimates."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,23 +17,14 @@ from planner.cost.error_band import (
     shipped_table,
 )
 from planner.spec import DType, Plan
+from tests.benchmark_modules import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_accuracy.py"
 DENSE_RUN = {
     "model": {"preset": "llama3-8b"},
     "cluster": {"gpu": "h100-sxm-80gb", "num_gpus": 8},
     "training": {"global_batch_size": 32, "micro_batch_size": 1, "dtype": "bf16"},
     "strategy": {"dp": 8, "zero": 3},
 }  # fmt: skip
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_accuracy", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rounded(data):
@@ -49,7 +37,7 @@ def _rounded(data):
 
 
 def test_the_shipped_bands_are_what_the_benchmark_measures_now():
-    bench = _bench()
+    bench = load_benchmark("bench_accuracy")
     if not bench.DEFAULT_CSV.is_file():
         pytest.skip(f"published runs CSV not present at {bench.DEFAULT_CSV}")
     from planner.cost.error_band import fit_error_bands

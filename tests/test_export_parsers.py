@@ -12,27 +12,17 @@ docstring for the list and the README's exports section for the installs).
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from planner.errors import ExportError
 from planner.export import export_plan
+from tests.benchmark_modules import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_exports.py"
 
-
-@functools.cache
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_exports", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_exports")
 
 
 @functools.cache

@@ -1,8 +1,6 @@
 """benchmarks/data/moe_runs.csv is well-formed, and the accuracy benchmark reads it."""
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import pytest
 from planner.parallel_dims import ParallelDims
 from planner.presets import PRESETS
 from planner.spec import ModelSpec, Strategy
+from tests.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "benchmarks" / "data" / "moe_runs.csv"
@@ -36,15 +35,7 @@ IDS = [f"{i}:{r['model']}x{r['n_gpus']}" for i, r in enumerate(ROWS)]
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_accuracy", ROOT / "benchmarks" / "bench_accuracy.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_accuracy"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_accuracy")
 
 
 def test_columns_are_the_shared_ones_then_the_moe_ones():
