@@ -3,6 +3,7 @@ bands are what the benchmark measures, a regime without enough published runs sa
 calibrate first, and the band travels in plans and prints with estimates."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,12 @@ def test_the_band_travels_in_the_plan_and_prints(tmp_path, capsys):
     assert "expected error   step time" in estimated and "plan's own       the same" in estimated
     assert main(["explain", str(out)]) == 0
     assert "expected error" in capsys.readouterr().out
+
+
+def test_the_readme_shows_the_shipped_bands(capsys):
+    """The README's table of bands is what the benchmark prints for the shipped ones."""
+    load_benchmark("bench_accuracy").print_bands(shipped_table())
+    printed = capsys.readouterr().out.splitlines()[2:]  # after the blank line and title
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    shown = readme.split("--write-error-bands` prints them", 1)[1].split("```", 2)[1]
+    assert shown.strip().splitlines() == printed, f"paste into the README:\n{chr(10).join(printed)}"
