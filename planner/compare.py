@@ -19,7 +19,7 @@ from typing import Any
 from planner.errors import SpecError
 from planner.io import read_json
 from planner.measured import MeasuredProfile, check_same_plan
-from planner.spec import Plan, Prediction, load_document
+from planner.spec import Plan, Prediction, communication_s, load_document
 
 __all__ = [
     "Row",
@@ -61,10 +61,6 @@ class Comparison:
     notes: tuple[str, ...] = ()
 
 
-def _comm(values: dict[str, float]) -> float:
-    return sum(v for k, v in values.items() if k.startswith("comm"))
-
-
 def _band_note(plan: Plan, prediction: Prediction) -> tuple[str, ...]:
     """The cost model's expected error in the prediction's regime, to read the rows by."""
     from planner.cost.error_band import describe_band
@@ -86,7 +82,7 @@ def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Predicti
         Row("step", prediction.step_time_s, measured.step_time_median_s),
         Row("compute", pred.get("compute", 0.0) + pred.get("recompute", 0.0),
             meas.get("forward", 0.0) + meas.get("backward", 0.0)),
-        Row("communication", _comm(pred) + pred.get("bubble", 0.0), _comm(meas)),
+        Row("communication", communication_s(pred) + pred.get("bubble", 0.0), communication_s(meas)),
         Row("optimizer", pred.get("optimizer", 0.0), meas.get("optimizer", 0.0)),
         Row("other", 0.0, meas.get("other", 0.0)),
         Row("peak memory", prediction.peak_memory_gib, measured.peak_memory_max_gib, "GiB"),
@@ -212,7 +208,7 @@ def compare_trace(
     """Rows per operator class for a trace of ``plan`` (traces carry no fingerprint)."""
     rows = [Row("step", prediction.step_time_s, trace.step_time_s)]
     pred = dict(predicted_classes)
-    pred["communication"] = _comm(prediction.breakdown_s) + prediction.breakdown_s.get(
+    pred["communication"] = communication_s(prediction.breakdown_s) + prediction.breakdown_s.get(
         "bubble", 0.0
     )
     pred["optimizer"] = prediction.breakdown_s.get("optimizer", 0.0)

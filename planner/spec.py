@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -48,6 +49,7 @@ __all__ = [
     "Compression",
     "Strategy",
     "MeshAxis",
+    "communication_s",
     "ErrorBand",
     "MemoryBand",
     "ErrorBandTable",
@@ -797,6 +799,12 @@ class ErrorBand(_Doc):
             f"{self.family} {self.precision} on {self.device_kind}, exposed communication "
             f"{self.comm_share} of the step"
         )
+
+
+def communication_s(breakdown: Mapping[str, float]) -> float:
+    """Seconds of a step breakdown (predicted ``breakdown_s`` or measured phases) spent
+    in communication: its ``comm*`` terms."""
+    return sum(v for k, v in breakdown.items() if k.startswith("comm"))
 
 
 class MemoryBand(_Doc):

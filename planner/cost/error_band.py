@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from planner.spec import DType, ErrorBand, ErrorBandTable, MemoryBand, Prediction, load_document
+from planner.spec import (
+    DType,
+    ErrorBand,
+    ErrorBandTable,
+    MemoryBand,
+    Prediction,
+    communication_s,
+    load_document,
+)
 
 __all__ = [
     "COMMAND",
@@ -46,8 +54,7 @@ _Key = tuple[str, str, str, str]  # family, precision, device kind, communicatio
 
 def comm_share_bin(breakdown_s: Mapping[str, float], step_time_s: float) -> str:
     """The communication bin of a step: exposed ``comm_*`` seconds over the step."""
-    exposed = sum(v for k, v in breakdown_s.items() if k.startswith("comm_"))
-    share = exposed / step_time_s if step_time_s > 0 else 0.0
+    share = communication_s(breakdown_s) / step_time_s if step_time_s > 0 else 0.0
     return next(name for limit, name in COMM_BINS if share < limit)
 
 
