@@ -444,8 +444,6 @@ def _moe_skip(row: dict[str, str]) -> str | None:
         return f"model preset {row['preset']!r} is not in planner.presets.PRESETS yet"
     if row["gpu"] not in MOE_GPUS:
         return f"no hardware profile for {row['gpu']} (profiles: {', '.join(MOE_GPUS)})"
-    if _int(row["etp"], 1) != 1:
-        return f"etp={row['etp']}: expert tensor parallelism is not modelled (experts run etp=1)"
     return None
 
 
@@ -465,7 +463,7 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     recompute, recompute_options = _moe_recompute(row["recompute"])
     strategy = {
         "dp": _int(row["dp"]), "tp": tp, "pp": pp, "cp": _int(row["cp"], 1), "ep": _int(row["ep"], 1),
-        "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
+        "etp": _int(row["etp"], 1), "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
         "recompute": recompute, **_schedule(pp, virtual),
     }  # fmt: skip
     options: dict[str, Any] = {
@@ -483,7 +481,7 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),
                     "gpus_per_node": _int(row["gpus_per_node"], 8)},
         "training": {"global_batch_size": _int(row["gbs"]), "micro_batch_size": _int(row["mbs"], 1),
-                     "dtype": _precision(row)},
+                     "dtype": _precision(row), "param_dtype": row["param_dtype"]},
         "strategy": strategy,
         "options": options,
     }  # fmt: skip

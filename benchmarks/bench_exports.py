@@ -2,8 +2,8 @@
 
 Plans a dozen representative strategies (zoo presets on A100/H100 clusters, each pinned
 to one way of training: FSDP, HSDP, DDP, tp+sp, pipelining with 1F1B, interleaved and
-zero-bubble schedules, cp, fp8, full and selective recompute; Mixtral 8x7B and DeepSeek-V3
-with expert parallelism, assembled as given), exports each to every
+zero-bubble schedules, cp, fp8, full and selective recompute; Mixtral 8x7B (also with
+expert tensor parallelism) and DeepSeek-V3 with expert parallelism, assembled as given), exports each to every
 release :data:`planner.frameworks.RELEASES` lists, and runs every export through that
 release's own parser in its own Python (``benchmarks/export_parsers/*_check.py``): torchtitan's
 ``ConfigManager`` + ``ParallelDims`` + ``parallelize_llama`` (DeepSeek-V3: torchtitan's
@@ -47,6 +47,7 @@ from planner.errors import ExportError
 from planner.export import TARGETS, export_plan
 from planner.frameworks import RELEASES, Framework, Target
 from planner.models import resolve_model
+from planner.parallel_dims import ParallelDims
 from planner.planning import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, DType, Plan, RecomputeMode, Schedule, Strategy, Training
@@ -92,13 +93,18 @@ class FixedCase:
     gpu: str
     strategy: Strategy
     seq_len: int = 4096
+    target: str = "planner"  # a plan only this target runs carries no layout of ours
 
     def plan(self) -> Plan:
         strategy = self.strategy
         batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
         training = Training(global_batch_size=batch, seq_len=self.seq_len)
         cluster = Cluster(gpu=self.gpu, num_gpus=strategy.world_size)
-        return assemble_plan(resolve_model(self.model), cluster, training, strategy)
+        layout = None if self.target == "planner" else {}
+        return assemble_plan(
+            resolve_model(self.model), cluster, training, strategy, tp_layout=layout,
+            target=self.target,
+        )  # fmt: skip
 
 
 H100, A100 = "h100-sxm-80gb", "a100-sxm-80gb"
@@ -136,6 +142,9 @@ CASES = (
               recompute=SELECTIVE)),
     FixedCase("mixtral ep8 fsdp", "mixtral-8x7b", H100,
               Strategy(dp=16, zero=3, ep=8, recompute=FULL)),
+    FixedCase("mixtral tp2 ep4 etp2", "mixtral-8x7b", H100,
+              Strategy(dp=8, tp=2, zero=1, ep=4, etp=2, sequence_parallel=True, recompute=FULL),
+              target="megatron"),
     FixedCase("deepseek-v3 ep64", "deepseek-v3", H100,
               Strategy(dp=64, pp=4, zero=1, ep=64, num_microbatches=8,
                        schedule=Schedule.ONE_F_ONE_B, recompute=FULL)),
@@ -197,7 +206,11 @@ def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome
     with tempfile.TemporaryDirectory(prefix="export-check-") as folder:
         path = Path(folder) / "export"
         path.write_text(text)
-        environment = os.environ | {"PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1"}
+        environment = os.environ | {
+            "PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1",
+            # DeepSpeed JIT-builds its shm_comm extension per release: one cache per venv
+            "TORCH_EXTENSIONS_DIR": str(Path(parser.python).parent.parent / "torch_extensions"),
+        }  # fmt: skip
         script, *options = checker_args(target, plan)
         command = [parser.python, script, str(path), *options]
         done = subprocess.run(
@@ -209,7 +222,8 @@ def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome
         tail = done.stderr.strip().splitlines()[-3:]
         raise RuntimeError(f"{target} checker failed ({done.returncode}): {' | '.join(tail)}")
     result = json.loads(lines[-1])
-    ours = list(range(plan.strategy.ep))  # EP groups: ep consecutive ranks (ParallelDims)
+    dims = ParallelDims.of(plan.strategy)  # EP groups: ep ranks etp apart
+    ours = list(range(0, dims.expert_group, dims.etp))
     if result["ok"] and result.get("expert_group", ours) != ours:
         return Outcome(
             "rejected", f"{result['version']}: rank 0's expert-parallel group is "

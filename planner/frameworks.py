@@ -42,9 +42,11 @@ __all__ = [
     "Target",
     "PLANNER",
     "experts_beside_sequence_parallel_refusal",
+    "expert_tensor_parallel_refusal",
     "model_refusal",
     "parse_target",
     "strategy_refusal",
+    "training_refusal",
 ]
 
 
@@ -196,6 +198,33 @@ def _experts_beside_sequence_parallel(
     )
 
 
+def expert_tensor_parallel_refusal(target: Target, *, ep: int, etp: int, tp: int) -> Refusal | None:
+    """Why ``target`` cannot split each expert over ``etp`` ranks beside ``ep``, or
+    ``None``. The cost model prices Megatron-Core's expert tensor parallelism (any
+    ``etp``; :class:`~planner.parallel_dims.ParallelDims` states the layout)."""
+    if etp == 1 or target.framework is Framework.MEGATRON:
+        return None
+    why = {
+        Framework.PLANNER: "this runtime keeps each expert whole on the rank that holds it",
+        Framework.TORCHTITAN: (
+            "torchtitan 0.3 has no expert tensor parallelism, and 0.2's (etp = tp only) "
+            "shards the experts with DTensor over the tp mesh, a layout this planner does "
+            "not price"
+            if etp == tp
+            else f"torchtitan runs expert tensor parallelism only at etp = tp ({tp}) or 1"
+        ),
+    }.get(target.framework, f"{target.framework.value} runs no expert tensor parallelism")
+    return Refusal(
+        "strategy.etp", etp, f"beside ep({ep}): {why}", "re-plan with --etp 1, or target megatron"
+    )
+
+
+def _expert_tensor_parallel(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    return expert_tensor_parallel_refusal(target, ep=strategy.ep, etp=strategy.etp, tp=strategy.tp)
+
+
 def strategy_refusal(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
     """The first reason ``target`` cannot run ``strategy`` with ``training``, or ``None``."""
     for rule in _RULES[target.framework]:
@@ -270,6 +299,30 @@ def _torchtitan_model(spec: ModelSpec) -> Refusal | None:
                 "target megatron or planner",
             )
     return None
+
+
+def training_refusal(target: Target, training: Training) -> Refusal | None:
+    """Why ``target`` cannot train ``training`` whatever the strategy, or ``None``. Pure
+    bf16 training (``training.param_dtype = bf16``) is torchtitan's ``training.dtype =
+    "bfloat16"``; the others keep an fp32 copy."""
+    if training.param_dtype is DType.FP32 or target.framework is Framework.TORCHTITAN:
+        return None
+    why = {
+        Framework.PLANNER: "this runtime keeps fp32 parameters and optimizer states and "
+        "computes in the training dtype (FSDP2's MixedPrecisionPolicy, torch.autocast)",
+        Framework.MEGATRON: "Megatron-LM keeps fp32 main parameters and gradients beside "
+        "its --bf16 compute",
+        Framework.DEEPSPEED: "DeepSpeed's bf16 mode keeps fp32 master weights and optimizer "
+        "states in ZeRO's optimizer",
+    }[target.framework]
+    return Refusal(
+        "training.param_dtype", training.param_dtype, f"pure bf16 training: {why}",
+        "re-plan with --param-dtype fp32, or target torchtitan",
+    )  # fmt: skip
+
+
+def _kept_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    return training_refusal(target, training)
 
 
 # Rules every foreign framework shares.
@@ -366,7 +419,7 @@ def _torchtitan_precision(target: Target, strategy: Strategy, training: Training
             "training.mixed_precision_reduce takes only float32",
             "use compression 'none' (float32 reduction), or export to megatron or deepspeed",
         )
-    lowered = dtype is not DType.FP32
+    lowered = training.master_copy  # pure bf16 keeps its parameters in bf16 throughout
     if lowered and not torchtitan_shards(strategy) and (strategy.tp > 1 or strategy.pp > 1):
         return Refusal(
             "training.dtype",
@@ -580,17 +633,20 @@ def _deepspeed_sharding(target: Target, strategy: Strategy, training: Training) 
 
 _COMMON: tuple[Rule, ...] = (_hook_compression, _uniform_recompute)
 _RULES: dict[Framework, tuple[Rule, ...]] = {
-    Framework.PLANNER: (_experts_beside_sequence_parallel,),  # strategies.apply asks
+    Framework.PLANNER: (  # strategies.apply asks
+        _kept_precision, _experts_beside_sequence_parallel, _expert_tensor_parallel,
+    ),
     Framework.TORCHTITAN: (
         *_COMMON, _torchtitan_data_parallel, _torchtitan_precision, _torchtitan_tensor_parallel,
-        _torchtitan_expert_parallel, _experts_beside_sequence_parallel, _torchtitan_optimizer,
+        _torchtitan_expert_parallel, _experts_beside_sequence_parallel, _expert_tensor_parallel,
+        _torchtitan_optimizer,
     ),
     Framework.MEGATRON: (
-        *_COMMON, _megatron_schedule, _megatron_expert_parallel, _megatron_recompute,
+        *_COMMON, _kept_precision, _megatron_schedule, _megatron_expert_parallel, _megatron_recompute,
         _megatron_precision, _megatron_optimizer,
     ),
     Framework.DEEPSPEED: (
-        *_COMMON, _deepspeed_model_parallel, _deepspeed_expert_parallel, _deepspeed_recompute, _deepspeed_precision,
+        *_COMMON, _kept_precision, _deepspeed_model_parallel, _deepspeed_expert_parallel, _deepspeed_recompute, _deepspeed_precision,
         _deepspeed_sharding,
     ),
 }  # fmt: skip

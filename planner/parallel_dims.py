@@ -27,7 +27,7 @@ __all__ = ["ParallelDims"]
 class ParallelDims:
     """The degrees of one mesh: ``dp = dp_replicate * dp_shard``; ``zero`` the ZeRO
     stage (0: DDP replicas); ``sp`` sequence parallelism over the ``tp`` ranks; ``ep``
-    expert parallelism (see :attr:`expert_block`)."""
+    expert parallelism and ``etp`` expert tensor parallelism (see :attr:`expert_block`)."""
 
     dp: int = 1
     tp: int = 1
@@ -37,13 +37,14 @@ class ParallelDims:
     dp_shard: int = 1
     sp: bool = False
     ep: int = 1
+    etp: int = 1
 
     @classmethod
     def of(cls, strategy: Strategy) -> ParallelDims:
         return cls(
             dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp,
             zero=strategy.zero, dp_shard=strategy.shard_degree, sp=strategy.sequence_parallel,
-            ep=strategy.ep,
+            ep=strategy.ep, etp=strategy.etp,
         )  # fmt: skip
 
     @property
@@ -83,11 +84,13 @@ class ParallelDims:
     # ----- expert parallelism ------------------------------------------------------------
     # With ep > 1 each MoE layer routes its own tokens on every tp rank (split there, or
     # by sequence parallelism already), sends each routed token to the rank holding its
-    # expert with an all-to-all over ``ep`` consecutive ranks, and returns the results
-    # the same way: Megatron-Core's layout with expert tensor parallelism 1 (EP
-    # innermost, over TP ranks first). Which frameworks run it beside sequence
-    # parallelism is planner.frameworks' to say. With ep = 1 experts are ordinary
-    # parameters.
+    # expert with an all-to-all over the EP group, and returns the results the same way.
+    # Megatron-Core's expert layout (its expert rank generator): within a stage's
+    # expert block, ``etp`` consecutive ranks split each expert's width (expert tensor
+    # parallelism; they gather the tokens they receive and reduce-scatter the partial
+    # outputs), EP groups are ``ep`` ranks ``etp`` apart, and the rest replicate. Which
+    # frameworks run which layout is planner.frameworks' to say. With ep = 1 experts
+    # are ordinary parameters.
 
     @property
     def expert_block(self) -> int:
@@ -97,24 +100,31 @@ class ParallelDims:
         return (self.dp_shard if self.zero >= 1 else self.dp) * self.cp * self.tp
 
     @property
+    def expert_group(self) -> int:
+        """Consecutive ranks holding one copy of every expert: ``ep x etp``."""
+        return self.ep * self.etp
+
+    @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts, whose expert gradients are averaged
-        (Megatron's expert data parallel size): ``dp x cp x tp / ep``; for ep = 1
-        experts are ordinary parameters (:attr:`replicas`)."""
-        return self.dp * self.cp * self.tp // self.ep if self.ep > 1 else self.replicas
+        (Megatron's expert data parallel size): ``dp x cp x tp / (ep x etp)``; for
+        ep = 1 experts are ordinary parameters (:attr:`replicas`)."""
+        return self.dp * self.cp * self.tp // self.expert_group if self.ep > 1 else self.replicas
 
     @property
     def expert_shard_ranks(self) -> int:
-        """Ranks that ZeRO shards one EP rank's experts over: ``expert_block / ep`` under
-        ZeRO >= 1 (the rest of :attr:`expert_replicas` replicate, as HSDP), else 1."""
+        """Ranks that ZeRO shards one rank's experts over: ``expert_block / (ep x etp)``
+        under ZeRO >= 1 (the rest of :attr:`expert_replicas` replicate, as HSDP), else 1.
+        They sit :attr:`expert_group` ranks apart."""
         if self.ep == 1:
             return self.zero_shard_ranks
-        return self.expert_block // self.ep if self.zero >= 1 else 1
+        return self.expert_block // self.expert_group if self.zero >= 1 else 1
 
     def expert_blocker(self, num_experts: int) -> str | None:
-        """Why ``ep`` cannot split ``num_experts`` experts on this mesh, or ``None``."""
+        """Why ``ep`` (and ``etp``) cannot split ``num_experts`` experts on this mesh, or
+        ``None``."""
         if self.ep == 1:
-            return None
+            return None if self.etp == 1 else f"etp({self.etp}) > 1 needs ep > 1"
         if not num_experts:
             return f"ep({self.ep}) > 1 on a model without experts: use ep = 1"
         if num_experts % self.ep:
@@ -122,12 +132,13 @@ class ParallelDims:
                 f"ep({self.ep}) does not divide num_experts ({num_experts}): each EP rank "
                 "holds num_experts / ep whole experts; choose ep dividing num_experts"
             )
-        if self.expert_block % self.ep:
+        if self.expert_block % self.expert_group:
             what = "dp_shard" if self.zero >= 1 else "dp"
+            split = f"ep({self.ep})" if self.etp == 1 else f"ep({self.ep}) * etp({self.etp})"
             return (
-                f"ep({self.ep}) does not divide {what} * cp * tp = {self.expert_block}: EP groups "
+                f"{split} does not divide {what} * cp * tp = {self.expert_block}: EP groups "
                 f"are consecutive ranks of the {'ZeRO shard group' if self.zero >= 1 else 'stage'};"
-                " choose ep dividing it"
+                " choose degrees dividing it"
             )
         return None
 

@@ -28,6 +28,7 @@ from planner.frameworks import (
     model_refusal,
     parse_target,
     strategy_refusal,
+    training_refusal,
 )
 from planner.graph import OpGraph
 from planner.hardware import load_profile
@@ -140,7 +141,7 @@ def search_plan(
     the candidates include the whole Pareto front of step time against peak memory.
     """
     started = time.perf_counter()
-    target = _check_target(target, handle)
+    target = _check_target(target, handle, training)
     device = load_profile(cluster.gpu).device_kind
     options = framework_options(target.framework, options or device_options(device))
     graph = cost_graph(handle, training, options)
@@ -332,11 +333,12 @@ def framework_options(framework: Framework, options: CostOptions) -> CostOptions
     return options.model_copy(update=kernels) if kernels else options
 
 
-def _check_target(target: Target | str, handle: ModelHandle) -> Target:
-    """``target`` parsed, refused up front when it cannot build the model at all."""
+def _check_target(target: Target | str, handle: ModelHandle, training: Training) -> Target:
+    """``target`` parsed, refused up front when it cannot build the model or train in
+    ``training``'s precision at all."""
     if isinstance(target, str):
         target = parse_target(target)
-    refusal = model_refusal(target, handle.spec)
+    refusal = model_refusal(target, handle.spec) or training_refusal(target, training)
     if refusal is not None:
         raise SpecError(f"--for {target}: {refusal.describe()}; {refusal.fix}")
     return target

@@ -605,15 +605,44 @@ class Cluster(_Doc):
 
 
 class Training(_Doc):
-    """What is trained per optimizer step and in which precision."""
+    """What is trained per optimizer step and in which precision.
+
+    ``dtype`` is the compute precision; ``param_dtype`` the one parameters, gradients
+    and optimizer states are kept in: fp32 (mixed precision: an fp32 copy beside the
+    half-precision compute, the default) or bf16 (pure bf16 training, no fp32 copy:
+    torchtitan's ``training.dtype = "bfloat16"``, NeMo AutoModel's MoE models).
+    """
 
     schema_version: Literal[1] = SCHEMA_VERSION
     global_batch_size: BatchSize  # sequences per optimizer step
     micro_batch_size: BatchSize | None = None  # None: the search chooses
     seq_len: SeqLen | None = None  # None: the model's seq_len
     dtype: DType = DType.BF16
+    param_dtype: Literal[DType.FP32, DType.BF16] = DType.FP32
     optimizer: Optimizer = Optimizer.ADAMW
     grad_clip: bool = True
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> Self:
+        if self.param_dtype is DType.BF16 and self.dtype not in (DType.BF16, DType.FP8):
+            raise ValueError(
+                f"param_dtype 'bf16' (pure bf16 training) with dtype {self.dtype.value!r}: "
+                "parameters kept in bf16 are computed in bf16 (or fp8); use dtype bf16, or "
+                "param_dtype fp32"
+            )
+        return self
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one parameter, gradient or optimizer-moment element as kept: 4 (an
+        fp32 copy) or 2 (pure bf16)."""
+        return FP32_BYTES if self.param_dtype is DType.FP32 else HALF_BYTES
+
+    @property
+    def master_copy(self) -> bool:
+        """Whether an fp32 copy of the weights sits beside half-precision ones (mixed
+        precision; fp32 and pure bf16 training keep one copy)."""
+        return self.dtype is not DType.FP32 and self.param_dtype is DType.FP32
 
 
 class Compression(_Doc):
@@ -676,7 +705,8 @@ class Strategy(_Doc):
     tp: GpuCount = 1
     pp: GpuCount = 1
     cp: GpuCount = 1
-    ep: GpuCount = 1  # expert parallel: experts split over ep consecutive ranks of dp x cp x tp
+    ep: GpuCount = 1  # expert parallel: experts split over ep ranks of dp x cp x tp
+    etp: GpuCount = 1  # expert tensor parallel: each expert's width split over etp ranks
     zero: Literal[0, 1, 2, 3] = 0
     sequence_parallel: bool = False
     recompute: RecomputeMode = RecomputeMode.NONE
@@ -696,6 +726,11 @@ class Strategy(_Doc):
             raise ValueError(f"dp_shard ({self.shard_degree}) > 1 needs zero >= 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        if self.etp > 1 and self.ep == 1:
+            raise ValueError(
+                f"etp ({self.etp}) > 1 needs ep > 1: experts are split over tensor-parallel "
+                "ranks only beside expert parallelism; set ep >= 2 or etp = 1"
+            )
         if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
             raise ValueError(
                 f"virtual_stages ({self.virtual_stages}) > 1 needs schedule 'interleaved-1f1b'"
@@ -751,7 +786,8 @@ class Strategy(_Doc):
             hybrid = ParallelDims.of(self).hybrid_sharding
             hsdp = f",shard{self.shard_degree}" if hybrid else ""
             parts[0] += f"(zero{self.zero}{hsdp})"
-        for name, size in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)):
+        sizes = (("tp", self.tp), ("cp", self.cp), ("ep", self.ep), ("etp", self.etp))
+        for name, size in sizes:
             if size > 1:
                 parts.append(f"{name}{size}")
         if self.sequence_parallel:

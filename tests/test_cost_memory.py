@@ -27,17 +27,29 @@ GPT = ModelSpec(
     [(0, (2, 4, 12)), (1, (2, 4, 12 / 8)), (2, (2, 4 / 8, 12 / 8)), (3, (4 / 8, 4 / 8, 8 / 8))],
 )
 def test_model_states_per_zero_stage(zero, per_param):
-    states = model_state_bytes(1e9, zero=zero, shard=8, optimizer=Optimizer.ADAMW, dtype=DType.BF16)
+    training = Training(global_batch_size=1, optimizer=Optimizer.ADAMW, dtype=DType.BF16)
+    states = model_state_bytes(1e9, zero=zero, shard=8, training=training)
     assert (states.weights, states.gradients, states.optimizer) == pytest.approx(
         tuple(1e9 * b for b in per_param)
     )
 
 
 def test_megatron_18_bytes_and_fp32_has_no_master():
-    mixed = model_state_bytes(1.0, zero=0, shard=1, optimizer=Optimizer.ADAM, dtype=DType.BF16)
-    assert mixed.total == 18
-    fp32 = model_state_bytes(1.0, zero=0, shard=1, optimizer=Optimizer.SGD, dtype=DType.FP32)
+    adam = Training(global_batch_size=1, optimizer=Optimizer.ADAM, dtype=DType.BF16)
+    assert model_state_bytes(1.0, zero=0, shard=1, training=adam).total == 18
+    sgd = Training(global_batch_size=1, optimizer=Optimizer.SGD, dtype=DType.FP32)
+    fp32 = model_state_bytes(1.0, zero=0, shard=1, training=sgd)
     assert (fp32.weights, fp32.gradients, fp32.optimizer) == (4, 4, 4)
+
+
+@pytest.mark.parametrize(
+    ("zero", "per_param"), [(0, (2, 2, 4)), (2, (2, 2 / 8, 4 / 8)), (3, (2 / 8, 2 / 8, 4 / 8))]
+)
+def test_pure_bf16_keeps_every_state_in_two_bytes_and_no_master(zero, per_param):
+    """torchtitan's training.dtype = "bfloat16": 8 bytes per parameter with Adam."""
+    pure = Training(global_batch_size=1, dtype=DType.BF16, param_dtype=DType.BF16)
+    states = model_state_bytes(1.0, zero=zero, shard=8, training=pure)
+    assert (states.weights, states.gradients, states.optimizer) == pytest.approx(per_param)
 
 
 def _block_activation(tp: int, sp: bool, mode: RecomputeMode, mbs: int = 2) -> float:

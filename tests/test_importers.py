@@ -446,7 +446,7 @@ REFUSALS = [
     ("deepspeed", '{"train_batch_size": 64, "expert_parallel": {"enabled": true, '
      '"autoep_size": 8}}', "expert_parallel.enabled = true: AutoEP"),
     ("torchtitan", "[parallelism]\nexpert_tensor_parallel_degree = 2",
-     "parallelism.expert_tensor_parallel_degree = 2: the planner never splits"),
+     "parallelism.expert_tensor_parallel_degree = 2: the planner does not price torchtitan's"),
     ("megatron", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
      "--recompute-method = 'uniform'"),
     ("megatron", "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
@@ -459,7 +459,7 @@ REFUSALS = [
     ("megatron", "--fp8-format hybrid", "--bf16/--fp16/--fp8-format = '--fp8-format hybrid'"),
     ("megatron", "--fp16 --grad-reduce-in-bf16", "--grad-reduce-in-bf16 = true"),
     ("torchtitan", "[training]\nenable_cpu_offload = true", "training.enable_cpu_offload = true"),
-    ("torchtitan", '[training]\ndtype = "bfloat16"', "training.dtype = 'bfloat16'"),
+    ("torchtitan", '[training]\ndtype = "float16"', "training.dtype = 'float16': torchtitan takes"),
     ("torchtitan", '[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = '
      '"ZBVZeroBubble"', "pipeline_parallel_schedule = 'ZBVZeroBubble'"),
     ("torchtitan", '[model]\nconverters = ["mx"]', "model.converters = ['mx']"),
@@ -607,9 +607,10 @@ def _megatron_moe_args(**changes: str | None) -> str:
 
 MEGATRON_MOE_REFUSALS = [
     ({"--expert-tensor-parallel-size": None, "--tensor-model-parallel-size": "2",
-      "--sequence-parallel": ""},
-     "--expert-tensor-parallel-size = 2: the planner never splits an expert's weights"),
-    ({"--expert-tensor-parallel-size": "2"}, "--expert-tensor-parallel-size = '2'"),
+      "--sequence-parallel": "", "--expert-model-parallel-size": "1"},
+     "--expert-tensor-parallel-size = 2: without expert parallelism the planner prices"),
+    ({"--expert-tensor-parallel-size": "2", "--expert-model-parallel-size": "1"},
+     "--expert-tensor-parallel-size = '2'"),
     ({"--moe-token-dispatcher-type": "allgather"},
      "--moe-token-dispatcher-type = 'allgather': the planner prices expert parallelism as "
      "all-to-all"),

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "benchmarks" / "data" / "moe_runs.csv"
 SHARED_COLUMNS = (ROOT.parent / "shared" / "data" / "published_runs.csv").resolve()
 MOE_COLUMNS = (
-    "preset", "active_params_b", "num_experts", "top_k", "etp", "virtual_stages",
+    "preset", "active_params_b", "num_experts", "top_k", "etp", "param_dtype", "virtual_stages",
     "gpus_per_node", "framework", "routing", "flop_convention", "source_url", "source_commit",
 )  # fmt: skip
 INTEGERS = ("layers", "hidden", "heads", "seq", "vocab", "gbs", "mbs", "n_gpus", "tp", "pp", "dp",

@@ -68,11 +68,11 @@ def test_groups_sort_on_their_fields_in_declaration_order():
     groups = list(_Space(model, limits, Pins(), LossyCompression()).groups())
     assert sorted(groups, key=_GROUP_ORDER) == sorted(groups)
     compared = [f.name for f in fields(_Group) if f.compare]
-    assert compared == ["bound_s", "dp", "tp", "pp", "cp", "ep", "sp", "mbs", "recompute_rank",
-                        "schedule", "virtual", "shardings"]  # fmt: skip
+    assert compared == ["bound_s", "dp", "tp", "pp", "cp", "ep", "etp", "sp", "mbs",
+                        "recompute_rank", "schedule", "virtual", "shardings"]  # fmt: skip
     assert [f.name for f in fields(_Point)] == [
-        "bound_s", "dp", "tp", "pp", "cp", "ep", "zero", "shard", "sp", "mbs", "recompute_rank",
-        "schedule", "virtual", "compression",
+        "bound_s", "dp", "tp", "pp", "cp", "ep", "etp", "zero", "shard", "sp", "mbs",
+        "recompute_rank", "schedule", "virtual", "compression",
     ]  # fmt: skip
     group = groups[0]
     for (point, floor), sharding in zip(group.points(), group.shardings, strict=True):

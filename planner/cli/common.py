@@ -168,7 +168,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
 
 def add_training_args(parser: argparse.ArgumentParser, *, batch_required: bool = True) -> None:
     """Add the ``training`` group: ``--global-batch`` (required unless told otherwise),
-    ``--micro-batch``, ``--dtype`` and ``--optimizer``."""
+    ``--micro-batch``, ``--dtype``, ``--param-dtype`` and ``--optimizer``."""
     group = parser.add_argument_group("training")
     group.add_argument("--global-batch", type=count(MAX_BATCH), required=batch_required,
                        metavar="SEQS", help="sequences per optimizer step")  # fmt: skip
@@ -177,6 +177,10 @@ def add_training_args(parser: argparse.ArgumentParser, *, batch_required: bool =
     defaults = {name: field.default for name, field in Training.model_fields.items()}
     group.add_argument("--dtype", choices=[d.value for d in DType],
                        help=f"training precision (default: {defaults['dtype']})")  # fmt: skip
+    group.add_argument("--param-dtype", choices=[DType.FP32.value, DType.BF16.value],
+                       help="precision parameters, gradients and optimizer states are kept "
+                       "in: fp32 (mixed precision) or bf16 (pure bf16, no fp32 copy; "
+                       f"default: {defaults['param_dtype']})")  # fmt: skip
     group.add_argument("--optimizer", choices=[o.value for o in Optimizer],
                        help="optimizer, its states count in memory (default: "
                        f"{defaults['optimizer']})")  # fmt: skip
@@ -243,6 +247,7 @@ TRAINING_OPTIONS = {  # option -> argparse attribute, as add_training_args and -
     "--micro-batch": "micro_batch",
     "--seq": "seq",
     "--dtype": "dtype",
+    "--param-dtype": "param_dtype",
     "--optimizer": "optimizer",
 }
 
@@ -251,7 +256,8 @@ def resolve_training_args(args: argparse.Namespace) -> Training:
     """The :class:`Training` the ``training`` group and ``--seq`` describe (what is not
     given keeps :class:`Training`'s default)."""
     fields = {"global_batch_size": args.global_batch, "micro_batch_size": args.micro_batch,
-              "seq_len": args.seq, "dtype": args.dtype, "optimizer": args.optimizer}  # fmt: skip
+              "seq_len": args.seq, "dtype": args.dtype, "param_dtype": args.param_dtype,
+              "optimizer": args.optimizer}  # fmt: skip
     return load_document(
         Training, {key: value for key, value in fields.items() if value is not None},
         "command line",

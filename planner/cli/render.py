@@ -29,11 +29,13 @@ def _strategy_rows(strategy: Strategy) -> list[tuple[str, str]]:
     ]
     if s.ep > 1:
         expert_sharding = f", ZeRO over {dims.expert_shard_ranks}" if s.zero else ""
+        group = "consecutive ranks" if s.etp == 1 else f"ranks {s.etp} apart"
         rows.append((
             "expert parallel",
-            f"{s.ep} (consecutive ranks; experts replicated {dims.expert_replicas}x"
-            f"{expert_sharding})",
+            f"{s.ep} ({group}; experts replicated {dims.expert_replicas}x{expert_sharding})",
         ))  # fmt: skip
+        if s.etp > 1:
+            rows.append(("expert tensor parallel", f"{s.etp} (consecutive ranks)"))
     rows += [
         ("sharding", sharding),
         ("recompute", s.recompute.value),

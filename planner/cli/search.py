@@ -63,7 +63,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                          help="number of GPUs (with a GPU profile)")  # fmt: skip
     add_training_args(parser, batch_required=False)
     pins = parser.add_argument_group("pins (fix a dimension, search the rest)")
-    degrees = {"dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
+    degrees = {
+        "dp": "data", "tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert",
+        "etp": "expert tensor",
+    }  # fmt: skip
     for name, what in degrees.items():
         pins.add_argument(
             f"--{name}", type=count(MAX_GPUS), metavar="N", help=f"{what}-parallel degree"
@@ -117,7 +120,7 @@ def _pins(args: argparse.Namespace) -> Pins:
     from planner.solve.search import Pins
 
     return Pins(
-        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, zero=args.zero,
+        dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, zero=args.zero,
         dp_shard=args.dp_shard,
         sequence_parallel=args.sequence_parallel,
         recompute=RecomputeMode(args.recompute) if args.recompute else None,

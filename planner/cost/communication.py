@@ -139,15 +139,16 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
 
 def alltoall_time(
     size_bytes: float, n: int, cluster: Cluster, profile: HardwareProfile,
-    remote_bytes: float | None = None,
+    remote_bytes: float | None = None, *, stride: int = 1,
 ) -> float:  # fmt: skip
-    """An all-to-all of ``size_bytes`` per rank over ``n`` consecutive ranks (each sends
-    ``1/n`` of it to every other). Within a node it is :func:`collective_time` on the
-    scale-up link; across nodes the share bound for other nodes (``remote_bytes``,
-    default ``size_bytes * (n - ranks per node) / n``) leaves through the rank's own NIC
-    (no sharing: every rank sends at once) while the rest crosses the scale-up link, and
-    the slower part decides."""
-    per_node = min(cluster.gpus_per_node, cluster.num_gpus, n)
+    """An all-to-all of ``size_bytes`` per rank over ``n`` ranks ``stride`` apart (each
+    sends ``1/n`` of it to every other). Within a node it is :func:`collective_time` on
+    the scale-up link; across nodes the share bound for other nodes (``remote_bytes``,
+    default ``size_bytes * (n - members per node) / n``) leaves through the rank's own
+    NIC (no sharing: every rank sends at once) while the rest crosses the scale-up link,
+    and the slower part decides."""
+    gpus = min(cluster.gpus_per_node, cluster.num_gpus)
+    per_node = min(max(1, gpus // stride), n)
     intra = _intra(cluster, profile)
     if per_node == n:
         return collective_time(Collective.ALL_TO_ALL, size_bytes, n, intra)

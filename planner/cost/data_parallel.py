@@ -51,7 +51,7 @@ from planner.dtypes import FP32_BYTES, HALF_BYTES
 from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.parallel_dims import ParallelDims
-from planner.spec import Axis, CompressionKind, Strategy, Training
+from planner.spec import Axis, CompressionKind, DType, Strategy, Training
 
 __all__ = ["DataParallelCost", "exposed", "exposed_together"]
 
@@ -195,12 +195,17 @@ class DataParallelCost:
         return self.compute.memory_time(moved) + tensors * self.compute.param_s
 
     def _step_bytes(self, strategy: Strategy, params: float, shard: int) -> float:
-        """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO."""
-        moments = self.training.optimizer.state_bytes_per_param
+        """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO:
+        reads and writes the kept weights and moments, reads the gradient (twice with
+        clipping), and writes a half-precision copy unless the states are pure bf16."""
+        training = self.training
+        kept = training.state_bytes
+        moments = training.optimizer.state_bytes_per_param * kept / FP32_BYTES
         dims = ParallelDims.of(strategy)
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
-        sharded = 2 * FP32_BYTES + FP32_BYTES + 2 * moments + HALF_BYTES
-        per_gradient = (2 if self.training.grad_clip else 1) * FP32_BYTES
+        half_copy = HALF_BYTES if training.param_dtype is DType.FP32 else 0
+        sharded = 2 * kept + kept + 2 * moments + half_copy
+        per_gradient = (2 if training.grad_clip else 1) * kept
         return params * (sharded / shard + per_gradient / grad_shard)
 
     @cached_property
@@ -289,7 +294,7 @@ class DataParallelCost:
         """Whole (unexposed) seconds of the EP-held experts' gradient reduction and
         weight gathers: averaged over the expert replicas (ZeRO 0), or reduce-scattered
         and gathered over the expert shard ranks and all-reduced over ``dp_replicate``
-        (ZeRO >= 1). Members of either group sit ``ep`` ranks apart."""
+        (ZeRO >= 1). Members of either group sit ``ep x etp`` ranks apart."""
         dims = ParallelDims.of(strategy)
         params = slowest.expert_params
         if not params:
@@ -297,12 +302,12 @@ class DataParallelCost:
         grad = reduce_bytes * params
         if strategy.zero == 0:
             ranks = dims.expert_replicas
-            link = link_for_axis(ranks, dims.ep, self.links.cluster, self.links.profile)
+            link = link_for_axis(ranks, dims.expert_group, self.links.cluster, self.links.profile)
             return _ExpertCollectives(
                 all_reduce=collective_time(Collective.ALL_REDUCE, grad, ranks, link)
             )
         shard = dims.expert_shard_ranks
-        link = link_for_axis(shard, dims.ep, self.links.cluster, self.links.profile)
+        link = link_for_axis(shard, dims.expert_group, self.links.cluster, self.links.profile)
         scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
         replicate = strategy.replicate_degree
         rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)

@@ -3,16 +3,23 @@
 With ``ep > 1`` (:class:`~planner.parallel_dims.ParallelDims` states the layout) each
 MoE layer splits its tokens over the ``tp`` ranks, so the routed experts' work and
 kept activations are divided by ``tp`` whatever the layout gives the rest of the
-block, and a rank holds ``1 / ep`` of the experts. Per micro-batch and MoE layer a
-rank then moves:
+block, and a rank holds ``1 / (ep x etp)`` of the expert weights: ``1 / ep`` of the
+experts, each split ``etp`` ways on its width. Per micro-batch and MoE layer a rank
+then moves:
 
-- dispatch and combine: two all-to-alls over the EP group (``ep`` consecutive ranks)
-  of its routed pairs, ``tokens / tp * top_k * hidden`` elements each, in forward and
-  again in backward (their gradients); at the expected (balanced) load a fraction
-  ``(ep - 1) / ep`` leaves the rank, the part bound for other nodes through its own NIC
-  (:func:`~planner.cost.communication.alltoall_time`). The
+- dispatch and combine: two all-to-alls over the EP group (``ep`` ranks ``etp``
+  apart) of its routed pairs, ``tokens / tp * top_k * hidden`` elements each, in
+  forward and again in backward (their gradients); at the expected (balanced) load a
+  fraction ``(ep - 1) / ep`` leaves the rank, the part bound for other nodes through its
+  own NIC (:func:`~planner.cost.communication.alltoall_time`). The
   slowest rank receives ``expert_imbalance`` times the mean (1: balanced), which scales
   its expert GEMMs and its all-to-alls.
+- with ``etp > 1`` (Megatron-Core's expert tensor parallelism): the ``etp`` consecutive
+  ranks sharing the experts' width all-gather the pairs they received and
+  reduce-scatter the experts' partial outputs (``etp x`` the received pairs each), in
+  forward and in backward; the first expert GEMM keeps the gathered rows, ``etp`` times
+  its input at ``etp = 1`` (the GEMMs' work per rank is unchanged: ``etp`` times the
+  rows on ``1 / etp`` of the width).
 - with ``ep_dedup`` (DeepEP, Megatron-Core's flex dispatcher) a token crosses the
   network once per other node holding one of its experts, not once per expert.
 - with ``tp > 1`` and no sequence parallelism (this runtime's layout): the layer's
@@ -21,7 +28,7 @@ rank then moves:
   elements). Under sequence parallelism (Megatron-Core's) each tp rank already holds
   its own tokens and nothing crosses ``tp`` around the routed experts.
 
-Full recompute re-runs the forward's all-to-alls and gather. The all-to-all
+Full recompute re-runs the forward's all-to-alls and gathers. The all-to-all
 payload a rank hands to the collective (:func:`alltoall_bytes`), averaged over the ranks,
 does not depend on the routing: every routed pair is sent once, to some rank.
 """
@@ -41,7 +48,7 @@ from planner.cost.communication import (
 )
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
-from planner.graph import OpGraph, OpNode, OpRole, SegmentType
+from planner.graph import OpGraph, OpKind, OpNode, OpRole, SegmentType
 from planner.spec import Axis, Strategy
 
 if TYPE_CHECKING:
@@ -53,6 +60,7 @@ __all__ = [
     "expert_layout",
     "expert_tradeoff",
     "ep_comm",
+    "held_expert_params",
     "rank_local",
     "routed_elements",
 ]
@@ -62,39 +70,48 @@ def _expert_indices(seg_type: SegmentType) -> list[int]:
     return [i for i, node in enumerate(seg_type.nodes) if node.role is OpRole.EXPERTS]
 
 
+def held_expert_params(seg_type: SegmentType, key: ShardKey) -> float:
+    """Routed-expert parameters one rank holds at ``key``: ``1 / (ep x etp)`` of them
+    (0 without EP: experts are then ordinary parameters)."""
+    if key.ep == 1:
+        return 0.0
+    experts = sum(seg_type.nodes[i].param_count for i in _expert_indices(seg_type))
+    return experts / (key.ep * key.etp)
+
+
 def expert_layout(
     seg_type: SegmentType, split: SegmentTP, key: ShardKey
 ) -> tuple[SegmentTP, float]:
     """``split`` with the routed experts as EP runs them at ``key`` (work and kept bytes
-    divided by ``tp``, no parameters among the dense ones), and the expert parameters a
-    rank holds (``1 / ep`` of them). Unchanged, with 0, without EP or experts."""
+    divided by ``tp``, the first expert GEMM keeping its ``etp``-gathered rows, no
+    parameters among the dense ones), and the expert parameters a rank holds
+    (:func:`held_expert_params`). Unchanged, with 0, without EP or experts."""
     experts = _expert_indices(seg_type)
     if key.ep == 1 or not experts:
         return split, 0.0
-    work, saved, params = (
-        list(split.work_divisor),
-        list(split.saved_divisor),
-        list(split.param_elements),
-    )
-    held = 0.0
+    work, params = list(split.work_divisor), list(split.param_elements)
+    saved: list[float] = list(split.saved_divisor)
     for index in experts:
         work[index] = saved[index] = key.tp
-        held += seg_type.nodes[index].param_count / key.ep
         params[index] = 0.0
+    gemms = [i for i in experts if seg_type.nodes[i].kind is OpKind.MATMUL]
+    if gemms:
+        saved[gemms[0]] = key.tp / key.etp
     return replace(split, work_divisor=tuple(work), saved_divisor=tuple(saved),
-                   param_elements=tuple(params)), held  # fmt: skip
+                   param_elements=tuple(params)), held_expert_params(seg_type, key)  # fmt: skip
 
 
-def rank_local(nodes: tuple[OpNode, ...], ep: int) -> tuple[OpNode, ...]:
+def rank_local(nodes: tuple[OpNode, ...], key: ShardKey) -> tuple[OpNode, ...]:
     """``nodes`` as one EP rank runs them: a routed experts' GEMM reads the weights of
-    its ``1 / ep`` of the experts (the same FLOPs over more rows each)."""
-    if ep == 1:
+    its ``1 / (ep x etp)`` of them (the same FLOPs over more rows each)."""
+    if key.ep == 1:
         return nodes
-    return tuple(_held(n, ep) if n.role is OpRole.EXPERTS and n.param_bytes else n for n in nodes)
+    held = 1 / (key.ep * key.etp)
+    return tuple(_held(n, held) if n.role is OpRole.EXPERTS and n.param_bytes else n for n in nodes)
 
 
-def _held(node: OpNode, ep: int) -> OpNode:
-    dropped = node.param_bytes * (1 - 1 / ep)
+def _held(node: OpNode, fraction: float) -> OpNode:
+    dropped = node.param_bytes * (1 - fraction)
     return replace(
         node, param_bytes=node.param_bytes - dropped, bytes_read=node.bytes_read - dropped
     )
@@ -132,20 +149,28 @@ def ep_comm(
     seg_type: SegmentType, key: ShardKey, element_bytes: int, links: MeshLinks,
     imbalance: float, *, dedup: bool = False,
 ) -> EPComm:  # fmt: skip
-    """The dispatch/combine all-to-alls and the tp gathers of ``seg_type`` at ``key``
-    (``dedup``: a token crosses the network once per node it is bound for)."""
+    """The dispatch/combine all-to-alls, the expert-tensor-parallel gather and scatter
+    and the tp gathers of ``seg_type`` at ``key`` (``dedup``: a token crosses the network
+    once per node it is bound for)."""
     if key.ep == 1 or not seg_type.num_experts:
         return EPComm(0.0, 0.0)
     dims = key.dims
     pairs = routed_elements(seg_type, key) * element_bytes
     remote = _deduplicated_remote(seg_type, key, pairs, links) if dedup else None
-    alltoall = 2 * imbalance * alltoall_time(pairs, key.ep, links.cluster, links.profile, remote)
+    cluster, profile = links.cluster, links.profile
+    alltoall = alltoall_time(pairs, key.ep, cluster, profile, remote, stride=key.etp)
+    exchanged = 2 * imbalance * alltoall
+    if key.etp > 1:
+        etp_link = link_for_axis(key.etp, 1, cluster, profile)
+        gathered = imbalance * pairs * key.etp  # the ETP group's received pairs
+        exchanged += collective_time(Collective.ALL_GATHER, gathered, key.etp, etp_link)
+        exchanged += collective_time(Collective.REDUCE_SCATTER, gathered, key.etp, etp_link)
     gather = 0.0
     if key.tp > 1 and not key.sequence_parallel:
         tokens = pairs / seg_type.top_k * key.tp  # the layer's whole output
         tp_link = links.group(key.tp, dims, Axis.TP)
         gather = collective_time(Collective.ALL_GATHER, tokens, key.tp, tp_link)
-    return EPComm(alltoall + gather, alltoall + gather)
+    return EPComm(exchanged + gather, exchanged + gather)
 
 
 def _deduplicated_remote(
@@ -154,7 +179,8 @@ def _deduplicated_remote(
     """Bytes a rank sends to other nodes when each token goes once to every node holding
     one of its ``top_k`` experts (DeepEP, Megatron-Core's flex dispatcher): the expected
     number of other nodes hit by ``top_k`` experts drawn evenly without replacement."""
-    per_node = min(links.cluster.gpus_per_node, links.cluster.num_gpus, key.ep)
+    gpus = min(links.cluster.gpus_per_node, links.cluster.num_gpus)
+    per_node = min(max(1, gpus // key.etp), key.ep)  # EP ranks on one node
     nodes = key.ep // per_node
     experts, k = seg_type.num_experts, seg_type.top_k
     on_node = experts // nodes
@@ -183,18 +209,24 @@ def expert_tradeoff(model: CostModel, strategy: Strategy) -> str:
     model's figures: where the all-to-all goes and the model states it saves."""
     if strategy.ep == 1:
         return ""
-    experts = model.graph.num_experts
-    link = link_for_axis(strategy.ep, 1, model.cluster, model.profile)
+    experts, ep, etp = model.graph.num_experts, strategy.ep, strategy.etp
+    link = link_for_axis(ep, etp, model.cluster, model.profile)
     with_ep = model.estimate(strategy)
-    without = model.estimate(strategy.model_copy(update={"ep": 1}))
+    without = model.estimate(strategy.model_copy(update={"ep": 1, "etp": 1}))
     states = ("weights", "gradients", "optimizer")
     after = sum(with_ep.memory_gib.get(k, 0.0) for k in states)
     before = sum(without.memory_gib.get(k, 0.0) for k in states)
     moved = alltoall_bytes(model.graph, strategy, model.compute.element_bytes)
     per_step = moved * strategy.num_microbatches / strategy.pp
+    group = f"{ep} consecutive ranks" if etp == 1 else f"{ep} ranks {etp} apart"
+    split = "" if etp == 1 else (
+        f", each split over {etp} consecutive ranks (expert tensor parallelism: they "
+        f"gather the tokens they receive and reduce-scatter the experts' outputs on the "
+        f"{link_for_axis(etp, 1, model.cluster, model.profile).name} link)"
+    )  # fmt: skip
     return (
-        f"ep{strategy.ep}: {experts // strategy.ep} of {experts} experts per rank; the "
-        f"dispatch and combine all-to-alls run over {strategy.ep} consecutive ranks on the "
+        f"ep{ep}: {experts // ep} of {experts} experts per rank{split}; the "
+        f"dispatch and combine all-to-alls run over {group} on the "
         f"{link.name} link ({per_step / 1e9:.2f} GB per rank per step, "
         f"{with_ep.breakdown_s.get('comm_ep', 0.0):.3f} s exposed); model states "
         f"{after:.1f} GiB per GPU instead of {before:.1f} at ep 1"

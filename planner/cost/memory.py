@@ -2,7 +2,8 @@
 
 Model states in mixed precision (Megatron's accounting, 18 bytes per parameter with
 Adam): half-precision weights 2, fp32 gradients 4, fp32 master weights 4, optimizer
-moments 8 (SGD momentum 4). ZeRO-1 shards the optimizer states (master + moments)
+moments 8 (SGD momentum 4). Pure bf16 training (``training.param_dtype``) keeps
+weights, gradients and moments in 2 bytes each and no master (8 bytes with Adam). ZeRO-1 shards the optimizer states (master + moments)
 over the ZeRO shard ranks (``dp_shard x cp``), ZeRO-2 the gradients too. ZeRO-3 is
 FSDP2 as torchtitan runs it: fp32 sharded parameters (no separate master), fp32
 sharded gradients and moments, plus unsharded half-precision copies of the blocks
@@ -34,7 +35,7 @@ from planner.cost.options import CostOptions
 from planner.dtypes import FP32_BYTES
 from planner.graph import OpGraph, OpKind
 from planner.parallel_dims import ParallelDims
-from planner.spec import DType, Optimizer, Schedule, Strategy, Training
+from planner.spec import Schedule, Strategy, Training
 
 if TYPE_CHECKING:
     from planner.cost.ranks import RankSums
@@ -73,17 +74,23 @@ class ModelStateBytes:
 
 
 def model_state_bytes(
-    params: float, *, zero: int, shard: int, optimizer: Optimizer, dtype: DType
+    params: float, *, zero: int, shard: int, training: Training
 ) -> ModelStateBytes:
-    """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``."""
-    moments = optimizer.state_bytes_per_param
-    fp32 = FP32_BYTES * params
+    """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``,
+    kept in ``training``'s precision (:attr:`~planner.spec.Training.state_bytes`: pure
+    bf16 keeps every state, moments included, in 2 bytes and no fp32 copy)."""
+    kept = training.state_bytes
+    moments = training.optimizer.state_bytes_per_param * kept / FP32_BYTES
     if zero >= 3:
-        return ModelStateBytes(fp32 / shard, fp32 / shard, moments * params / shard)
-    master = FP32_BYTES if dtype is not DType.FP32 else 0
+        return ModelStateBytes(
+            kept * params / shard, kept * params / shard, moments * params / shard
+        )
+    master = FP32_BYTES if training.master_copy else 0
     optimizer_bytes = (master + moments) * params / (shard if zero >= 1 else 1)
-    gradient_bytes = fp32 / (shard if zero >= 2 else 1)
-    return ModelStateBytes(dtype.activation_bytes * params, gradient_bytes, optimizer_bytes)
+    gradient_bytes = kept * params / (shard if zero >= 2 else 1)
+    return ModelStateBytes(
+        training.dtype.activation_bytes * params, gradient_bytes, optimizer_bytes
+    )
 
 
 def in_flight_microbatches(
@@ -155,9 +162,8 @@ class MemoryModel:
     ) -> ModelStateBytes:
         pipelined = dims.gathered_under_pipeline
         states = model_state_bytes(
-            params, zero=3 if pipelined else strategy.zero, shard=shard,
-            optimizer=self.training.optimizer, dtype=self.training.dtype,
-        )  # fmt: skip
+            params, zero=3 if pipelined else strategy.zero, shard=shard, training=self.training
+        )
         if not pipelined:
             return states
         return ModelStateBytes(

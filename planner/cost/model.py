@@ -190,7 +190,7 @@ class CostModel:
 
     def _type_cost(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
         if key.ep > 1 and not seg_type.num_experts:
-            key = replace(key, ep=1)  # EP changes only the segments with experts
+            key = replace(key, ep=1, etp=1)  # EP changes only the segments with experts
         cache_key = (
             seg_type.type_id,
             key,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from planner.cost.communication import Collective, MeshLinks, collective_time
 from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
-from planner.cost.experts import ep_comm, expert_layout, rank_local
+from planner.cost.experts import ep_comm, expert_layout, held_expert_params, rank_local
 from planner.cost.options import AttentionKernel, CostOptions, RecomputeModule, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
 from planner.dtypes import FP32_BYTES
@@ -79,7 +79,7 @@ class SegmentPricer:
 
     def price(self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode) -> TypeCost:
         """Per-micro-batch cost of ``seg_type`` under ``key`` and recompute ``mode``."""
-        nodes = rank_local(seg_type.nodes, key.ep)
+        nodes = rank_local(seg_type.nodes, key)
         split, expert_params = expert_layout(seg_type, self.layout(seg_type, key), key)
         work = [key.token_scale / d for d in split.work_divisor]
         saved = [key.token_scale / d for d in split.saved_divisor]
@@ -133,7 +133,7 @@ class SegmentPricer:
         recompute = base.recompute_s + delta[2]
         if mode is RecomputeMode.FULL:
             recompute += ep_fwd - base.comm_ep_forward_s
-        held = sum(n.param_count for n in seg_type.nodes if n.role is OpRole.EXPERTS) / key.ep
+        held = held_expert_params(seg_type, key)
         return replace(
             base, forward_s=base.forward_s + delta[0], backward_s=base.backward_s + delta[1],
             comm_ep_forward_s=ep_fwd, comm_ep_backward_s=ep_bwd, recompute_s=recompute,
@@ -144,7 +144,7 @@ class SegmentPricer:
         self, seg_type: SegmentType, key: ShardKey, mode: RecomputeMode
     ) -> tuple[float, float, float]:
         """The routed experts' GEMMs of ``seg_type`` at ``key`` (see :meth:`_expert_gemms`)."""
-        nodes = rank_local(seg_type.nodes, key.ep)
+        nodes = rank_local(seg_type.nodes, key)
         split, _ = expert_layout(seg_type, self.layout(seg_type, key), key)
         work = [key.token_scale / d for d in split.work_divisor]
         times = [

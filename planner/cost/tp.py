@@ -84,13 +84,14 @@ class ShardKey:
     sequence_parallel: bool
     micro_batch_size: int
     ep: int = 1
+    etp: int = 1
 
     @classmethod
     def of(cls, strategy: Strategy) -> ShardKey:
         """The key ``strategy``'s segments are priced at."""
         return cls(
             strategy.tp, strategy.cp, strategy.sequence_parallel, strategy.micro_batch_size,
-            strategy.ep,
+            strategy.ep, strategy.etp,
         )  # fmt: skip
 
     @property
@@ -101,7 +102,9 @@ class ShardKey:
     @property
     def dims(self) -> ParallelDims:
         """The tensor- and context-parallel part of the mesh."""
-        return ParallelDims(tp=self.tp, cp=self.cp, sp=self.sequence_parallel, ep=self.ep)
+        return ParallelDims(
+            tp=self.tp, cp=self.cp, sp=self.sequence_parallel, ep=self.ep, etp=self.etp
+        )  # fmt: skip
 
 
 Scaling = Literal["tokens", "sequence", "fixed"]
@@ -136,7 +139,7 @@ class SegmentTP:
     """Per-node divisors of one segment type (aligned with its nodes) and its collectives."""
 
     work_divisor: tuple[int, ...]
-    saved_divisor: tuple[int, ...]
+    saved_divisor: tuple[float, ...]  # below 1 where a rank keeps more (gathered rows)
     param_elements: tuple[float, ...]  # parameters each node holds per rank
     comms: tuple[Comm, ...] = ()
     gathered_bytes: float = 0.0  # kept inputs the graph does not show (batch 1, per rank)

@@ -118,10 +118,10 @@ def _parallel_args(plan: Plan) -> list[Arg]:
     if strategy.sequence_parallel:
         args.append(("--sequence-parallel",))
     if plan.model is not None and plan.model.moe:
-        # Our experts are never tensor-parallel (Megatron's default is the dense tp).
+        # Always written: Megatron's default is the dense tp, the plan's may differ.
         args += [
             ("--expert-model-parallel-size", str(strategy.ep)),
-            ("--expert-tensor-parallel-size", "1"),
+            ("--expert-tensor-parallel-size", str(strategy.etp)),
         ]
     return args
 

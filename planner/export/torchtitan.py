@@ -227,6 +227,8 @@ def _training(plan: Plan) -> dict[str, TomlValue]:
         "mixed_precision_param": TORCHTITAN_PARAM_DTYPES[plan.training.dtype],
         "mixed_precision_reduce": "float32",
     }
+    if plan.training.param_dtype is DType.BF16:  # pure bf16: no fp32 copy
+        table["dtype"] = "bfloat16"
     return table
 
 

@@ -20,11 +20,12 @@ describe: ``--overlap-grad-reduce``, ``--overlap-param-gather`` (Megatron-LM ove
 only when asked), ``--tp-comm-overlap`` and dropout (0.1 unless set); mixture of experts
 (``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
 ``--moe-shared-expert-intermediate-size``, leading dense blocks from ``--moe-layer-freq``,
-``--expert-model-parallel-size``) and multi-head latent attention (``--kv-lora-rank``,
-``--q-lora-rank``, ``--qk-head-dim``, ``--qk-pos-emb-head-dim``, ``--v-head-dim``).
-Refused: what the planner does not price (offloading, multi-token prediction, batch-size
-ramp-up, uniform recompute of layer groups...) and experts other than ours (tensor-parallel
-experts, capacity factors that drop tokens, pre-softmax or scaled routing, an EP dispatcher
+``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``) and multi-head
+latent attention (``--kv-lora-rank``, ``--q-lora-rank``, ``--qk-head-dim``,
+``--qk-pos-emb-head-dim``, ``--v-head-dim``). Refused: what the planner does not price
+(offloading, multi-token prediction, batch-size ramp-up, uniform recompute of layer
+groups...) and experts other than ours (tensor-parallel experts without expert
+parallelism, capacity factors that drop tokens, pre-softmax or scaled routing, an EP dispatcher
 other than all-to-all).
 """
 
@@ -135,7 +136,7 @@ def read_megatron(text: str, source: str, detected: str, options: Options) -> Im
     }  # fmt: skip
     strategy = {
         "dp": dp, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
-        "ep": _expert_parallel(settings, model, tp),
+        **_expert_parallel(settings, model, tp),
         "sequence_parallel": _sequence_parallel(settings, tp, notes),
         "micro_batch_size": micro, "virtual_stages": virtual,
         "schedule": (Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B).value,
@@ -282,20 +283,21 @@ def _dense_layers(settings: Settings) -> int:
     return int(match[1])
 
 
-def _expert_parallel(settings: Settings, model: ModelSpec, tp: int) -> int:
-    """``--expert-model-parallel-size``, checked to be our layout: experts not
-    tensor-parallel (Megatron's --expert-tensor-parallel-size defaults to tp) and
-    all-to-all dispatch."""
+def _expert_parallel(settings: Settings, model: ModelSpec, tp: int) -> dict[str, int]:
+    """``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size`` (Megatron's
+    default: the tensor-parallel size), checked to be what the planner prices: all-to-all
+    dispatch, and experts split over tensor-parallel ranks only beside expert
+    parallelism."""
     ep = settings.integer("--expert-model-parallel-size", 1)
     if not model.moe:
-        return ep
+        return {"ep": ep}
     etp = settings.integer("--expert-tensor-parallel-size", tp)
-    if etp != 1:
+    if ep == 1 and etp != 1:
         raise settings.refuse(
             "--expert-tensor-parallel-size", settings.get("--expert-tensor-parallel-size", tp),
-            "the planner never splits an expert's weights over tensor-parallel ranks "
-            "(Megatron's default is the tensor-parallel size)",
-            "add --expert-tensor-parallel-size 1",
+            "without expert parallelism the planner prices every expert whole on each "
+            "tensor-parallel rank (Megatron's default is the tensor-parallel size)",
+            "add --expert-tensor-parallel-size 1, or --expert-model-parallel-size > 1",
         )  # fmt: skip
     dispatcher = settings.text("--moe-token-dispatcher-type", "allgather")
     if ep > 1 and dispatcher != "alltoall":
@@ -306,7 +308,7 @@ def _expert_parallel(settings: Settings, model: ModelSpec, tp: int) -> int:
         )  # fmt: skip
     settings.flag("--moe-grouped-gemm")  # how experts compute, priced alike
     settings.get("--moe-router-load-balancing-type")
-    return ep
+    return {"ep": ep, "etp": etp}
 
 
 def _sequence(settings: Settings) -> int:

@@ -27,6 +27,7 @@ schedules, 2 for looped ones, the embeddings and the head weighted as
 (``selective_ac_option = "op"``) is priced with the ``op`` policy, every n-th layer
 (an integer) as full recompute of as many layers per chunk; bf16 parameters with tp or
 pp but no FSDP train in fp32 (torchtitan applies mixed precision through FSDP there);
+``training.dtype = "bfloat16"`` is pure bf16 training (``training.param_dtype``);
 ``[model] converters = ["quantize.linear.float8"]`` (``"float8"`` before 0.2) is fp8;
 ``compile`` fuses pointwise operators; async tensor parallelism overlaps its collectives.
 """
@@ -94,14 +95,13 @@ _RELEASE_03 = re.compile(
 # Keys that change what a step computes or keeps, unpriced: key -> (harmless values, why).
 _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
     "training.enable_cpu_offload": ((None, False), "the planner does not model CPU offload"),
-    "training.dtype": ((None, "float32"), "training wholly in bfloat16 (no fp32 master "
-                       "weights) is not priced"),
     "training.mixed_precision_reduce": ((None, "float32"), "the planner prices torchtitan's "
                                         "float32 reduction"),
     "optimizer.early_step_in_backward": ((None, False), "stepping the optimizer in backward "
                                          "frees gradients early, which is not priced"),
-    "parallelism.expert_tensor_parallel_degree": ((None, 1), "the planner never splits an "
-                                                  "expert's weights over tensor-parallel ranks"),
+    "parallelism.expert_tensor_parallel_degree": ((None, 1), "the planner does not price "
+                                                  "torchtitan's expert tensor parallelism "
+                                                  "(experts sharded with DTensor over tp)"),
     "parallelism.expert_parallel_comm_backend": ((None, "standard"), "the planner prices "
                                                  "all-to-all token exchanges, not DeepEP's"),
     "parallelism.pipeline_parallel_schedule_csv": ((None, ""), "a schedule from a CSV file is "
@@ -142,7 +142,8 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     }  # fmt: skip
     training = {
         "global_batch_size": total, "seq_len": settings.integer("training.seq_len", 2048),
-        "dtype": _dtype(settings, strategy, notes).value, "optimizer": _optimizer(settings).value,
+        "dtype": _dtype(settings, strategy, notes).value,
+        "param_dtype": _param_dtype(settings).value, "optimizer": _optimizer(settings).value,
         "grad_clip": _clipping(settings),
     }  # fmt: skip
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
@@ -478,6 +479,21 @@ def _checkpoint_mode(settings: Settings, release_03: bool) -> str:
     return "selective" if not fields or "force_recompute_mm_shapes_by_fqns" in fields else "full"
 
 
+def _param_dtype(settings: Settings) -> DType:
+    """``training.dtype``: float32 (mixed precision) or bfloat16 (parameters, gradients
+    and optimizer states all in bf16)."""
+    kept = settings.text("training.dtype", "float32")
+    if kept not in ("float32", "bfloat16"):
+        raise settings.refuse("training.dtype", kept, "torchtitan takes float32 or bfloat16",
+                              "use one of them")  # fmt: skip
+    if kept == "bfloat16" and settings.text("training.mixed_precision_param", "bfloat16") != kept:
+        raise settings.refuse("training.mixed_precision_param",
+                              settings.text("training.mixed_precision_param", "bfloat16"),
+                              "with training.dtype = 'bfloat16' the parameters are bf16 and "
+                              "are computed in bf16", "set mixed_precision_param to bfloat16")  # fmt: skip
+    return DType.BF16 if kept == "bfloat16" else DType.FP32
+
+
 def _dtype(settings: Settings, strategy: dict[str, Any], notes: list[str]) -> DType:
     """The training dtype: the parameters' mixed-precision dtype (fp8 with the float8
     converter), fp32 where torchtitan's mixed precision does not reach."""
@@ -502,7 +518,13 @@ def _dtype(settings: Settings, strategy: dict[str, Any], notes: list[str]) -> DT
         dtype = DType.FP8
     sharded = torchtitan_shards(Strategy(dp=strategy["dp"], dp_shard=strategy["dp_shard"],
                                          cp=strategy["cp"], zero=strategy["zero"]))  # fmt: skip
-    if dtype is not DType.FP32 and not sharded and (strategy["tp"] > 1 or strategy["pp"] > 1):
+    pure = settings.text("training.dtype", "float32") == "bfloat16"  # parameters kept in bf16
+    if (
+        dtype is not DType.FP32
+        and not pure
+        and not sharded
+        and (strategy["tp"] > 1 or strategy["pp"] > 1)
+    ):
         notes.append(
             f"mixed_precision_param = {param!r} with tp or pp and no FSDP: torchtitan trains in "
             "float32 (it applies mixed precision through FSDP there); priced in fp32"

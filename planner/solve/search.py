@@ -3,7 +3,8 @@
 Every candidate is a point of the space
 
     dp x tp x pp x cp = num_gpus   (every factorisation; tp and cp may cross nodes)
-    ep dividing the experts and the ranks EP is carved from (MoE models only)
+    ep dividing the experts and the ranks EP is carved from (MoE models only), and
+    expert tensor parallelism etp in {1, tp} where the target runs it
     zero in 0..3, dp_shard in {dp, ranks per node} (hybrid sharding), sequence parallel,
     recompute in {none, selective, full}, micro-batch size, pipeline schedule and
     virtual stages, and the lossy gradient compression the user allows
@@ -13,7 +14,8 @@ restricted by the model (heads divisible by tp, blocks for every pipeline chunk)
 by the mesh rules of :class:`~planner.parallel_dims.ParallelDims`, which validation
 asks too: experts split over the EP group (:meth:`~ParallelDims.expert_blocker`;
 beside sequence parallelism only where the target runs it,
-:func:`~planner.frameworks.experts_beside_sequence_parallel_refusal`),
+:func:`~planner.frameworks.experts_beside_sequence_parallel_refusal`, and split over
+tensor-parallel ranks likewise, :func:`~planner.frameworks.expert_tensor_parallel_refusal`),
 the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
 ``2 cp`` equal chunks, and ``seq / cp`` divisible by tp under sequence parallelism),
 plain data parallelism only where DDP runs (:meth:`~ParallelDims.ddp_blocker`), and
@@ -63,6 +65,7 @@ from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
     PLANNER,
     Target,
+    expert_tensor_parallel_refusal,
     experts_beside_sequence_parallel_refusal,
     strategy_refusal,
 )
@@ -92,6 +95,7 @@ _RECOMPUTE_ORDER = (RecomputeMode.NONE, RecomputeMode.SELECTIVE, RecomputeMode.F
 _MAX_MICRO_BATCH = 16
 _MAX_UNEVEN_VIRTUAL = 4  # virtual stages that need not divide the blocks evenly
 _MIN_CP_TOKENS = 256  # shorter sequence shards per context-parallel rank are not searched
+_Experts = tuple[int, int]  # (ep, etp)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class Pins:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    etp: int | None = None
     zero: int | None = None
     dp_shard: int | None = None
     sequence_parallel: bool | None = None
@@ -121,7 +126,7 @@ class Pins:
         """Pins that fix every searched field to ``strategy``'s value."""
         return cls(
             dp=strategy.dp, tp=strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep,
-            zero=strategy.zero, dp_shard=strategy.shard_degree if strategy.zero else None,
+            etp=strategy.etp, zero=strategy.zero, dp_shard=strategy.shard_degree if strategy.zero else None,
             sequence_parallel=strategy.sequence_parallel, recompute=strategy.recompute,
             micro_batch_size=strategy.micro_batch_size, schedule=strategy.schedule,
             virtual_stages=strategy.virtual_stages, compression=strategy.compression,
@@ -274,6 +279,7 @@ class _Group:
     pp: int
     cp: int
     ep: int
+    etp: int
     sp: bool
     mbs: int
     recompute_rank: int
@@ -290,7 +296,7 @@ class _Group:
     def point(self, sharding: _Sharding) -> _Point:
         return _Point(
             bound_s=self.bound_s, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-            zero=sharding.zero, shard=sharding.shard, sp=self.sp, mbs=self.mbs,
+            etp=self.etp, zero=sharding.zero, shard=sharding.shard, sp=self.sp, mbs=self.mbs,
             recompute_rank=self.recompute_rank, schedule=self.schedule, virtual=self.virtual,
             compression=sharding.compression,
         )  # fmt: skip
@@ -309,6 +315,7 @@ class _Point:
     pp: int
     cp: int
     ep: int
+    etp: int
     zero: int
     shard: int
     sp: bool
@@ -320,7 +327,8 @@ class _Point:
 
     def strategy(self, global_batch: int) -> Strategy:
         return Strategy(
-            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,  # type: ignore[arg-type]
+            dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+            zero=self.zero,  # type: ignore[arg-type]
             dp_shard=self.shard if self.zero else None, sequence_parallel=self.sp,
             recompute=_RECOMPUTE_ORDER[self.recompute_rank], micro_batch_size=self.mbs,
             num_microbatches=global_batch // (self.dp * self.mbs),
@@ -361,7 +369,7 @@ class _Space:
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
         self.compression_blocked: str | None = None  # why a pinned compression was dropped
-        self._work: dict[tuple[int, int, bool, int, int, int], WholeModelCost] = {}
+        self._work: dict[tuple[int, int, bool, int, int, int, int], WholeModelCost] = {}
 
     def fits(self, prediction: Prediction) -> bool:
         """Whether ``prediction`` fits with the reserved headroom to spare."""
@@ -375,12 +383,13 @@ class _Space:
         return f"memory headroom: {self.headroom_gib:.3g} GiB per GPU kept free"
 
     def work(
-        self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int, ep: int
+        self, tp: int, cp: int, sp: bool, mbs: int, recompute_rank: int, experts: _Experts
     ) -> WholeModelCost:
-        key = (tp, cp, sp, mbs, recompute_rank, ep)
+        key = (tp, cp, sp, mbs, recompute_rank, *experts)
         if key not in self._work:
+            ep, etp = experts
             probe = Strategy(
-                tp=tp, cp=cp, ep=ep, sequence_parallel=sp, micro_batch_size=mbs,
+                tp=tp, cp=cp, ep=ep, etp=etp, sequence_parallel=sp, micro_batch_size=mbs,
                 recompute=_RECOMPUTE_ORDER[recompute_rank],
             )  # fmt: skip
             self._work[key] = self.model.whole_model(probe)
@@ -434,14 +443,22 @@ class _Space:
                 if self.pins.allows("dp_shard", shard if zero else None):
                     yield zero, shard
 
-    def expert_degrees(self, dp: int, tp: int, cp: int) -> list[int]:
-        """EP degrees to search on the mesh: 1, and each divisor of the experts that
-        divides ``dp x cp x tp`` (whether a ZeRO sharding allows it is the variants')."""
+    def expert_degrees(self, dp: int, tp: int, cp: int) -> list[_Experts]:
+        """(ep, etp) pairs to search on the mesh: (1, 1), and each divisor ``ep`` of the
+        experts beside etp 1 and etp = tp where the target runs it
+        (:func:`~planner.frameworks.expert_tensor_parallel_refusal`), ``ep x etp``
+        dividing ``dp x cp x tp`` (whether a ZeRO sharding allows it is the variants')."""
         experts = self.limits.num_experts
-        degrees = [1] + [
-            ep for ep in _divisors(experts) if ep > 1 and (dp * cp * tp) % ep == 0
-        ] if experts else [1]  # fmt: skip
-        return [ep for ep in degrees if self.pins.allows("ep", ep)]
+        eps = [ep for ep in _divisors(experts) if ep > 1] if experts else []
+        pairs = [(1, 1)] + [
+            (ep, etp) for ep in eps for etp in sorted({1, tp})
+            if (dp * cp * tp) % (ep * etp) == 0
+            and expert_tensor_parallel_refusal(self.target, ep=ep, etp=etp, tp=tp) is None
+        ]  # fmt: skip
+        return [
+            (ep, etp) for ep, etp in pairs
+            if self.pins.allows("ep", ep) and self.pins.allows("etp", etp)
+        ]  # fmt: skip
 
     def schedules(self, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
         if pp == 1:  # no pipeline: a pinned schedule or virtual stages rule pp = 1 out
@@ -485,8 +502,8 @@ class _Space:
             sps = [sp for sp in ((False, True) if tp > 1 else (False,)) if self._runs(tp, cp, sp)]
             if not sps:
                 continue
-            for ep in self.expert_degrees(dp, tp, cp):
-                variants = self.variants(dp, tp, pp, cp, ep)
+            for ep, etp in self.expert_degrees(dp, tp, cp):
+                variants = self.variants(dp, tp, pp, cp, (ep, etp))
                 if not variants:
                     continue
                 for mbs in sizes:
@@ -497,7 +514,7 @@ class _Space:
                         ):
                             continue
                         yield from self._groups(
-                            (dp, tp, pp, cp, ep), mbs, microbatches, sp, variants
+                            (dp, tp, pp, cp, ep, etp), mbs, microbatches, sp, variants
                         )
 
     def _runs(self, tp: int, cp: int, sp: bool) -> bool:
@@ -510,12 +527,17 @@ class _Space:
             return False
         return self.limits.layout_blocker(tp, sp) is None
 
-    def variants(self, dp: int, tp: int, pp: int, cp: int, ep: int) -> tuple[_Sharding, ...]:
-        """Every (zero, dp_shard) of the mesh that splits the experts ``ep`` ways
+    def variants(
+        self, dp: int, tp: int, pp: int, cp: int, experts: _Experts
+    ) -> tuple[_Sharding, ...]:
+        """Every (zero, dp_shard) of the mesh that splits the experts ``ep x etp`` ways
         (:meth:`ParallelDims.expert_blocker`), with each compression that runs there."""
         variants = []
+        ep, etp = experts
         for zero, shard in self.shardings(dp, tp, pp, cp):
-            dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep)
+            dims = ParallelDims(
+                dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep, etp=etp
+            )  # fmt: skip
             if dims.expert_blocker(self.limits.num_experts) is not None:
                 continue
             per_param = self._state_bytes_per_param(zero, dims.zero_shard_ranks)
@@ -530,13 +552,13 @@ class _Space:
 
     def _groups(
         self,
-        mesh: tuple[int, int, int, int, int],
+        mesh: tuple[int, int, int, int, int, int],
         mbs: int,
         microbatches: int,
         sp: bool,
         variants: tuple[_Sharding, ...],
     ) -> Iterator[_Group]:
-        dp, tp, pp, cp, ep = mesh
+        dp, tp, pp, cp, ep, etp = mesh
         schedules = [
             (s, v, _fill_drain(s, pp, v), self._in_flight(s, pp, microbatches, v))
             for s, v in self.schedules(pp, microbatches)
@@ -544,7 +566,7 @@ class _Space:
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
                 continue
-            work = self.work(tp, cp, sp, mbs, rank, ep)
+            work = self.work(tp, cp, sp, mbs, rank, (ep, etp))
             experts = work.expert_param_count / pp
             params = work.param_count / pp - experts
             kept = (self.limits.num_blocks // pp) * work.least_block_activation_bytes
@@ -574,7 +596,7 @@ class _Space:
                     continue
                 group = _Group(
                     bound_s=work.time_s / pp * (microbatches + fill), dp=dp, tp=tp, pp=pp,
-                    cp=cp, ep=ep, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
+                    cp=cp, ep=ep, etp=etp, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
                     virtual=virtual, shardings=tuple(fitting), floors=tuple(floors),
                 )  # fmt: skip
                 if lean is not None:
@@ -605,11 +627,7 @@ class _Space:
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
         """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
-        states = model_state_bytes(
-            1.0, zero=zero, shard=shard, optimizer=self.training.optimizer,
-            dtype=self.training.dtype,
-        )  # fmt: skip
-        return states.total
+        return model_state_bytes(1.0, zero=zero, shard=shard, training=self.training).total
 
     @staticmethod
     def _in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
@@ -867,9 +885,13 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             reasons.append(blocker)
         refusal = experts_beside_sequence_parallel_refusal(
             space.target, ep=pins.ep, sequence_parallel=pins.sequence_parallel is True
-        )
+        ) or expert_tensor_parallel_refusal(
+            space.target, ep=pins.ep, etp=pins.etp or 1, tp=pins.tp or pins.etp or 1
+        )  # fmt: skip
         if refusal is not None:
             reasons.append(f"{refusal.describe()} ({refusal.fix})")
+    if pins.etp is not None and pins.etp > 1 and pins.ep == 1:
+        reasons.append(f"etp({pins.etp}) > 1 needs ep > 1")
     if space.compression_blocked is not None:
         reasons.append(space.compression_blocked)
     detail = "; ".join(reasons) or (
