@@ -446,10 +446,14 @@ def test_interrupt_exits_130_with_one_line(monkeypatch, capsys) -> None:
 
 
 def _plan_process(args: list[str], **kwargs: object) -> subprocess.Popen[str]:
+    """``plan ARGS`` in a child process that takes Ctrl-C as a terminal's would: a
+    shell without job control starts background jobs with SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), **kwargs.pop("env", {})}  # type: ignore[dict-item]
     return subprocess.Popen(
         [sys.executable, "-m", "planner", *args], cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
 
 

@@ -79,3 +79,13 @@ def test_torchtitan_configs_that_mix_the_two_are_refused() -> None:
         SpecError, match=r"mixed_precision_param = 'float32'.*set mixed_precision_param to bfloat16"
     ):
         import_config(text, format="torchtitan", model="tiny-llama", cluster=CLUSTER, gpus=8)
+
+
+def test_the_plan_says_its_states_are_bf16() -> None:
+    from rich.console import Console
+
+    from planner.cli.render import render_plan
+
+    console = Console(record=True, width=120)
+    render_plan(_plan(PURE, "torchtitan"), console)
+    assert "batch 16, bf16, states in bf16)" in console.export_text()  # title wraps at the table

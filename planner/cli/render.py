@@ -175,10 +175,11 @@ def _own_layout_line(plan: Plan) -> str:
 
 def render_plan(plan: Plan, console: Console) -> None:
     """Print the plan as tables: strategy, prediction, breakdown, runners-up, solver."""
-    cluster = plan.cluster
+    cluster, training = plan.cluster, plan.training
+    pure = ", states in bf16" if training.param_dtype is DType.BF16 else ""
     title = (
         f"Plan for {plan.model_name} on {cluster.num_gpus} x {cluster.gpu} "
-        f"(global batch {plan.training.global_batch_size}, {plan.training.dtype.value})"
+        f"(global batch {training.global_batch_size}, {training.dtype.value}{pure})"
     )
     console.print(_two_columns(title, _strategy_rows(plan.strategy)))
     if plan.prediction is not None:
