@@ -107,6 +107,8 @@ def test_only_megatron_runs_it_and_the_search_finds_it_there() -> None:
     assert torchtitan is not None
     pinned = search(model, limits, pins=Pins(ep=8, etp=4), top_k=1, target=megatron)
     assert pinned.best.strategy.etp == 4
+    apart = search(model, limits, pins=Pins(tp=1, ep=4, etp=2), top_k=1, target=megatron)
+    assert (apart.best.strategy.tp, apart.best.strategy.etp) == (1, 2)  # any etp Megatron runs
     text = expert_tradeoff(model, pinned.best.strategy)
     assert "each split over 4 consecutive ranks" in text and "8 ranks 4 apart" in text
 

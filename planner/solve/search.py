@@ -445,13 +445,14 @@ class _Space:
 
     def expert_degrees(self, dp: int, tp: int, cp: int) -> list[_Experts]:
         """(ep, etp) pairs to search on the mesh: (1, 1), and each divisor ``ep`` of the
-        experts beside etp 1 and etp = tp where the target runs it
+        experts beside etp 1, etp = tp and a pinned etp where the target runs it
         (:func:`~planner.frameworks.expert_tensor_parallel_refusal`), ``ep x etp``
         dividing ``dp x cp x tp`` (whether a ZeRO sharding allows it is the variants')."""
         experts = self.limits.num_experts
         eps = [ep for ep in _divisors(experts) if ep > 1] if experts else []
+        etps = sorted({1, tp, self.pins.etp or 1})
         pairs = [(1, 1)] + [
-            (ep, etp) for ep in eps for etp in sorted({1, tp})
+            (ep, etp) for ep in eps for etp in etps
             if (dp * cp * tp) % (ep * etp) == 0
             and expert_tensor_parallel_refusal(self.target, ep=ep, etp=etp, tp=tp) is None
         ]  # fmt: skip
