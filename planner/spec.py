@@ -639,6 +639,11 @@ class Training(_Doc):
         return FP32_BYTES if self.param_dtype is DType.FP32 else HALF_BYTES
 
     @property
+    def moment_bytes(self) -> float:
+        """Bytes of the optimizer's moments per parameter as kept (Adam two, SGD one)."""
+        return self.optimizer.state_bytes_per_param * self.state_bytes / FP32_BYTES
+
+    @property
     def master_copy(self) -> bool:
         """Whether an fp32 copy of the weights sits beside half-precision ones (mixed
         precision; fp32 and pure bf16 training keep one copy)."""

@@ -44,6 +44,7 @@ __all__ = [
     "collective_time",
     "alltoall_time",
     "link_for_axis",
+    "members_per_node",
     "MeshLinks",
 ]
 
@@ -147,8 +148,7 @@ def alltoall_time(
     default ``size_bytes * (n - members per node) / n``) leaves through the rank's own
     NIC (no sharing: every rank sends at once) while the rest crosses the scale-up link,
     and the slower part decides."""
-    gpus = min(cluster.gpus_per_node, cluster.num_gpus)
-    per_node = min(max(1, gpus // stride), n)
+    per_node = min(members_per_node(cluster, stride), n)
     intra = _intra(cluster, profile)
     if per_node == n:
         return collective_time(Collective.ALL_TO_ALL, size_bytes, n, intra)
@@ -160,14 +160,18 @@ def alltoall_time(
     return inter.call_s + inter.latency_s + max(local, remote)
 
 
+def members_per_node(cluster: Cluster, stride: int) -> int:
+    """Members of a group whose ranks sit ``stride`` apart that one node holds (at least
+    one; at most the group's size is the caller's to cap)."""
+    return max(1, min(cluster.gpus_per_node, cluster.num_gpus) // stride)
+
+
 def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwareProfile) -> LinkModel:
     """The link a mesh axis of ``size`` ranks, ``stride`` ranks apart, communicates over."""
     span = size * stride
-    gpus_per_node = min(cluster.gpus_per_node, cluster.num_gpus)
-    if span <= gpus_per_node:
+    if span <= min(cluster.gpus_per_node, cluster.num_gpus):
         return _intra(cluster, profile)
-    members_per_node = max(1, gpus_per_node // stride)
-    link = _inter(cluster, profile, members_per_node)
+    link = _inter(cluster, profile, members_per_node(cluster, stride))
     for tier in cluster.extra_tiers:
         if span <= tier.domain_size:
             continue

@@ -47,7 +47,7 @@ from planner.cost.compute import ComputeModel
 from planner.cost.options import CostOptions
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
-from planner.dtypes import FP32_BYTES, HALF_BYTES
+from planner.dtypes import HALF_BYTES
 from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.parallel_dims import ParallelDims
@@ -199,8 +199,7 @@ class DataParallelCost:
         reads and writes the kept weights and moments, reads the gradient (twice with
         clipping), and writes a half-precision copy unless the states are pure bf16."""
         training = self.training
-        kept = training.state_bytes
-        moments = training.optimizer.state_bytes_per_param * kept / FP32_BYTES
+        kept, moments = training.state_bytes, training.moment_bytes
         dims = ParallelDims.of(strategy)
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
         half_copy = HALF_BYTES if training.param_dtype is DType.FP32 else 0

@@ -45,6 +45,7 @@ from planner.cost.communication import (
     alltoall_time,
     collective_time,
     link_for_axis,
+    members_per_node,
 )
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
@@ -76,7 +77,7 @@ def held_expert_params(seg_type: SegmentType, key: ShardKey) -> float:
     if key.ep == 1:
         return 0.0
     experts = sum(seg_type.nodes[i].param_count for i in _expert_indices(seg_type))
-    return experts / (key.ep * key.etp)
+    return experts / key.dims.expert_group
 
 
 def expert_layout(
@@ -106,7 +107,7 @@ def rank_local(nodes: tuple[OpNode, ...], key: ShardKey) -> tuple[OpNode, ...]:
     its ``1 / (ep x etp)`` of them (the same FLOPs over more rows each)."""
     if key.ep == 1:
         return nodes
-    held = 1 / (key.ep * key.etp)
+    held = 1 / key.dims.expert_group
     return tuple(_held(n, held) if n.role is OpRole.EXPERTS and n.param_bytes else n for n in nodes)
 
 
@@ -179,8 +180,7 @@ def _deduplicated_remote(
     """Bytes a rank sends to other nodes when each token goes once to every node holding
     one of its ``top_k`` experts (DeepEP, Megatron-Core's flex dispatcher): the expected
     number of other nodes hit by ``top_k`` experts drawn evenly without replacement."""
-    gpus = min(links.cluster.gpus_per_node, links.cluster.num_gpus)
-    per_node = min(max(1, gpus // key.etp), key.ep)  # EP ranks on one node
+    per_node = min(members_per_node(links.cluster, key.etp), key.ep)  # EP ranks on one node
     nodes = key.ep // per_node
     experts, k = seg_type.num_experts, seg_type.top_k
     on_node = experts // nodes

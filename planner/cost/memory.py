@@ -79,8 +79,7 @@ def model_state_bytes(
     """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``,
     kept in ``training``'s precision (:attr:`~planner.spec.Training.state_bytes`: pure
     bf16 keeps every state, moments included, in 2 bytes and no fp32 copy)."""
-    kept = training.state_bytes
-    moments = training.optimizer.state_bytes_per_param * kept / FP32_BYTES
+    kept, moments = training.state_bytes, training.moment_bytes
     if zero >= 3:
         return ModelStateBytes(
             kept * params / shard, kept * params / shard, moments * params / shard

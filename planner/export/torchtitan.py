@@ -228,7 +228,7 @@ def _training(plan: Plan) -> dict[str, TomlValue]:
         "mixed_precision_reduce": "float32",
     }
     if plan.training.param_dtype is DType.BF16:  # pure bf16: no fp32 copy
-        table["dtype"] = "bfloat16"
+        table["dtype"] = TORCHTITAN_PARAM_DTYPES[DType.BF16]
     return table
 
 

@@ -140,10 +140,11 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
         "micro_batch_size": micro, "schedule": schedule.value, "virtual_stages": virtual,
         **recompute,
     }  # fmt: skip
+    param_dtype = _param_dtype(settings)
     training = {
         "global_batch_size": total, "seq_len": settings.integer("training.seq_len", 2048),
-        "dtype": _dtype(settings, strategy, notes).value,
-        "param_dtype": _param_dtype(settings).value, "optimizer": _optimizer(settings).value,
+        "dtype": _dtype(settings, strategy, notes, param_dtype).value,
+        "param_dtype": param_dtype.value, "optimizer": _optimizer(settings).value,
         "grad_clip": _clipping(settings),
     }  # fmt: skip
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
@@ -482,19 +483,22 @@ def _checkpoint_mode(settings: Settings, release_03: bool) -> str:
 def _param_dtype(settings: Settings) -> DType:
     """``training.dtype``: float32 (mixed precision) or bfloat16 (parameters, gradients
     and optimizer states all in bf16)."""
-    kept = settings.text("training.dtype", "float32")
-    if kept not in ("float32", "bfloat16"):
-        raise settings.refuse("training.dtype", kept, "torchtitan takes float32 or bfloat16",
+    names = {TORCHTITAN_PARAM_DTYPES[d]: d for d in (DType.FP32, DType.BF16)}
+    kept = settings.text("training.dtype", TORCHTITAN_PARAM_DTYPES[DType.FP32])
+    if kept not in names:
+        raise settings.refuse("training.dtype", kept, f"torchtitan takes {' or '.join(names)}",
                               "use one of them")  # fmt: skip
-    if kept == "bfloat16" and settings.text("training.mixed_precision_param", "bfloat16") != kept:
-        raise settings.refuse("training.mixed_precision_param",
-                              settings.text("training.mixed_precision_param", "bfloat16"),
-                              "with training.dtype = 'bfloat16' the parameters are bf16 and "
+    param = settings.text("training.mixed_precision_param", "bfloat16")
+    if names[kept] is DType.BF16 and param != kept:
+        raise settings.refuse("training.mixed_precision_param", param,
+                              f"with training.dtype = {kept!r} the parameters are bf16 and "
                               "are computed in bf16", "set mixed_precision_param to bfloat16")  # fmt: skip
-    return DType.BF16 if kept == "bfloat16" else DType.FP32
+    return names[kept]
 
 
-def _dtype(settings: Settings, strategy: dict[str, Any], notes: list[str]) -> DType:
+def _dtype(
+    settings: Settings, strategy: dict[str, Any], notes: list[str], param_dtype: DType
+) -> DType:
     """The training dtype: the parameters' mixed-precision dtype (fp8 with the float8
     converter), fp32 where torchtitan's mixed precision does not reach."""
     param = settings.text("training.mixed_precision_param", "bfloat16")
@@ -518,7 +522,7 @@ def _dtype(settings: Settings, strategy: dict[str, Any], notes: list[str]) -> DT
         dtype = DType.FP8
     sharded = torchtitan_shards(Strategy(dp=strategy["dp"], dp_shard=strategy["dp_shard"],
                                          cp=strategy["cp"], zero=strategy["zero"]))  # fmt: skip
-    pure = settings.text("training.dtype", "float32") == "bfloat16"  # parameters kept in bf16
+    pure = param_dtype is DType.BF16  # parameters kept in bf16 throughout
     if (
         dtype is not DType.FP32
         and not pure
