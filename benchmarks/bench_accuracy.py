@@ -60,14 +60,17 @@ from typing import Any
 from scipy.optimize import minimize_scalar
 
 from planner.cost import CostModel, RunConfig, estimate_run, graph_from_spec
-from planner.cost.build import build_cost_model, spec_graph
+from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.cost.error_band import TABLE, Residual, fit_error_bands
 from planner.cost.flops import megatron_hardware_flops, megatron_model_flops
 from planner.errors import PlannerError
 from planner.frameworks import KERNELS, Framework, Target, parse_target
 from planner.hardware import load_profile, profile_dir
+from planner.importers.common import chunks_of
+from planner.importers.megatron import even_split
 from planner.io import dumps_json, write_text_atomic
 from planner.presets import PRESETS
+from planner.solve.lossy import LossyCompression
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
 from planner.spec import ErrorBandTable, ModelSpec, Prediction
 
@@ -465,6 +468,7 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         "dp": _int(row["dp"]), "tp": tp, "pp": pp, "cp": _int(row["cp"], 1), "ep": _int(row["ep"], 1),
         "etp": _int(row["etp"], 1), "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
         "recompute": recompute, **_schedule(pp, virtual),
+        "compression": {"kind": "bf16" if row["grad_reduce"] == "bf16" else "none"},
     }  # fmt: skip
     options: dict[str, Any] = {
         "attention": "flash", "dropout": False, "fused_pointwise": True, "grad_reduce_bytes": 4,
@@ -476,7 +480,7 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         options["ep_overlap"] = True
     if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher
         options["ep_dedup"] = True
-    return {
+    config: dict[str, Any] = {
         "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),
                     "gpus_per_node": _int(row["gpus_per_node"], 8)},
@@ -485,6 +489,22 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         "strategy": strategy,
         "options": options,
     }  # fmt: skip
+    if row["pp_accounts"] and pp > 1:
+        config["stages"] = _accounted_stages(row, pp * virtual)
+    return config
+
+
+def _accounted_stages(row: dict[str, str], chunks: int) -> list[list[str]]:
+    """Megatron's even split with the embedding and the loss counted as a layer each
+    (``--account-for-embedding/loss-in-pipeline-split``), as module names per chunk."""
+    accounts = row["pp_accounts"].split(",")
+    assert set(accounts) <= {"embedding", "loss"}, f"pp_accounts {row['pp_accounts']!r}"
+    spec = PRESETS[row["preset"]]
+    counts = even_split(
+        spec.num_layers, chunks, embedding="embedding" in accounts, loss="loss" in accounts
+    )
+    assert counts is not None, f"{row['model']}: pp_accounts do not split {chunks} chunks evenly"
+    return [list(chunk) for chunk in chunks_of(spec, counts)]
 
 
 def moe_case(row: dict[str, str]) -> MoeCase:
@@ -537,9 +557,15 @@ def search_against(run: RunConfig, result: MoeResult, target: Target) -> None:
 
     limits = _spec_limits(run)
     published = runnable(run.strategy) if target.is_planner else run.strategy
-    result.published = model.estimate(published)
-    result.inside = in_search_space(model, limits, published, target)
-    best = search(model, limits, pins=Pins(), top_k=1, target=target).best
+    stages = stage_indices(graph, run.stages) if run.stages else None
+    result.published = model.estimate(published, stages=stages)
+    # the search splits the blocks over at most as many chunks (no chunk of its own for
+    # the embedding or the head)
+    fewer = published.num_stages <= limits.num_blocks
+    result.inside = fewer and in_search_space(model, limits, published, target)
+    # the published run's gradient reduction (bf16 in Megatron-Bridge's recipes) is allowed
+    lossy = LossyCompression.allowing(run.strategy.compression)
+    best = search(model, limits, pins=Pins(), top_k=1, target=target, lossy=lossy).best
     result.chosen, result.chosen_text = best.prediction, best.strategy.describe()
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "PLANNER",
     "experts_beside_sequence_parallel_refusal",
     "expert_tensor_parallel_refusal",
+    "compressed_experts_refusal",
     "model_refusal",
     "parse_target",
     "strategy_refusal",
@@ -68,14 +69,18 @@ RELEASES: dict[Framework, tuple[Version, ...]] = {
 }
 MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) here
 
-# What each framework's kernels keep for backward, as CostOptions fields (unlisted: the
+# What each framework's kernels and buffers keep, as CostOptions fields (unlisted: the
 # defaults, eager PyTorch; planner.planning.framework_options applies them). Megatron-Core
 # on Transformer Engine (its default --transformer-impl) fuses norms and SwiGLU and reads
 # grouped K/V as they are; since v0.13 its experts multiply the routing probabilities
-# into their activation (experts.py, activation_func_with_probs).
+# into their activation (experts.py, activation_func_with_probs); in fp8 its GEMMs keep
+# their fp8 inputs for backward (Transformer Engine's Linear); its gradients
+# accumulate in a main_grad buffer of the reduction's dtype (bf16 under
+# --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers).
 KERNELS: dict[Framework, dict[str, bool]] = {
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
+        "fp8_saved_inputs": True, "grads_in_reduce_dtype": True,
     },
 }  # fmt: skip
 
@@ -219,6 +224,22 @@ def expert_tensor_parallel_refusal(target: Target, *, ep: int, etp: int, tp: int
     )
 
 
+def compressed_experts_refusal(target: Target, *, ep: int, kind: CompressionKind) -> Refusal | None:
+    """Why ``target`` cannot reduce expert gradients (``ep > 1``) with compression
+    ``kind``, or ``None``: this planner's runtime reduces them as they are; Megatron-Core
+    reduces them in its main_grad buffer's dtype, as it does the dense ones (torchtitan
+    reduces in fp32 only, DeepSpeed exports no EP: their own rules say so)."""
+    if ep == 1 or not kind.lossy or target.framework is not Framework.PLANNER:
+        return None
+    return Refusal(
+        "strategy.compression.kind",
+        kind,
+        f"with ep({ep}) > 1, this planner's expert-parallel runtime reduces the expert "
+        "gradients uncompressed",
+        "use compression 'none' or ep = 1, or target megatron (bf16 reduction)",
+    )
+
+
 def _expert_tensor_parallel(
     target: Target, strategy: Strategy, training: Training
 ) -> Refusal | None:
@@ -323,6 +344,10 @@ def training_refusal(target: Target, training: Training) -> Refusal | None:
 
 def _kept_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
     return training_refusal(target, training)
+
+
+def _uncompressed_experts(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
+    return compressed_experts_refusal(target, ep=strategy.ep, kind=strategy.compression.kind)
 
 
 # Rules every foreign framework shares.
@@ -635,6 +660,7 @@ _COMMON: tuple[Rule, ...] = (_hook_compression, _uniform_recompute)
 _RULES: dict[Framework, tuple[Rule, ...]] = {
     Framework.PLANNER: (  # strategies.apply asks
         _kept_precision, _experts_beside_sequence_parallel, _expert_tensor_parallel,
+        _uncompressed_experts,
     ),
     Framework.TORCHTITAN: (
         *_COMMON, _torchtitan_data_parallel, _torchtitan_precision, _torchtitan_tensor_parallel,

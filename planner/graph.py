@@ -31,12 +31,15 @@ class OpKind(StrEnum):
 
 
 class OpRole(StrEnum):
-    """What an operator does in a mixture-of-experts layer ("" elsewhere)."""
+    """What an operator does in a mixture-of-experts layer or a latent attention ("" elsewhere)."""
 
     NONE = ""
     ROUTER = "router"  # scores tokens against experts and picks top_k
     EXPERTS = "experts"  # routed experts: grouped GEMMs over [experts, ...] weights
     SHARED_EXPERTS = "shared_experts"  # experts every token passes through
+    # latent attention's up-projections with their norms, rotary and joined queries/keys:
+    # what Megatron-Core's mla_up_proj recompute runs again (formula graphs)
+    LATENT_UP = "latent_up"
 
 
 @dataclass(frozen=True)

@@ -205,12 +205,6 @@ class ParallelDims:
         """
         if kind is CompressionKind.NONE:
             return None
-        if self.ep > 1:
-            return (
-                f"compression.kind = {kind.value!r} with ep({self.ep}) > 1: expert gradients "
-                "are reduced by the expert-parallel runtime, which does not compress them; "
-                "use compression 'none' or ep = 1"
-            )
         if self.replicas == 1:
             return (
                 f"compression.kind = {kind.value!r} needs dp({self.dp}) * cp({self.cp}) > 1: there "
@@ -224,7 +218,7 @@ class ParallelDims:
                 "axis: int8 replaces FSDP2's gradient reduce-scatter; use zero >= 1, or "
                 "compression 'fp16'/'bf16' with DDP"
             )
-        if kind in (CompressionKind.FP16, CompressionKind.BF16) and self.zero >= 1:
+        if kind.half and self.zero >= 1:
             return None
         return self._ddp_hook_blocker(kind, tied=tied)
 

@@ -241,6 +241,11 @@ class CompressionKind(StrEnum):
         """Whether the option changes the gradients the optimizer sees (all but none)."""
         return self is not CompressionKind.NONE
 
+    @property
+    def half(self) -> bool:
+        """Whether gradients are reduced in a 2-byte dtype (fp16 or bf16)."""
+        return self in (CompressionKind.FP16, CompressionKind.BF16)
+
 
 class TPStyle(StrEnum):
     """What a module's tensor-parallel layout does, in Megatron's words: the name the ILP

@@ -28,7 +28,9 @@ GPT = ModelSpec(
 )
 def test_model_states_per_zero_stage(zero, per_param):
     training = Training(global_batch_size=1, optimizer=Optimizer.ADAMW, dtype=DType.BF16)
-    states = model_state_bytes(1e9, zero=zero, shard=8, training=training)
+    states = model_state_bytes(
+        1e9, zero=zero, shard=8, training=training, gradient_bytes=training.state_bytes
+    )
     assert (states.weights, states.gradients, states.optimizer) == pytest.approx(
         tuple(1e9 * b for b in per_param)
     )
@@ -36,9 +38,11 @@ def test_model_states_per_zero_stage(zero, per_param):
 
 def test_megatron_18_bytes_and_fp32_has_no_master():
     adam = Training(global_batch_size=1, optimizer=Optimizer.ADAM, dtype=DType.BF16)
-    assert model_state_bytes(1.0, zero=0, shard=1, training=adam).total == 18
+    assert model_state_bytes(1.0, zero=0, shard=1, training=adam, gradient_bytes=4).total == 18
+    # Megatron's main_grad buffer in bf16 (--grad-reduce-in-bf16): 16 bytes
+    assert model_state_bytes(1.0, zero=0, shard=1, training=adam, gradient_bytes=2).total == 16
     sgd = Training(global_batch_size=1, optimizer=Optimizer.SGD, dtype=DType.FP32)
-    fp32 = model_state_bytes(1.0, zero=0, shard=1, training=sgd)
+    fp32 = model_state_bytes(1.0, zero=0, shard=1, training=sgd, gradient_bytes=4)
     assert (fp32.weights, fp32.gradients, fp32.optimizer) == (4, 4, 4)
 
 
@@ -48,7 +52,7 @@ def test_megatron_18_bytes_and_fp32_has_no_master():
 def test_pure_bf16_keeps_every_state_in_two_bytes_and_no_master(zero, per_param):
     """torchtitan's training.dtype = "bfloat16": 8 bytes per parameter with Adam."""
     pure = Training(global_batch_size=1, dtype=DType.BF16, param_dtype=DType.BF16)
-    states = model_state_bytes(1.0, zero=zero, shard=8, training=pure)
+    states = model_state_bytes(1.0, zero=zero, shard=8, training=pure, gradient_bytes=2)
     assert (states.weights, states.gradients, states.optimizer) == pytest.approx(per_param)
 
 

@@ -4,7 +4,7 @@ Formula graphs default to the zoo's eager PyTorch (as traced); ``Kernels`` (from
 cost options ``fused_norm_swiglu``, ``gqa_native``, ``moe_probs_in_activation``) give
 Megatron-Core's: fused norms and SwiGLU, grouped K/V read as they are, routing
 probabilities applied in the experts' activation. ``selective="modules"`` recomputes
-Megatron's ``--recompute-modules`` (core_attn, layernorm, moe_act).
+Megatron's ``--recompute-modules`` (core_attn, layernorm, moe_act, mla_up_proj).
 """
 
 import pytest
@@ -138,7 +138,37 @@ def test_core_attn_module_is_megatrons_default_selective_recompute():
 
 def test_an_unknown_recompute_module_is_refused_naming_the_field():
     with pytest.raises(ValidationError, match="recompute_modules"):
-        CostOptions(selective="modules", recompute_modules=("mla_up_proj",))
+        CostOptions(selective="modules", recompute_modules=("moe",))
+
+
+def test_mla_up_proj_recompute_keeps_the_latents_not_queries_keys_and_values():
+    from tests.test_export import TINY_MLA as spec
+
+    graph = graph_from_spec(spec, kernels=Kernels(fused_norm_swiglu=True))
+    none, seg = _block(graph, CostOptions(), RecomputeMode.NONE)
+    up, _ = _block(graph, _modules("mla_up_proj"), RecomputeMode.SELECTIVE)
+    attention = next(n for n in seg.nodes if n.kind is OpKind.ATTENTION)
+    norms = {n.module for n in seg.nodes if n.role is OpRole.LATENT_UP and n.kind is OpKind.NORM}
+    assert norms == {"attention.q_norm", "attention.kv_norm"}
+    t = attention.gemm[1]  # tokens
+    latents = t * (spec.q_lora_rank + spec.kv_lora_rank) * E  # each norm keeps its output no more
+    assert none.activation_bytes - up.activation_bytes == pytest.approx(
+        attention.saved_bytes + latents
+    )
+    assert 0 < up.recompute_s < none.forward_s
+
+
+def test_mla_up_proj_on_a_model_without_latent_attention_is_refused():
+    from planner.cost import RunConfig
+    from planner.errors import SpecError
+
+    run = {
+        "model": {"preset": "tiny-moe"}, "cluster": {"gpu": "h100-sxm-80gb", "num_gpus": 1},
+        "training": {"global_batch_size": 1}, "strategy": {"recompute": "selective"},
+        "options": {"selective": "modules", "recompute_modules": ["mla_up_proj"]},
+    }  # fmt: skip
+    with pytest.raises(SpecError, match="recompute_modules has 'mla_up_proj'"):
+        RunConfig.from_dict(run)
 
 
 def test_a_plan_for_megatron_fits_megatrons_memory_not_eager_pytorchs():

@@ -139,6 +139,10 @@ STAGES_UNEVEN = [
     ["tok_embeddings", "layers.0"],
     ["layers.1", "layers.2", "layers.3", "norm", "output"],
 ]
+STAGES_EMBEDDING_ALONE = [  # Megatron-LM: only its layout can say so
+    ["tok_embeddings"],
+    ["layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"],
+]
 STAGES_VIRTUAL = [
     ["tok_embeddings", "layers.0", "layers.1"],
     ["layers.2"],
@@ -164,6 +168,7 @@ HAND_BUILT = [
     ("megatron", {"dp": 4, "compression": Compression(kind=CompressionKind.FP16)},
      {"dtype": DType.FP16}, None),
     ("megatron", {"pp": 2, "num_microbatches": 4}, {}, STAGES_UNEVEN),
+    ("megatron", {"pp": 2, "num_microbatches": 4}, {}, STAGES_EMBEDDING_ALONE),
     ("megatron", {"pp": 2, "virtual_stages": 2, "schedule": Schedule.INTERLEAVED_1F1B,
                   "num_microbatches": 4}, {}, STAGES_VIRTUAL),
     ("megatron", {"dp": 2, "zero": 3, "tp": 2, "sequence_parallel": True, "cp": 2,
@@ -402,8 +407,58 @@ def test_megatron_prices_its_kernels_and_its_recompute_modules() -> None:
     run = import_config(modules, cluster=GPU).run
     assert run.options.selective.value == "modules"
     assert [m.value for m in run.options.recompute_modules] == ["layernorm", "moe_act"]
-    with pytest.raises(SpecError, match=r"--recompute-modules = 'mla_up_proj mlp'.*not mla_up"):
-        import_config(modules.replace("layernorm moe_act", "mla_up_proj mlp"), cluster=GPU)
+    with pytest.raises(SpecError, match=r"--recompute-modules = 'moe_act mlp'.*not mlp"):
+        import_config(modules.replace("layernorm moe_act", "moe_act mlp"), cluster=GPU)
+
+
+def _accounting(layers: int, *extra: str) -> str:
+    """MEGATRON_SHELL with ``layers`` layers and ``extra`` pipeline arguments."""
+    return MEGATRON_SHELL.replace("--num-layers 32", f"--num-layers {layers} " + " ".join(extra))
+
+
+EMBEDDING, LOSS = (
+    "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
+)
+
+
+@pytest.mark.parametrize(
+    ("layers", "extra", "counts"),
+    [
+        # (30 + 2) / pp 2 = 16 a rank, 4 a chunk: the end chunks build one layer fewer
+        (30, (EMBEDDING, LOSS, "--num-layers-per-virtual-pipeline-stage 4"),
+         [3, 4, 4, 4, 4, 4, 4, 3]),
+        (31, (EMBEDDING,), [15, 16]),
+        (31, (LOSS,), [16, 15]),
+        # (6 + 2) / 8 chunks: the first holds the embedding alone, the last the loss alone
+        (6, (EMBEDDING, LOSS, "--num-virtual-stages-per-pipeline-rank 4"),
+         [0, 1, 1, 1, 1, 1, 1, 0]),
+    ],
+)  # fmt: skip
+def test_megatron_split_accounting_for_the_embedding_and_loss_is_read(layers, extra, counts):
+    """Qwen3-235B's Megatron-MoE-ModelZoo config accounts for both in its split."""
+    run = import_config(_accounting(layers, *extra), cluster=GPU).run
+    blocks = [sum(m.startswith("layers.") for m in chunk) for chunk in run.stages]
+    assert blocks == counts
+    assert run.stages[0][0] == "tok_embeddings" and run.stages[-1][-1] == "output"
+    assert estimate_run(run).step_time_s > 0  # chunks without a layer are priced too
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (EMBEDDING, "--decoder-first-pipeline-num-layers 10"),
+        (LOSS, "--pipeline-model-parallel-layout 'E(t)*16|(t)*16L'"),
+    ],
+)
+def test_megatron_refuses_the_accounting_beside_another_split(extra):
+    with pytest.raises(SpecError, match="beside --account-for-embedding/loss-in-pipeline-split"):
+        import_config(_accounting(32, *extra), cluster=GPU)
+
+
+def test_megatron_accounting_that_does_not_divide_is_refused():
+    with pytest.raises(SpecError, match=r"33 layers \(with the embedding and loss"):
+        import_config(_accounting(32, EMBEDDING), cluster=GPU)
 
 
 def test_megatron_needs_the_world_and_pads_the_vocabulary() -> None:

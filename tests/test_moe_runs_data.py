@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "benchmarks" / "data" / "moe_runs.csv"
 SHARED_COLUMNS = (ROOT.parent / "shared" / "data" / "published_runs.csv").resolve()
 MOE_COLUMNS = (
-    "preset", "active_params_b", "num_experts", "top_k", "etp", "param_dtype", "virtual_stages",
+    "preset", "active_params_b", "num_experts", "top_k", "etp", "param_dtype", "grad_reduce",
+    "virtual_stages", "pp_accounts",
     "gpus_per_node", "framework", "routing", "flop_convention", "source_url", "source_commit",
 )  # fmt: skip
 INTEGERS = ("layers", "hidden", "heads", "seq", "vocab", "gbs", "mbs", "n_gpus", "tp", "pp", "dp",
@@ -57,6 +58,8 @@ def test_row_is_sourced_and_numbers_parse(row):
         assert row[column] == "" or float(row[column]) > 0, column
     assert any(row[c] for c in MEASURED), "a row needs a measured step time, tokens/s or TFLOP/s"
     assert row["precision"] in ("bf16", "fp8")
+    assert row["grad_reduce"] in ("fp32", "bf16")
+    assert set(filter(None, row["pp_accounts"].split(","))) <= {"embedding", "loss"}
     assert row["row_quality"] in ("A", "A-", "B")
     assert row["dp_is_derived"] in ("yes", "no")
     if not row["measured_step_time_s"] and not row["measured_tokens_per_s_per_gpu"]:

@@ -41,6 +41,7 @@ from planner.cost.compute import ComputeModel
 from planner.cost.tp import TPAssignment
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode
+from planner.spec import CompressionKind
 
 __all__ = [
     "max_useful_rank",
@@ -58,6 +59,7 @@ __all__ = [
     "powersgd_comm_time",
     "powersgd_memory_bytes",
     "half_wire_bytes",
+    "reduce_dtype_bytes",
     "half_cast_time",
 ]
 
@@ -211,6 +213,12 @@ def powersgd_memory_bytes(
 def half_wire_bytes(reduce_bytes: int) -> int:
     """Bytes per gradient element on the wire with fp16/bf16 compression."""
     return min(reduce_bytes, HALF_BYTES)
+
+
+def reduce_dtype_bytes(kind: CompressionKind, reduce_bytes: int) -> int:
+    """Bytes of the dtype gradients are reduced in: 2 under fp16/bf16 compression, else
+    ``reduce_bytes`` (``CostOptions.grad_reduce_bytes``)."""
+    return half_wire_bytes(reduce_bytes) if kind.half else reduce_bytes
 
 
 def half_cast_time(

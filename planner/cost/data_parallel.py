@@ -44,6 +44,7 @@ from planner.cost.compression import (
     powersgd_work,
 )
 from planner.cost.compute import ComputeModel
+from planner.cost.memory import gradient_element_bytes
 from planner.cost.options import CostOptions
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
@@ -123,7 +124,9 @@ class DataParallelCost:
             return times
         times = self._reduction_times(strategy, slowest, half_wire_bytes(reduce_bytes))
         buckets = bucket_count(reduce_bytes * slowest.params, self.options.dp_bucket_bytes)
-        times["compression"] = half_cast_time(slowest.params, buckets, reduce_bytes, self.compute)
+        cast = half_cast_time(slowest.params, buckets, reduce_bytes, self.compute)
+        # a buffer kept in the reduction's dtype has nothing to cast
+        times["compression"] = 0.0 if self.options.grads_in_reduce_dtype else cast
         return times
 
     def payload_bytes(self, strategy: Strategy, params: float) -> float:
@@ -141,7 +144,7 @@ class DataParallelCost:
             return moved * element
         if kind is CompressionKind.LOCAL_SGD:
             return element * params / self._local_sgd_group(strategy)[1]
-        if kind in (CompressionKind.FP16, CompressionKind.BF16):
+        if kind.half:
             return half_wire_bytes(element) * params
         if kind is CompressionKind.INT8:  # an HSDP replica all-reduce of the shard stays exact
             shard = ParallelDims.of(strategy).zero_shard_ranks
@@ -200,11 +203,12 @@ class DataParallelCost:
         clipping), and writes a half-precision copy unless the states are pure bf16."""
         training = self.training
         kept, moments = training.state_bytes, training.moment_bytes
+        gradient = gradient_element_bytes(training, self.options, strategy.compression.kind)
         dims = ParallelDims.of(strategy)
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
         half_copy = HALF_BYTES if training.param_dtype is DType.FP32 else 0
         sharded = 2 * kept + kept + 2 * moments + half_copy
-        per_gradient = (2 if training.grad_clip else 1) * kept
+        per_gradient = (2 if training.grad_clip else 1) * gradient
         return params * (sharded / shard + per_gradient / grad_shard)
 
     @cached_property

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from planner.cost.compression import reduce_dtype_bytes
 from planner.cost.options import CostOptions
 from planner.dtypes import FP32_BYTES
 from planner.graph import OpGraph, OpKind
 from planner.parallel_dims import ParallelDims
-from planner.spec import Schedule, Strategy, Training
+from planner.spec import CompressionKind, Schedule, Strategy, Training
 
 if TYPE_CHECKING:
     from planner.cost.ranks import RankSums
@@ -48,6 +49,7 @@ __all__ = [
     "boundary_bytes",
     "head_in_flight",
     "in_flight_microbatches",
+    "gradient_element_bytes",
     "model_state_bytes",
 ]
 
@@ -73,22 +75,34 @@ class ModelStateBytes:
         return self.weights + self.gradients + self.optimizer
 
 
+def gradient_element_bytes(
+    training: Training, options: CostOptions, compression: CompressionKind
+) -> int:
+    """Bytes per gradient element as a rank keeps it: the reduction's dtype where the
+    framework accumulates into a buffer of it (``options.grads_in_reduce_dtype``), else
+    the kept parameters' (:attr:`~planner.spec.Training.state_bytes`)."""
+    if options.grads_in_reduce_dtype:
+        return reduce_dtype_bytes(compression, options.grad_reduce_bytes)
+    return training.state_bytes
+
+
 def model_state_bytes(
-    params: float, *, zero: int, shard: int, training: Training
+    params: float, *, zero: int, shard: int, training: Training, gradient_bytes: int
 ) -> ModelStateBytes:
     """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``,
     kept in ``training``'s precision (:attr:`~planner.spec.Training.state_bytes`: pure
-    bf16 keeps every state, moments included, in 2 bytes and no fp32 copy)."""
+    bf16 keeps every state, moments included, in 2 bytes and no fp32 copy), gradients in
+    ``gradient_bytes`` per element (:func:`gradient_element_bytes`)."""
     kept, moments = training.state_bytes, training.moment_bytes
     if zero >= 3:
         return ModelStateBytes(
-            kept * params / shard, kept * params / shard, moments * params / shard
+            kept * params / shard, gradient_bytes * params / shard, moments * params / shard
         )
     master = FP32_BYTES if training.master_copy else 0
     optimizer_bytes = (master + moments) * params / (shard if zero >= 1 else 1)
-    gradient_bytes = kept * params / (shard if zero >= 2 else 1)
+    gradient_total = gradient_bytes * params / (shard if zero >= 2 else 1)
     return ModelStateBytes(
-        training.dtype.activation_bytes * params, gradient_bytes, optimizer_bytes
+        training.dtype.activation_bytes * params, gradient_total, optimizer_bytes
     )
 
 
@@ -160,14 +174,18 @@ class MemoryModel:
         self, strategy: Strategy, dims: ParallelDims, params: float, shard: int
     ) -> ModelStateBytes:
         pipelined = dims.gathered_under_pipeline
+        gradient = gradient_element_bytes(self.training, self.options, strategy.compression.kind)
         states = model_state_bytes(
-            params, zero=3 if pipelined else strategy.zero, shard=shard, training=self.training
-        )
+            params, zero=3 if pipelined else strategy.zero, shard=shard, training=self.training,
+            gradient_bytes=gradient,
+        )  # fmt: skip
         if not pipelined:
             return states
+        # accumulated unsharded in the reduction's dtype (fp32 unless the buffer is kept in it)
+        accumulated = gradient if self.options.grads_in_reduce_dtype else FP32_BYTES
         return ModelStateBytes(
             states.weights + self.training.dtype.activation_bytes * params,
-            states.gradients + FP32_BYTES * params,  # accumulated in fp32 (the reduce dtype)
+            states.gradients + accumulated * params,
             states.optimizer,
         )
 

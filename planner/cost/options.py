@@ -43,6 +43,9 @@ class RecomputeModule(StrEnum):
     CORE_ATTN = "core_attn"  # the attention core
     LAYERNORM = "layernorm"  # the block's norms: each keeps only its input
     MOE_ACT = "moe_act"  # the experts' activation: the second expert GEMM's input is not kept
+    # latent attention's up-projections, norms and rotary: attention keeps no queries,
+    # keys or values (made again from the latents before its backward)
+    MLA_UP_PROJ = "mla_up_proj"
 
 
 class CostOptions(BaseModel):
@@ -69,7 +72,14 @@ class CostOptions(BaseModel):
     # attention reads K/V at their own head count (FlashAttention 2+, Transformer Engine,
     # cuDNN) instead of repeated to every query head (the zoo's eager code), on formula graphs
     gqa_native: bool = False
+    # fp8 training: a block's GEMMs keep the fp8 copy of their input for the weight
+    # gradient (Transformer Engine), not the bf16 one (torchao's Float8Linear)
+    fp8_saved_inputs: bool = False
     grad_reduce_bytes: Literal[2, 4] = 4  # bytes per gradient element in DP reductions
+    # gradients accumulate in a buffer of the reduction's dtype (Megatron-Core's main_grad:
+    # bf16 under --grad-reduce-in-bf16, param_and_grad_buffer.py); PyTorch DDP and FSDP2
+    # keep each parameter's .grad in its own dtype (fp32 under mixed precision)
+    grads_in_reduce_dtype: bool = False
     # SP backward all-gathers a linear's input again (Megatron), on zoo formula graphs;
     # traced layouts price what the DTensor runtime does (it keeps the gathered input)
     sp_regather_input: bool = True

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.cost.flops import bf16_peak_mfu
-from planner.cost.options import CostOptions, device_options
+from planner.cost.options import CostOptions, RecomputeModule, device_options
 from planner.errors import SpecError
 from planner.frameworks import KERNELS, parse_target
 from planner.hardware import load_profile
@@ -88,8 +88,13 @@ class RunConfig(BaseModel):
                 f"{source}: options.causal = {options.causal} contradicts the {model.family.value} "
                 f"model (causal = {model.causal}); leave it out, it follows the model"
             )
-        check_run(model, cluster, training, strategy)
+        if RecomputeModule.MLA_UP_PROJ in options.recompute_modules and not model.latent_attention:
+            raise SpecError(
+                f"{source}: options.recompute_modules has 'mla_up_proj' but {model.name} has no "
+                "multi-head latent attention (Megatron-LM refuses it too); drop it"
+            )
         stages = _resolve_stages(data.get("stages", []), strategy, source)
+        check_run(model, cluster, training, strategy, split=bool(stages))
         return cls(
             model=model, cluster=cluster, training=training, strategy=strategy, options=options,
             stages=stages,
@@ -173,8 +178,12 @@ def _resolve_strategy(data: dict[str, Any], training: Training, source: str) -> 
     return load_document(Strategy, fields, f"{source} strategy")
 
 
-def check_run(model: ModelSpec, cluster: Cluster, training: Training, strategy: Strategy) -> None:
-    """Raise :class:`SpecError` if the strategy cannot run this model on this cluster."""
+def check_run(
+    model: ModelSpec, cluster: Cluster, training: Training, strategy: Strategy,
+    *, split: bool = False,
+) -> None:  # fmt: skip
+    """Raise :class:`SpecError` if the strategy cannot run this model on this cluster
+    (``split``: with a given stage split, whose chunks may hold only the embedding or head)."""
     s = strategy
     if s.world_size != cluster.num_gpus:
         raise SpecError(
@@ -193,10 +202,14 @@ def check_run(model: ModelSpec, cluster: Cluster, training: Training, strategy: 
     ) or dims.sequence_blocker(model.seq_len)
     if blocker is not None:
         raise SpecError(blocker)
-    if s.num_stages > model.num_layers:
+    # a given stage split may hold the embedding and the head in chunks of their own
+    chunks = model.num_layers + (2 if split else 0)
+    if s.num_stages > chunks:
         raise SpecError(
             f"pp({s.pp}) * virtual_stages({s.virtual_stages}) = {s.num_stages} model chunks "
-            f"but the model has {model.num_layers} layers: use fewer pipeline stages"
+            f"but the model has {model.num_layers} layers"
+            + (" (and the embedding and head chunks)" if split else "")
+            + ": use fewer pipeline stages"
         )
 
 

@@ -315,6 +315,8 @@ def _module_recompute_nodes(
         again |= _block_norms(nodes)
     if RecomputeModule.MOE_ACT in modules:
         again |= _expert_activation(nodes)[0]
+    if RecomputeModule.MLA_UP_PROJ in modules:
+        again |= _latent_up(nodes)
     return again
 
 
@@ -326,14 +328,33 @@ def _module_recompute_kept(
     expert activation keeps no input (the activation's output is made again)."""
     kept = list(nodes)
     if RecomputeModule.LAYERNORM in modules:
-        by_module: dict[str, list[int]] = {}
-        for i in sorted(_block_norms(nodes)):
-            by_module.setdefault(nodes[i].module, []).append(i)
-        for run in by_module.values():
-            for i in run:
-                kept[i] = replace(nodes[i], saved_bytes=0.0)
-            kept[run[0]] = replace(nodes[run[0]], saved_bytes=nodes[run[0]].input_bytes)
+        _keep_norm_inputs(nodes, _block_norms(nodes), kept)
     if RecomputeModule.MOE_ACT in modules:
         for i in _expert_activation(nodes)[1]:
             kept[i] = replace(nodes[i], saved_bytes=0.0)
+    if RecomputeModule.MLA_UP_PROJ in modules:
+        up = _latent_up(nodes)
+        for i in up:
+            kept[i] = replace(nodes[i], saved_bytes=0.0)
+        _keep_norm_inputs(nodes, {i for i in up if nodes[i].kind is OpKind.NORM}, kept)
+        for i, node in enumerate(nodes):  # queries, keys and values are made again
+            if node.kind is OpKind.ATTENTION:
+                kept[i] = replace(node, saved_bytes=0.0)
     return kept
+
+
+def _keep_norm_inputs(nodes: Sequence[OpNode], norms: set[int], kept: list[OpNode]) -> None:
+    """Recomputed norms in ``kept``: each norm module keeps only its input (the
+    checkpoint's), its other operators nothing."""
+    by_module: dict[str, list[int]] = {}
+    for i in sorted(norms):
+        by_module.setdefault(nodes[i].module, []).append(i)
+    for run in by_module.values():
+        for i in run:
+            kept[i] = replace(nodes[i], saved_bytes=0.0)
+        kept[run[0]] = replace(nodes[run[0]], saved_bytes=nodes[run[0]].input_bytes)
+
+
+def _latent_up(nodes: Sequence[OpNode]) -> set[int]:
+    """Latent attention's up-projections, their norms and rotary (``OpRole.LATENT_UP``)."""
+    return {i for i, n in enumerate(nodes) if n.role is OpRole.LATENT_UP}

@@ -31,7 +31,7 @@ it keeps follows the norm's rule.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
@@ -55,12 +55,17 @@ class Kernels:
     Engine, cuDNN); eager code repeats them to every query head first.
     ``moe_probs_in_activation``: the routing probabilities multiply the experts' activation
     (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
-    weight the experts' outputs, which the product keeps.
+    weight the experts' outputs, which the product keeps. ``fp8_saved_inputs``: in fp8
+    training a block's GEMMs keep their input for the weight gradient as the fp8 copy
+    they multiplied, 1 byte (Transformer Engine's Linear, LayerNormLinear and
+    GroupedLinear), where torchao's Float8Linear keeps the bf16 input; the output
+    layer stays in bf16.
     """
 
     fused_norm_swiglu: bool = False
     gqa_native: bool = False
     moe_probs_in_activation: bool = False
+    fp8_saved_inputs: bool = False
 
 
 EAGER = Kernels()
@@ -73,6 +78,8 @@ class _Builder:
         self.e = element_bytes
         self.t = tokens
         self.kernels = kernels
+        # bytes per element of a GEMM's input kept for its weight gradient
+        self.gemm_saved = ELEMENT_BYTES["fp8"] if kernels.fp8_saved_inputs else element_bytes
         self.nodes: list[OpNode] = []
         self.role = OpRole.NONE  # the role of the nodes added next
 
@@ -93,7 +100,7 @@ class _Builder:
             flops_fwd=2.0 * t * out_f * in_f, flops_bwd=4.0 * t * out_f * in_f,
             bytes_read=float(t * in_f * e + params * e), bytes_written=float(t * out_f * e),
             param_count=params, param_bytes=float(params * e),
-            saved_bytes=float(t * in_f * e) if saved_input else 0.0,
+            saved_bytes=float(t * in_f * self.gemm_saved) if saved_input else 0.0,
             gemm=(1, t, out_f, in_f),
         )  # fmt: skip
 
@@ -166,7 +173,7 @@ class _Builder:
             flops_fwd=flops, flops_bwd=2 * flops,
             bytes_read=float((params + experts * k * n) * e),
             bytes_written=float(experts * m * n * e), param_count=params,
-            param_bytes=float(params * e), saved_bytes=float(experts * k * n * e),
+            param_bytes=float(params * e), saved_bytes=float(experts * k * n * self.gemm_saved),
             gemm=(experts, m, n, k),
         )  # fmt: skip
 
@@ -200,15 +207,17 @@ _ROTARY = (
 def _norm(b: _Builder, module: str, spec: ModelSpec, h: int, params: int | None = None) -> None:
     """A norm over ``h`` features a token (``params`` weights, default ``h``: fewer for
     per-head norms). LayerNorm, and RMSNorm with fused kernels, is one kernel keeping
-    input and output (Korthikanti: 2+2 bytes per element); eager RMSNorm also keeps its
-    fp32 upcast and normalised value (4+2+2)."""
+    input and output (Korthikanti: 2+2 bytes per element; the output as the next GEMM
+    keeps it, :class:`Kernels`); eager RMSNorm also keeps its fp32 upcast and
+    normalised value (4+2+2)."""
     scale = b.e / HALF_BYTES
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
         # input and output; eager also the fp32 upcast and the normalised value
-        kept = 2 * HALF_BYTES if b.kernels.fused_norm_swiglu else FP32_BYTES + 2 * HALF_BYTES
+        fused = b.e + b.gemm_saved
+        kept = fused if b.kernels.fused_norm_swiglu else (FP32_BYTES + 2 * HALF_BYTES) * scale
         weights = h if params is None else params
-        b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept * scale, params=weights)
+        b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept, params=weights)
     else:
         b.chain(module, OpKind.NORM, h, (("layer_norm", b.e, b.e),), 2.0 * b.e, params=2 * h)
 
@@ -250,17 +259,22 @@ def _latent_attention(b: _Builder, spec: ModelSpec, seq: int) -> None:
     nope, rope = spec.qk_nope_head_dim or 0, spec.qk_rope_head_dim or 0
     v_dim, kv_rank, qk = spec.v_head_dim or 0, spec.kv_lora_rank or 0, nope + rope
     if spec.q_lora_rank is None:
+        b.role = OpRole.LATENT_UP  # Megatron projects queries from the hidden state there
         b.linear("attention.wq", heads * qk, h, False, saved_input=False)
     else:
         b.linear("attention.wq_a", spec.q_lora_rank, h, False, saved_input=False)
+        b.role = OpRole.LATENT_UP
         _norm(b, "attention.q_norm", spec, spec.q_lora_rank)
         b.linear("attention.wq_b", heads * qk, spec.q_lora_rank, False, saved_input=False)
+    b.role = OpRole.NONE
     b.linear("attention.wkv_a", kv_rank + rope, h, False, saved_input=False)
+    b.role = OpRole.LATENT_UP
     _rotary(b, (heads + 1) * rope)  # every query head's rotary part and the shared key's
     _norm(b, "attention.kv_norm", spec, kv_rank)
     b.linear("attention.wkv_b", heads * (nope + v_dim), kv_rank, False, saved_input=False)
     # queries and keys: no-position and rotary parts joined (the shared key to every head)
     b.chain("attention", OpKind.ELEMENTWISE, 2 * heads * qk, (("cat_qk", e, e),), 0.0)
+    b.role = OpRole.NONE
     b.attention(heads, seq, qk, v_dim)
     b.chain("attention", OpKind.ELEMENTWISE, heads * v_dim, (("merge_heads", e, e),), 0.0)
     b.linear("attention.wo", h, heads * v_dim, False, saved_input=True)
@@ -355,7 +369,7 @@ def _embedding(spec: ModelSpec, seq: int, e: int, dropout: bool) -> SegmentType:
 
 
 def _head(spec: ModelSpec, seq: int, e: int, kernels: Kernels) -> SegmentType:
-    b = _Builder(e, seq, kernels)
+    b = _Builder(e, seq, replace(kernels, fp8_saved_inputs=False))  # the output layer: bf16
     h, v = spec.hidden_size, spec.vocab_size
     _norm(b, "norm", spec, h)
     b.linear("output", v, h, bias=False, saved_input=False)
@@ -376,6 +390,8 @@ def graph_from_spec(
     keeping for backward what ``kernels`` keep."""
     seq = seq_len or spec.seq_len
     e = dtype.activation_bytes
+    if dtype is not DType.FP8:
+        kernels = replace(kernels, fp8_saved_inputs=False)
     layer_types = [_MOE_BLOCK if spec.is_moe_layer(i) else "block" for i in range(spec.num_layers)]
     types = {"embedding": _embedding(spec, seq, e, dropout)}
     for type_id in dict.fromkeys(layer_types):

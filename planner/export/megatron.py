@@ -135,7 +135,8 @@ def _pipeline_args(plan: Plan) -> list[Arg]:
         if strategy.virtual_stages == 1:
             return []
         return [("--num-layers-per-virtual-pipeline-stage", str(counts[0]))]
-    if strategy.virtual_stages == 1 and len(set(counts[1:-1])) <= 1:
+    # a chunk without layers (the embedding or head alone) only the layout can say
+    if strategy.virtual_stages == 1 and len(set(counts[1:-1])) <= 1 and min(counts) > 0:
         return [
             ("--decoder-first-pipeline-num-layers", str(counts[0])),
             ("--decoder-last-pipeline-num-layers", str(counts[-1])),

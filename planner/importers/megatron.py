@@ -64,7 +64,7 @@ from planner.spec import (
     load_document,
 )
 
-__all__ = ["FORMAT", "read_megatron"]
+__all__ = ["FORMAT", "even_split", "read_megatron"]
 
 FORMAT = "megatron"
 # Megatron-LM's store_true options that the importer reads or refuses (they take no value).
@@ -89,8 +89,6 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                        "are not priced"),
     "--mtp-num-layers": ((None, "0"), "multi-token prediction layers are not priced"),
     "--rampup-batch-size": ((None,), "the planner prices one batch size per step"),
-    "--account-for-embedding-in-pipeline-split": ((None,), "this stage split is not read"),
-    "--account-for-loss-in-pipeline-split": ((None,), "this stage split is not read"),
     "--fp8-param-gather": ((None,), "fp8 weight gathers are not priced"),
     "--moe-expert-capacity-factor": ((None,), "the planner's experts are dropless (every routed "
                                      "token computed); a capacity factor drops tokens"),
@@ -388,15 +386,24 @@ def _pipeline(settings: Settings, layers: int, pp: int) -> tuple[list[int], int]
     if pp == 1:
         return [layers], 1
     layout = settings.get("--pipeline-model-parallel-layout")
+    accounted = _accounted(settings)
     if layout is not None:
+        if any(accounted):
+            raise _layout_conflict(settings, "--pipeline-model-parallel-layout")
         counts = _layout(settings, str(layout))
     elif "--num-layers-per-virtual-pipeline-stage" in settings:
         per_chunk = settings.integer("--num-layers-per-virtual-pipeline-stage", 1)
-        counts = _even(settings, layers, layers // per_chunk if layers % per_chunk == 0 else 0)
+        total = layers + sum(accounted)
+        counts = _even(settings, layers, total // per_chunk if total % per_chunk == 0 else 0)
     elif "--num-virtual-stages-per-pipeline-rank" in settings:
         counts = _even(
             settings, layers, pp * settings.integer("--num-virtual-stages-per-pipeline-rank", 1)
         )
+    elif any(accounted):
+        for option in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+            if option in settings:
+                raise _layout_conflict(settings, option)
+        counts = _even(settings, layers, pp)
     else:
         counts = _first_last(settings, layers, pp)
     if len(counts) % pp or sum(counts) != layers:
@@ -408,14 +415,54 @@ def _pipeline(settings: Settings, layers: int, pp: int) -> tuple[list[int], int]
     return counts, len(counts) // pp
 
 
+def _accounted(settings: Settings) -> tuple[int, int]:
+    """Whether the embedding and the loss count as a layer each in the pipeline split
+    (``--account-for-embedding-in-pipeline-split``, ``--account-for-loss-in-pipeline-split``)."""
+    return (
+        int(settings.flag("--account-for-embedding-in-pipeline-split")),
+        int(settings.flag("--account-for-loss-in-pipeline-split")),
+    )
+
+
+def _layout_conflict(settings: Settings, option: str) -> SpecError:
+    return settings.refuse(
+        option, settings.get(option),
+        "Megatron-LM refuses it beside --account-for-embedding/loss-in-pipeline-split "
+        "(transformer_config.py)",
+        "drop one of them",
+    )  # fmt: skip
+
+
 def _even(settings: Settings, layers: int, chunks: int) -> list[int]:
-    if chunks == 0 or layers % chunks:
+    """Megatron's even split (transformer_block.py, get_num_layers_to_build): the layers,
+    plus the embedding and the loss where the split accounts for them, evenly over the
+    chunks; the first chunk then builds one layer fewer for the embedding, the last one
+    fewer for the loss."""
+    embedding, loss = _accounted(settings)
+    counts = even_split(layers, chunks, embedding=bool(embedding), loss=bool(loss))
+    if counts is None:
+        total = layers + embedding + loss
+        accounting = " (with the embedding and loss the split accounts for)" * (embedding or loss)
         raise SpecError(
-            f"cannot read {settings.source}: {layers} layers do not split evenly into the "
-            f"virtual pipeline's chunks ({chunks or 'a fraction'}); check "
-            "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank"
+            f"cannot read {settings.source}: {total} layers{accounting} do not split evenly "
+            f"into the pipeline's chunks ({chunks or 'a fraction'}); check --num-layers, "
+            "--pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank"
         )
-    return [layers // chunks] * chunks
+    return counts
+
+
+def even_split(layers: int, chunks: int, *, embedding: bool, loss: bool) -> list[int] | None:
+    """Layers per model chunk (pipeline order) of Megatron's even split, the embedding
+    and the loss counted as a layer each where ``embedding``/``loss``; ``None`` when
+    they do not divide evenly."""
+    total = layers + embedding + loss
+    if chunks == 0 or total % chunks or total // chunks < max(embedding, loss):
+        return None
+    counts = [total // chunks] * chunks
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts
 
 
 def _first_last(settings: Settings, layers: int, pp: int) -> list[int]:

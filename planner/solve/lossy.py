@@ -116,7 +116,7 @@ class LossyCompression:
 
     def allows(self, compression: Compression) -> bool:
         kind = compression.kind
-        if kind in (CompressionKind.FP16, CompressionKind.BF16):
+        if kind.half:
             return self.half
         if kind is CompressionKind.INT8:
             return self.int8
@@ -276,7 +276,7 @@ def tradeoff(model: CostModel, strategy: Strategy) -> str:
 
 def _fidelity(compression: Compression) -> str:
     kind = compression.kind
-    if kind in (CompressionKind.FP16, CompressionKind.BF16):
+    if kind.half:
         mantissa = 10 if kind is CompressionKind.FP16 else 7
         return (
             f"gradients are summed in {kind.value} ({mantissa}-bit mantissa): small "

@@ -59,12 +59,13 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 from planner.cost import CostModel
-from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.cost.memory import gradient_element_bytes, in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
 from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
     PLANNER,
     Target,
+    compressed_experts_refusal,
     expert_tensor_parallel_refusal,
     experts_beside_sequence_parallel_refusal,
     strategy_refusal,
@@ -80,6 +81,7 @@ from planner.solve.lossy import (
 )
 from planner.spec import (
     Compression,
+    CompressionKind,
     Prediction,
     RecomputeMode,
     Schedule,
@@ -615,20 +617,30 @@ class _Space:
         tied = not self.limits.ddp_over_tp
         if pinned is not None:
             dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=shard, ep=ep)
-            blocker = compression_blocker(pinned, dims, tied=tied)
+            refusal = compressed_experts_refusal(self.target, ep=ep, kind=pinned.kind)
+            blocker = compression_blocker(pinned, dims, tied=tied) or (
+                refusal.describe() if refusal is not None else None
+            )
             if blocker is None:
                 yield encode(pinned)
             elif self.compression_blocked is None:  # the first: ZeRO-0 (DDP hooks) comes first
                 self.compression_blocked = blocker
             return
-        yield from self.lossy.keys(
+        for key in self.lossy.keys(
             self.cluster, self.training.dtype, dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
             dp_shard=shard, ddp_over_tp=not tied, ep=ep,
-        )  # fmt: skip
+        ):  # fmt: skip
+            kind = CompressionKind(key[0])
+            if compressed_experts_refusal(self.target, ep=ep, kind=kind) is None:
+                yield key
 
     def _state_bytes_per_param(self, zero: int, shard: int) -> float:
-        """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero``."""
-        return model_state_bytes(1.0, zero=zero, shard=shard, training=self.training).total
+        """Weights, gradients and optimizer bytes per parameter under ZeRO ``zero`` (the
+        gradients at their least: as a half-precision reduction would keep them)."""
+        least = gradient_element_bytes(self.training, self.model.options, CompressionKind.BF16)
+        return model_state_bytes(
+            1.0, zero=zero, shard=shard, training=self.training, gradient_bytes=least
+        ).total
 
     @staticmethod
     def _in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
