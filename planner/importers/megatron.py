@@ -394,16 +394,17 @@ def _pipeline(settings: Settings, layers: int, pp: int) -> tuple[list[int], int]
     elif "--num-layers-per-virtual-pipeline-stage" in settings:
         per_chunk = settings.integer("--num-layers-per-virtual-pipeline-stage", 1)
         total = layers + sum(accounted)
-        counts = _even(settings, layers, total // per_chunk if total % per_chunk == 0 else 0)
-    elif "--num-virtual-stages-per-pipeline-rank" in settings:
         counts = _even(
-            settings, layers, pp * settings.integer("--num-virtual-stages-per-pipeline-rank", 1)
+            settings, layers, total // per_chunk if total % per_chunk == 0 else 0, accounted
         )
+    elif "--num-virtual-stages-per-pipeline-rank" in settings:
+        chunks = pp * settings.integer("--num-virtual-stages-per-pipeline-rank", 1)
+        counts = _even(settings, layers, chunks, accounted)
     elif any(accounted):
         for option in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
             if option in settings:
                 raise _layout_conflict(settings, option)
-        counts = _even(settings, layers, pp)
+        counts = _even(settings, layers, pp, accounted)
     else:
         counts = _first_last(settings, layers, pp)
     if len(counts) % pp or sum(counts) != layers:
@@ -433,12 +434,12 @@ def _layout_conflict(settings: Settings, option: str) -> SpecError:
     )  # fmt: skip
 
 
-def _even(settings: Settings, layers: int, chunks: int) -> list[int]:
+def _even(settings: Settings, layers: int, chunks: int, accounted: tuple[int, int]) -> list[int]:
     """Megatron's even split (transformer_block.py, get_num_layers_to_build): the layers,
     plus the embedding and the loss where the split accounts for them, evenly over the
     chunks; the first chunk then builds one layer fewer for the embedding, the last one
     fewer for the loss."""
-    embedding, loss = _accounted(settings)
+    embedding, loss = accounted
     counts = even_split(layers, chunks, embedding=bool(embedding), loss=bool(loss))
     if counts is None:
         total = layers + embedding + loss
