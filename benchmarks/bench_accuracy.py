@@ -480,6 +480,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         options["ep_overlap"] = True
     if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher
         options["ep_dedup"] = True
+    if row["routing"] == "fake balanced gate":  # AutoModel's FakeBalancedGate
+        options["expert_choice"] = "contiguous"
     config: dict[str, Any] = {
         "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from planner.cost.build import build_cost_model, spec_graph
-from planner.cost.experts import alltoall_bytes, expert_tradeoff
-from planner.cost.options import CostOptions
+from planner.cost.communication import Collective, alltoall_time, collective_time, link_for_axis
+from planner.cost.experts import alltoall_bytes, ep_comm, expert_tradeoff, groups_hit
+from planner.cost.options import CostOptions, ExpertChoice
 from planner.cost.tp import ShardKey
 from planner.errors import SpecError
 from planner.parallel_dims import ParallelDims
@@ -84,6 +88,79 @@ def test_ep_group_crossing_nodes_costs_more() -> None:
     small = qwen.estimate(Strategy(dp=64, zero=1, ep=8, micro_batch_size=1, num_microbatches=4))
     large = qwen.estimate(Strategy(dp=64, zero=1, ep=32, micro_batch_size=1, num_microbatches=4))
     assert large.breakdown_s["comm_ep"] > small.breakdown_s["comm_ep"]
+
+
+def _hit_by_draws(experts: int, k: int, group: int, draws: int = 20000) -> float:
+    rng = random.Random(0)
+    hits = [len({e // group for e in rng.sample(range(experts), k)}) for _ in range(draws)]
+    return sum(hits) / draws
+
+
+@pytest.mark.parametrize(
+    ("experts", "k", "group"), [(256, 8, 4), (256, 8, 32), (128, 8, 16), (8, 2, 1)]
+)
+def test_random_choice_hits_groups_as_random_draws_do(experts: int, k: int, group: int) -> None:
+    expected = groups_hit(experts, k, group, ExpertChoice.RANDOM)
+    assert expected == pytest.approx(_hit_by_draws(experts, k, group), rel=0.02)
+
+
+def test_contiguous_choice_is_automodels_fake_gate() -> None:
+    """FakeBalancedGate: token t takes experts t*k .. t*k + k - 1 (mod E); averaged over
+    the tokens of a sequence."""
+
+    def by_tokens(experts: int, k: int, group: int) -> float:
+        tokens = range(4096)
+        return sum(len({(t * k + i) % experts // group for i in range(k)}) for t in tokens) / 4096
+
+    for experts, k, group in [(256, 8, 4), (256, 8, 32), (128, 8, 16), (60, 4, 8), (64, 6, 8)]:
+        expected = groups_hit(experts, k, group, ExpertChoice.CONTIGUOUS)
+        assert expected == pytest.approx(by_tokens(experts, k, group), rel=0.01)
+    assert groups_hit(256, 8, 32, ExpertChoice.CONTIGUOUS) == 1  # DeepSeek-V3 on 8 nodes
+
+
+def _moe(spec: ModelSpec, gpus: int, **options: object):
+    model = _model(spec, gpus, gpus, **options)
+    return model, next(t for t in model.graph.types.values() if t.num_experts)
+
+
+def test_dedup_sends_each_token_once_per_rank_within_a_node() -> None:
+    """Within a node DeepEP sends a token to every rank holding one of its experts once;
+    torch's all_to_all sends each of its top_k pairs."""
+    spec = get_preset("qwen3-30b-a3b")  # 128 experts, top 8: 16 a rank at ep 8
+    key = ShardKey(1, 1, False, 1, 8)
+    model, moe = _moe(spec, 8)
+    links = model._pricer.links
+    token = spec.seq_len * spec.hidden_size * 2  # bf16 bytes of the micro-batch's tokens
+    link = link_for_axis(8, 1, model.cluster, model.profile)
+    for choice in ExpertChoice:
+        ranks = groups_hit(128, 8, 16, choice)
+        sent = collective_time(Collective.ALL_TO_ALL, token * ranks, 8, link)
+        dedup = ep_comm(moe, key, 2, links, 1.0, dedup=True, choice=choice)
+        assert dedup.forward_s == pytest.approx(2 * sent)  # dispatch and combine
+    plain = ep_comm(moe, key, 2, links, 1.0)
+    assert plain.forward_s == pytest.approx(
+        2 * collective_time(Collective.ALL_TO_ALL, token * 8, 8, link)
+    )
+
+
+def test_dedup_crosses_the_network_once_per_node() -> None:
+    """Across nodes the NIC carries a token once per other node it is bound for; with
+    AutoModel's fake gate DeepSeek-V3's 8 experts lie on one node (EP 64, 8 nodes)."""
+    spec = get_preset("deepseek-v3")
+    model, moe = _moe(spec, 64)
+    token = spec.seq_len * spec.hidden_size * 2
+    cluster, profile = model.cluster, model.profile
+    key = ShardKey(1, 1, False, 1, 64)
+    for choice, other_nodes in [
+        (ExpertChoice.RANDOM, 7 * (1 - math.comb(224, 8) / math.comb(256, 8))),
+        (ExpertChoice.CONTIGUOUS, 7 / 8),
+    ]:
+        dedup = ep_comm(moe, key, 2, model._pricer.links, 1.0, dedup=True, choice=choice)
+        nic = profile.links.inter_node
+        remote_s = token * other_nodes / (nic.bandwidth_GBps * 1e9 * nic.busbw_efficiency)
+        assert dedup.forward_s == pytest.approx(2 * (remote_s + nic.latency_us * 1e-6), rel=1e-6)
+        assert dedup.forward_s < ep_comm(moe, key, 2, model._pricer.links, 1.0).forward_s
+    assert alltoall_time(0.0, 64, cluster, profile) == 0.0
 
 
 def test_expert_blocker_names_the_fix() -> None:

@@ -140,24 +140,25 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
 
 def alltoall_time(
     size_bytes: float, n: int, cluster: Cluster, profile: HardwareProfile,
-    remote_bytes: float | None = None, *, stride: int = 1,
+    sent: tuple[float, float] | None = None, *, stride: int = 1,
 ) -> float:  # fmt: skip
     """An all-to-all of ``size_bytes`` per rank over ``n`` ranks ``stride`` apart (each
-    sends ``1/n`` of it to every other). Within a node it is :func:`collective_time` on
-    the scale-up link; across nodes the share bound for other nodes (``remote_bytes``,
-    default ``size_bytes * (n - members per node) / n``) leaves through the rank's own
-    NIC (no sharing: every rank sends at once) while the rest crosses the scale-up link,
-    and the slower part decides."""
+    sends ``1/n`` of it to every other). ``sent``: the (scale-up, network) bytes a rank
+    really sends where a dispatcher deduplicates (default: ``size_bytes`` spread evenly,
+    ``(members per node - 1) / n`` of it to its own node's ranks, the rest to other
+    nodes). The network share leaves through the rank's own NIC (no sharing: every rank
+    sends at once) while the rest crosses the scale-up link, and the slower part decides."""
     per_node = min(members_per_node(cluster, stride), n)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    local, remote = sent or (size_bytes * (per_node - 1) / n, size_bytes * (n - per_node) / n)
     intra = _intra(cluster, profile)
+    local_s = local / intra.busbw_for(Collective.ALL_TO_ALL)
     if per_node == n:
-        return collective_time(Collective.ALL_TO_ALL, size_bytes, n, intra)
+        return intra.call_s + latency_steps(Collective.ALL_TO_ALL, n) * intra.latency_s + local_s
     inter = _inter(cluster, profile, 1)
-    if remote_bytes is None:
-        remote_bytes = size_bytes * (n - per_node) / n
-    local = size_bytes * (per_node - 1) / n / intra.busbw_for(Collective.ALL_TO_ALL)
-    remote = remote_bytes / inter.busbw_for(Collective.ALL_TO_ALL)
-    return inter.call_s + inter.latency_s + max(local, remote)
+    remote_s = remote / inter.busbw_for(Collective.ALL_TO_ALL)
+    return inter.call_s + inter.latency_s + max(local_s, remote_s)
 
 
 def members_per_node(cluster: Cluster, stride: int) -> int:

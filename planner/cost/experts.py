@@ -20,8 +20,11 @@ then moves:
   forward and in backward; the first expert GEMM keeps the gathered rows, ``etp`` times
   its input at ``etp = 1`` (the GEMMs' work per rank is unchanged: ``etp`` times the
   rows on ``1 / etp`` of the width).
-- with ``ep_dedup`` (DeepEP, Megatron-Core's flex dispatcher) a token crosses the
-  network once per other node holding one of its experts, not once per expert.
+- with ``ep_dedup`` (DeepEP, Megatron-Core's flex dispatcher) a token goes once to each
+  rank holding one of its experts, not once per expert, and crosses the network once
+  per other node, forwarded there over the scale-up link to the ranks it is bound for;
+  how many ranks and nodes that is depends on which experts tokens take
+  (``expert_choice``: drawn evenly, or contiguous as NeMo AutoModel's fake gate).
 - with ``tp > 1`` and no sequence parallelism (this runtime's layout): the layer's
   tokens are replicated over ``tp`` and split there, so an all-gather of its output
   over ``tp`` in forward and of its input gradient in backward (``tokens * hidden``
@@ -47,10 +50,11 @@ from planner.cost.communication import (
     link_for_axis,
     members_per_node,
 )
+from planner.cost.options import ExpertChoice
 from planner.cost.tp import SegmentTP, ShardKey
 from planner.errors import SpecError
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, SegmentType
-from planner.spec import Axis, Strategy
+from planner.spec import Axis, Cluster, Strategy
 
 if TYPE_CHECKING:
     from planner.cost.model import CostModel
@@ -61,6 +65,7 @@ __all__ = [
     "expert_layout",
     "expert_tradeoff",
     "ep_comm",
+    "groups_hit",
     "held_expert_params",
     "rank_local",
     "routed_elements",
@@ -148,18 +153,18 @@ class EPComm:
 
 def ep_comm(
     seg_type: SegmentType, key: ShardKey, element_bytes: int, links: MeshLinks,
-    imbalance: float, *, dedup: bool = False,
+    imbalance: float, *, dedup: bool = False, choice: ExpertChoice = ExpertChoice.RANDOM,
 ) -> EPComm:  # fmt: skip
     """The dispatch/combine all-to-alls, the expert-tensor-parallel gather and scatter
-    and the tp gathers of ``seg_type`` at ``key`` (``dedup``: a token crosses the network
-    once per node it is bound for)."""
+    and the tp gathers of ``seg_type`` at ``key`` (``dedup``: a token goes once to each
+    rank and node it is bound for, which ``choice`` decides)."""
     if key.ep == 1 or not seg_type.num_experts:
         return EPComm(0.0, 0.0)
     dims = key.dims
     pairs = routed_elements(seg_type, key) * element_bytes
-    remote = _deduplicated_remote(seg_type, key, pairs, links) if dedup else None
     cluster, profile = links.cluster, links.profile
-    alltoall = alltoall_time(pairs, key.ep, cluster, profile, remote, stride=key.etp)
+    sent = _deduplicated(seg_type, key, pairs, cluster, choice) if dedup else None
+    alltoall = alltoall_time(pairs, key.ep, cluster, profile, sent, stride=key.etp)
     exchanged = 2 * imbalance * alltoall
     if key.etp > 1:
         etp_link = link_for_axis(key.etp, 1, cluster, profile)
@@ -174,19 +179,36 @@ def ep_comm(
     return EPComm(exchanged + gather, exchanged + gather)
 
 
-def _deduplicated_remote(
-    seg_type: SegmentType, key: ShardKey, pairs_bytes: float, links: MeshLinks
-) -> float:
-    """Bytes a rank sends to other nodes when each token goes once to every node holding
-    one of its ``top_k`` experts (DeepEP, Megatron-Core's flex dispatcher): the expected
-    number of other nodes hit by ``top_k`` experts drawn evenly without replacement."""
-    per_node = min(members_per_node(links.cluster, key.etp), key.ep)  # EP ranks on one node
+def groups_hit(num_experts: int, top_k: int, group_experts: int, choice: ExpertChoice) -> float:
+    """Expected number of groups of ``group_experts`` consecutive experts (a rank's, a
+    node's) holding at least one of a token's ``top_k`` experts."""
+    if choice is ExpertChoice.RANDOM:
+        missed = math.comb(num_experts - group_experts, top_k) / math.comb(num_experts, top_k)
+        return num_experts // group_experts * (1 - missed)
+    starts = [t * top_k % num_experts for t in range(num_experts // math.gcd(num_experts, top_k))]
+    hit = [len({(s + i) % num_experts // group_experts for i in range(top_k)}) for s in starts]
+    return sum(hit) / len(hit)
+
+
+def _deduplicated(
+    seg_type: SegmentType, key: ShardKey, pairs_bytes: float, cluster: Cluster,
+    choice: ExpertChoice,
+) -> tuple[float, float]:  # fmt: skip
+    """(scale-up, network) bytes a rank sends when each token goes once to every rank
+    holding one of its experts and once to every other node (DeepEP, Megatron-Core's flex
+    dispatcher): on its own node to the ranks hit there; to other nodes once each, where
+    the receiving rank forwards it to the node's other ranks hit. Every rank and node is
+    alike, so a rank's own node holds ``1 / nodes`` of the hits."""
+    per_node = min(members_per_node(cluster, key.etp), key.ep)  # EP ranks on one node
     nodes = key.ep // per_node
     experts, k = seg_type.num_experts, seg_type.top_k
-    on_node = experts // nodes
-    missed = math.comb(experts - on_node, k) / math.comb(experts, k)  # a node holds none
-    other_nodes_hit = (nodes - 1) * (1 - missed)
-    return pairs_bytes / k * other_nodes_hit
+    token = pairs_bytes / k
+    ranks = groups_hit(experts, k, experts // key.ep, choice)
+    node_hits = groups_hit(experts, k, experts // nodes, choice)
+    remote = token * node_hits * (nodes - 1) / nodes
+    own_node = token * ranks * (per_node - 1) / key.ep
+    forwarded = remote * ranks / node_hits * (per_node - 1) / per_node
+    return own_node + forwarded, remote
 
 
 def alltoall_bytes(graph: OpGraph, strategy: Strategy, element_bytes: int) -> float:

@@ -18,6 +18,7 @@ __all__ = [
     "AttentionKernel",
     "SelectivePolicy",
     "RecomputeModule",
+    "ExpertChoice",
     "CostOptions",
     "DDP_BUCKET_MIB",
     "device_options",
@@ -46,6 +47,18 @@ class RecomputeModule(StrEnum):
     # latent attention's up-projections, norms and rotary: attention keeps no queries,
     # keys or values (made again from the latents before its backward)
     MLA_UP_PROJ = "mla_up_proj"
+
+
+class ExpertChoice(StrEnum):
+    """Where a token's ``top_k`` experts lie among the ``num_experts`` (what a
+    deduplicating dispatcher's traffic depends on)."""
+
+    # drawn evenly without replacement: learned routing near balance, and Megatron-Core's
+    # --moe-router-force-load-balancing (random router logits)
+    RANDOM = "random"
+    # token t takes experts t*top_k .. t*top_k + top_k - 1 (mod num_experts): NeMo
+    # AutoModel's FakeBalancedGate (components/moe/layers.py), used in its benchmarks
+    CONTIGUOUS = "contiguous"
 
 
 class CostOptions(BaseModel):
@@ -94,9 +107,13 @@ class CostOptions(BaseModel):
     # DualPipe, Megatron-Core's EP overlap); off in torch's eager runtime.
     expert_imbalance: float = Field(default=1.0, ge=1)
     ep_overlap: bool = False
-    # ep_dedup: a token bound for several experts on one node crosses the network once
-    # (DeepEP, Megatron-Core's flex dispatcher); torch's all_to_all sends every pair.
+    # ep_dedup: a token goes once to each rank holding one of its experts, and crosses the
+    # network once per node, forwarded there over the scale-up link (DeepEP, Megatron-Core's
+    # flex dispatcher); torch's all_to_all sends every (token, expert) pair.
+    # expert_choice says which experts a token takes, which decides how many ranks and
+    # nodes that is.
     ep_dedup: bool = False
+    expert_choice: ExpertChoice = ExpertChoice.RANDOM
     # moe_probs_in_activation: the routing probabilities multiply the experts' activation
     # (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
     # weight the experts' outputs (formula graphs)

@@ -258,7 +258,7 @@ class SegmentPricer:
         """Exposed expert-parallel (forward, backward) seconds beyond ``cover``."""
         comm = ep_comm(
             seg_type, key, self.element_bytes, self.links, self.options.expert_imbalance,
-            dedup=self.options.ep_dedup,
+            dedup=self.options.ep_dedup, choice=self.options.expert_choice,
         )  # fmt: skip
         return max(comm.forward_s - cover[0], 0.0), max(comm.backward_s - cover[1], 0.0)
 
