@@ -20,6 +20,7 @@ import pytest
 
 import planner
 from planner.cli import main
+from planner.cost.options import ExpertChoice
 from planner.cost.run import RunConfig, estimate_run
 from planner.errors import ExportError, PlannerError, SpecError, UnknownNameError
 from planner.export import TARGETS, export_plan
@@ -514,6 +515,10 @@ REFUSALS = [
     ("megatron", "--fp8-format hybrid", "--bf16/--fp16/--fp8-format = '--fp8-format hybrid'"),
     ("megatron", "--fp16 --grad-reduce-in-bf16", "--grad-reduce-in-bf16 = true"),
     ("torchtitan", "[training]\nenable_cpu_offload = true", "training.enable_cpu_offload = true"),
+    ("torchtitan", '[parallelism]\nexpert_parallel_comm_backend = "nccl"',
+     "expert_parallel_comm_backend = 'nccl': torchtitan's backends are standard, deepep, hybridep"),
+    ("torchtitan", '[parallelism]\nexpert_parallel_comm_backend = "deepep"',
+     "expert_parallel_comm_backend = 'deepep': torchtitan runs DeepEP and HybridEP only with"),
     ("torchtitan", '[training]\ndtype = "float16"', "training.dtype = 'float16': torchtitan takes"),
     ("torchtitan", '[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = '
      '"ZBVZeroBubble"', "pipeline_parallel_schedule = 'ZBVZeroBubble'"),
@@ -669,6 +674,15 @@ MEGATRON_MOE_REFUSALS = [
     ({"--moe-token-dispatcher-type": "allgather"},
      "--moe-token-dispatcher-type = 'allgather': the planner prices expert parallelism as "
      "all-to-all"),
+    ({"--moe-token-dispatcher-type": "flex"},
+     "--moe-flex-dispatcher-backend = None: the planner prices the flex dispatcher with "
+     "deepep or hybridep"),
+    ({"--moe-token-dispatcher-type": "flex", "--moe-flex-dispatcher-backend": "nccl"},
+     "--moe-flex-dispatcher-backend = 'nccl'"),
+    ({"--moe-token-dispatcher-type": "flex", "--moe-enable-deepep": "",
+      "--expert-tensor-parallel-size": "2", "--tensor-model-parallel-size": "2",
+      "--sequence-parallel": ""},
+     "--expert-tensor-parallel-size = 2: the flex dispatcher folds expert tensor parallelism"),
     ({"--moe-router-pre-softmax": ""}, "--moe-router-pre-softmax = true"),
     ({"--moe-layer-freq": "'([1]*1+[0]*1)'"}, "--moe-layer-freq = '([1]*1+[0]*1)'"),
     ({"--moe-shared-expert-intermediate-size": "100"},
@@ -680,6 +694,53 @@ MEGATRON_MOE_REFUSALS = [
 def test_megatron_experts_other_than_ours_are_refused(changes, message) -> None:
     with pytest.raises(SpecError, match=re.escape(message) + r".*; \S"):
         import_config(_megatron_moe_args(**changes), cluster=GPU, gpus=8)
+
+
+@pytest.mark.parametrize(
+    "dispatcher",
+    [
+        {"--moe-enable-deepep": ""},
+        {"--moe-flex-dispatcher-backend": "deepep"},
+        {"--moe-flex-dispatcher-backend": "hybridep", "--moe-router-force-load-balancing": ""},
+    ],
+)
+def test_megatron_flex_dispatcher_prices_deduplicated_tokens(dispatcher) -> None:
+    """DeepEP and HybridEP send a token once per rank and node: ep_dedup, which moves
+    fewer bytes than the all-to-all dispatcher's pairs where a rank holds several of the
+    experts (ep 2: four of the eight)."""
+    ep2 = {"--expert-model-parallel-size": "2"}
+    flex = _megatron_moe_args(**ep2, **{"--moe-token-dispatcher-type": "flex", **dispatcher})
+    run = import_config(flex, cluster=GPU, gpus=8).run
+    plain = import_config(_megatron_moe_args(**ep2), cluster=GPU, gpus=8).run
+    assert run.options.ep_dedup and not plain.options.ep_dedup
+    assert run.strategy == plain.strategy
+    deduplicated, pairs = estimate_run(run), estimate_run(plain)
+    assert 0 < deduplicated.breakdown_s["comm_ep"] < pairs.breakdown_s["comm_ep"]
+
+
+def test_torchtitan_deepep_and_round_robin_routing_are_priced() -> None:
+    """``expert_parallel_comm_backend = deepep``: ep_dedup; ``debug.moe_force_load_balance``:
+    torchtitan's round-robin experts (contiguous), which a deduplicating dispatch sends
+    to fewer ranks than random ones."""
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=2, zero=1)
+    text = export_plan(plan, "torchtitan==0.3")
+    backend = "--parallelism.expert_parallel_comm_backend deepep"
+    runs = {
+        name: import_config(text + extra, model=plan.model, cluster=plan.cluster).run
+        for name, extra in [
+            ("standard", ""), ("deepep", f"\n{backend}\n"),
+            ("round robin", f"\n{backend}\n--debug.moe_force_load_balance\n"),
+        ]
+    }  # fmt: skip
+    options = {
+        name: (run.options.ep_dedup, run.options.expert_choice) for name, run in runs.items()
+    }
+    assert options == {
+        "standard": (False, ExpertChoice.RANDOM), "deepep": (True, ExpertChoice.RANDOM),
+        "round robin": (True, ExpertChoice.CONTIGUOUS),
+    }  # fmt: skip
+    comm = [estimate_run(run).breakdown_s["comm_ep"] for run in runs.values()]
+    assert comm[0] > comm[1] > comm[2] > 0
 
 
 def test_megatron_moe_defaults_are_megatrons() -> None:

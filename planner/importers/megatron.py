@@ -78,7 +78,11 @@ _FLAGS = frozenset({
     "--optimizer-cpu-offload", "--cpu-offloading", "--multi-latent-attention",
     "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--fp8-param-gather", "--moe-grouped-gemm", "--moe-router-pre-softmax", "--qk-layernorm",
+    "--moe-enable-deepep", "--moe-router-force-load-balancing",
 })  # fmt: skip
+# --moe-flex-dispatcher-backend values (and --moe-enable-deepep, its older spelling): both
+# send a token once per rank and node it is bound for (CostOptions.ep_dedup)
+_DEDUPLICATING_BACKENDS = ("deepep", "hybridep")
 # Options that change what a step computes or keeps, unpriced: option -> (harmless values, why).
 _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
     "--use-torch-fsdp2": ((None,), "the importer reads Megatron-FSDP (--use-megatron-fsdp), "
@@ -144,7 +148,8 @@ def read_megatron(text: str, source: str, detected: str, options: Options) -> Im
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
         training=training, strategy=strategy,
-        options=_cost_options(settings, dp, zero, notes) | _recompute_modules(settings, strategy),
+        options=_cost_options(settings, dp, zero, notes) | _recompute_modules(settings, strategy)
+        | _dispatcher(settings, strategy["ep"], strategy.get("etp", 1)),
         stages=chunks_of(model, counts) if pp > 1 else (), notes=notes,
     )  # fmt: skip
 
@@ -297,16 +302,43 @@ def _expert_parallel(settings: Settings, model: ModelSpec, tp: int) -> dict[str,
             "tensor-parallel rank (Megatron's default is the tensor-parallel size)",
             "add --expert-tensor-parallel-size 1, or --expert-model-parallel-size > 1",
         )  # fmt: skip
-    dispatcher = settings.text("--moe-token-dispatcher-type", "allgather")
-    if ep > 1 and dispatcher != "alltoall":
-        raise settings.refuse(
-            "--moe-token-dispatcher-type", dispatcher,
-            "the planner prices expert parallelism as all-to-all token exchanges",
-            "use --moe-token-dispatcher-type alltoall",
-        )  # fmt: skip
     settings.flag("--moe-grouped-gemm")  # how experts compute, priced alike
     settings.get("--moe-router-load-balancing-type")
+    # random router logits: experts drawn evenly, as CostOptions.expert_choice's default
+    settings.flag("--moe-router-force-load-balancing")
     return {"ep": ep, "etp": etp}
+
+
+def _dispatcher(settings: Settings, ep: int, etp: int) -> dict[str, Any]:
+    """The cost options of ``--moe-token-dispatcher-type`` beside expert parallelism:
+    ``alltoall`` sends every (token, expert) pair; ``flex`` with DeepEP or HybridEP sends
+    a token once per rank and node (``ep_dedup``)."""
+    dispatcher = settings.text("--moe-token-dispatcher-type", "allgather")
+    if ep == 1 or dispatcher == "alltoall":
+        return {}
+    if dispatcher != "flex":
+        raise settings.refuse(
+            "--moe-token-dispatcher-type", dispatcher,
+            "the planner prices expert parallelism as all-to-all token exchanges "
+            "(alltoall, or flex with DeepEP or HybridEP)",
+            "use --moe-token-dispatcher-type alltoall",
+        )  # fmt: skip
+    default = "deepep" if settings.flag("--moe-enable-deepep") else None
+    backend = settings.get("--moe-flex-dispatcher-backend", default)
+    if backend not in _DEDUPLICATING_BACKENDS:
+        raise settings.refuse(
+            "--moe-flex-dispatcher-backend", backend,
+            f"the planner prices the flex dispatcher with {' or '.join(_DEDUPLICATING_BACKENDS)}",
+            "add --moe-flex-dispatcher-backend deepep (or --moe-enable-deepep)",
+        )  # fmt: skip
+    if etp != 1:
+        raise settings.refuse(
+            "--expert-tensor-parallel-size", etp,
+            "the flex dispatcher folds expert tensor parallelism into its dispatch group, "
+            "which the planner does not price",
+            "use --expert-tensor-parallel-size 1, or --moe-token-dispatcher-type alltoall",
+        )  # fmt: skip
+    return {"ep_dedup": True}
 
 
 def _sequence(settings: Settings) -> int:

@@ -29,7 +29,8 @@ schedules, 2 for looped ones, the embeddings and the head weighted as
 pp but no FSDP train in fp32 (torchtitan applies mixed precision through FSDP there);
 ``training.dtype = "bfloat16"`` is pure bf16 training (``training.param_dtype``);
 ``[model] converters = ["quantize.linear.float8"]`` (``"float8"`` before 0.2) is fp8;
-``compile`` fuses pointwise operators; async tensor parallelism overlaps its collectives.
+``compile`` fuses pointwise operators; async tensor parallelism overlaps its collectives;
+DeepEP and HybridEP (``expert_parallel_comm_backend``) deduplicate the expert dispatch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import re
 import tomllib
 from typing import Any
 
+from planner.cost.options import ExpertChoice
 from planner.errors import SpecError, UnknownNameError
 from planner.export.torchtitan import FLOAT8_CONVERTER, OPTIMIZERS, SCHEDULES
 from planner.frameworks import TORCHTITAN_PARAM_DTYPES, torchtitan_model, torchtitan_shards
@@ -72,6 +74,7 @@ _DOTTED = re.compile(r"^--\w[\w-]*\.")  # --section.key
 _SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:([\w-]+)$")  # tyro's policy subcommand
 _EXPERT_MODULES = ("deepseek_v3", "qwen3")  # torchtitan's MoE models the exporter names
 _MODULE_03 = "llama3"  # the torchtitan 0.3 module whose config functions follow
+_EP_BACKENDS = ("standard", "deepep", "hybridep")  # parallelism.expert_parallel_comm_backend
 # torchtitan 0.3's llama3 config functions that train a zoo preset, and what each sets
 # beyond the dataclass defaults (models/llama3/config_registry.py).
 _CONFIGS_03: dict[str, tuple[str, dict[str, Any]]] = {
@@ -102,8 +105,6 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallelism.expert_tensor_parallel_degree": ((None, 1), "the planner does not price "
                                                   "torchtitan's expert tensor parallelism "
                                                   "(experts sharded with DTensor over tp)"),
-    "parallelism.expert_parallel_comm_backend": ((None, "standard"), "the planner prices "
-                                                 "all-to-all token exchanges, not DeepEP's"),
     "parallelism.pipeline_parallel_schedule_csv": ((None, ""), "a schedule from a CSV file is "
                                                    "not priced"),
     "parallelism.pipeline_parallel_split_points": ((None, []), "split points are deprecated "
@@ -148,6 +149,7 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
         "grad_clip": _clipping(settings),
     }  # fmt: skip
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
+    cost |= _expert_dispatch(settings, strategy["ep"])
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
         training=training, strategy=strategy, options=cost, stages=stages, notes=notes,
@@ -577,6 +579,29 @@ def _cost_options(settings: Settings, tp: int) -> dict[str, Any]:
         settings.flag("compile.enable") and "model" in components
     )
     return {"tp_comm_overlap": overlap and tp > 1, "fused_pointwise": compiled}
+
+
+def _expert_dispatch(settings: Settings, ep: int) -> dict[str, Any]:
+    """``expert_parallel_comm_backend``: DeepEP and HybridEP send a token once per rank
+    and node (``ep_dedup``); ``debug.moe_force_load_balance`` gives token t the experts
+    t*k .. t*k + k - 1 (torchtitan's round-robin routing: ``expert_choice`` contiguous)."""
+    backend = settings.text("parallelism.expert_parallel_comm_backend", "standard")
+    if backend not in _EP_BACKENDS:
+        raise settings.refuse(
+            "parallelism.expert_parallel_comm_backend", backend,
+            f"torchtitan's backends are {', '.join(_EP_BACKENDS)}", "use one of them",
+        )  # fmt: skip
+    dedup = backend != "standard"
+    if dedup and ep == 1:
+        raise settings.refuse(
+            "parallelism.expert_parallel_comm_backend", backend,
+            "torchtitan runs DeepEP and HybridEP only with expert parallelism",
+            "set parallelism.expert_parallel_degree > 1, or the standard backend",
+        )  # fmt: skip
+    options: dict[str, Any] = {"ep_dedup": True} if dedup else {}
+    if settings.flag("debug.moe_force_load_balance"):
+        options["expert_choice"] = ExpertChoice.CONTIGUOUS.value
+    return options
 
 
 def _names(value: Any) -> list[Any]:
