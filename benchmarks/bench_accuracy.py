@@ -482,6 +482,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         options["ep_dedup"] = True
     if row["routing"] == "fake balanced gate":  # AutoModel's FakeBalancedGate
         options["expert_choice"] = "contiguous"
+    if row["local_batch"] and pp > 1:  # each gradient-accumulation step its own schedule
+        options["pipeline_round_microbatches"] = _int(row["local_batch"]) // _int(row["mbs"], 1)
     config: dict[str, Any] = {
         "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),

@@ -4,8 +4,17 @@ import itertools
 
 import pytest
 
-from planner.cost.pipeline import balanced_chunks, even_split, pipeline_time, rank_chunks
-from planner.spec import Schedule
+from planner.cost.build import build_cost_model, spec_graph
+from planner.cost.options import CostOptions
+from planner.cost.pipeline import (
+    balanced_chunks,
+    even_split,
+    pipeline_time,
+    rank_chunks,
+    schedule_rounds,
+)
+from planner.presets import get_preset
+from planner.spec import Cluster, Schedule, Strategy, Training
 
 
 @pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
@@ -65,3 +74,53 @@ def test_the_bubble_never_grows_with_more_microbatches(schedule):
     bubbles = [pipeline_time(schedule, times, m, **kw) - m * max(times) for m in (1, 4, 8, 64)]
     pairs = itertools.pairwise(bubbles)
     assert all(later <= earlier + 1e-12 for earlier, later in pairs), bubbles
+
+
+def test_schedule_rounds_split_a_step_as_gradient_accumulation_does():
+    assert schedule_rounds(4, 32, 8) == [8, 8, 8, 8]
+    assert schedule_rounds(4, 10, 4) == [4, 4, 2]
+    assert schedule_rounds(4, 8, None) == schedule_rounds(4, 8, 16) == [8]
+    assert schedule_rounds(1, 32, 8) == [32]  # without a pipeline there is no schedule
+
+
+def _rounds_model(per_round: int | None, batch: int = 64):
+    spec = get_preset("tiny-llama")
+    training = Training(global_batch_size=batch, seq_len=spec.seq_len)
+    options = CostOptions(pipeline_round_microbatches=per_round)
+    graph = spec_graph(spec, training, options)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=8)
+    return build_cost_model(graph, cluster, training, causal=True, options=options)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_each_schedule_round_fills_and_drains_the_pipeline_and_reduces(zero):
+    """torchtitan runs each gradient-accumulation step as its own schedule: 4 rounds of
+    4 micro-batches pay 4 fills and drains, 4 x the p2p warm-up and 4 reductions."""
+    strategy = Strategy(dp=2, pp=4, zero=zero, micro_batch_size=2, num_microbatches=16)
+    one, four = _rounds_model(None).estimate(strategy), _rounds_model(4).estimate(strategy)
+    assert four.breakdown_s["compute"] == one.breakdown_s["compute"]
+    assert four.breakdown_s["bubble"] == pytest.approx(4 * one.breakdown_s["bubble"])
+    reductions = ("comm_dp", "comm_fsdp")
+    assert sum(four.breakdown_s.get(k, 0.0) for k in reductions) == pytest.approx(
+        4 * sum(one.breakdown_s.get(k, 0.0) for k in reductions)
+    )
+    model = _rounds_model(4)
+    assert four.breakdown_s["comm_pp"] > one.breakdown_s["comm_pp"]
+    assert model.estimate(
+        strategy.model_copy(update={"pp": 1, "dp": 8, "num_microbatches": 4})
+    ) == (
+        _rounds_model(None).estimate(
+            strategy.model_copy(update={"pp": 1, "dp": 8, "num_microbatches": 4})
+        )
+    )  # no pipeline: the option changes nothing
+
+
+def test_gpipe_rounds_keep_one_rounds_activations():
+    """GPipe keeps every micro-batch of its schedule: in rounds of 4, those of 4."""
+    strategy = Strategy(dp=2, pp=4, micro_batch_size=2, num_microbatches=16, schedule="gpipe")
+    one, four = _rounds_model(None).estimate(strategy), _rounds_model(4).estimate(strategy)
+    single = _rounds_model(None, batch=16).estimate(
+        strategy.model_copy(update={"num_microbatches": 4})
+    )
+    assert four.memory_gib["activations"] < one.memory_gib["activations"]
+    assert four.memory_gib["activations"] == pytest.approx(single.memory_gib["activations"])

@@ -315,6 +315,27 @@ def test_torchtitan_defaults_every_second_layer_and_its_own_stage_split() -> Non
     assert [sum(f.startswith("layers.") for f in chunk) for chunk in run.stages] == [8, 9, 8, 7]
 
 
+def test_torchtitan_runs_each_gradient_accumulation_step_as_a_schedule() -> None:
+    """Under a pipeline torchtitan calls the schedule once per gradient-accumulation step:
+    4 steps of local_batch_size 8 in micro-batches of 2 are 4 schedules of 4, each with
+    its fill and drain; one step of 32 is one schedule of 16."""
+    base = '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 2\n'
+    base += "pipeline_parallel_microbatch_size = 2\n"
+    runs = {}
+    for local in (8, 32):
+        text = base + f"[training]\nlocal_batch_size = {local}\nglobal_batch_size = 256\n"
+        runs[local] = import_config(text, cluster=GPU, gpus=16)
+    rounds, one = runs[8], runs[32]
+    assert rounds.run.strategy == one.run.strategy  # 16 micro-batches of 2 per rank
+    assert rounds.run.options.pipeline_round_microbatches == 4
+    assert one.run.options.pipeline_round_microbatches is None
+    assert any(
+        "4 gradient-accumulation steps, each its own pipeline schedule" in n for n in rounds.notes
+    )
+    bubbles = [estimate_run(i.run).breakdown_s["bubble"] for i in (rounds, one)]
+    assert bubbles[0] == pytest.approx(4 * bubbles[1])
+
+
 def test_torchtitan_03_keys_and_json_dump() -> None:
     text = TOML + "[compile]\nenable = true\n[parallelism.x]\n"
     text = text.replace(

@@ -15,11 +15,12 @@ CSV = ROOT / "benchmarks" / "data" / "moe_runs.csv"
 SHARED_COLUMNS = (ROOT.parent / "shared" / "data" / "published_runs.csv").resolve()
 MOE_COLUMNS = (
     "preset", "active_params_b", "num_experts", "top_k", "etp", "param_dtype", "grad_reduce",
-    "virtual_stages", "pp_accounts",
+    "virtual_stages", "pp_accounts", "local_batch",
     "gpus_per_node", "framework", "routing", "flop_convention", "source_url", "source_commit",
 )  # fmt: skip
 INTEGERS = ("layers", "hidden", "heads", "seq", "vocab", "gbs", "mbs", "n_gpus", "tp", "pp", "dp",
-            "cp", "ep", "zero", "num_experts", "top_k", "etp", "virtual_stages", "gpus_per_node")  # fmt: skip
+            "cp", "ep", "zero", "num_experts", "top_k", "etp", "virtual_stages", "local_batch",
+            "gpus_per_node")  # fmt: skip
 FLOATS = ("params_b", "active_params_b", "measured_tflops_per_gpu", "measured_mfu",
           "measured_tokens_per_s_per_gpu", "measured_step_time_s", "measured_hfu",
           "measured_peak_mem_gib", "derived_tokens_per_s_per_gpu")  # fmt: skip
@@ -75,6 +76,9 @@ def test_degrees_multiply_to_the_gpus_and_experts_split(row):
     assert dims.expert_blocker(int(row["num_experts"])) is None
     assert int(row["gbs"]) % (strategy.dp * int(row["mbs"])) == 0
     assert int(row["top_k"]) <= int(row["num_experts"])
+    if row["local_batch"]:  # gradient-accumulation steps of local_batch sequences a rank
+        local = int(row["local_batch"])
+        assert local % int(row["mbs"]) == 0 and int(row["gbs"]) % (strategy.dp * local) == 0
 
 
 @pytest.mark.parametrize("row", ROWS, ids=IDS)

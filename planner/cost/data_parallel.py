@@ -106,15 +106,24 @@ class DataParallelCost:
         default_factory=dict, init=False, repr=False
     )
 
-    def times(self, strategy: Strategy, slowest: RankSums) -> dict[str, float]:
+    def times(self, strategy: Strategy, slowest: RankSums, schedules: int) -> dict[str, float]:
         """Exposed data-parallel ('comm_dp'), ZeRO-3/FSDP ('comm_fsdp') and gradient
-        compression ('compression', only when compressed) seconds per step."""
+        compression ('compression', only when compressed) seconds per step, in which
+        ``schedules`` pipeline schedules each reduce the gradients (and gather the
+        stage's shards) once (local SGD averages parameters, once per step at most)."""
         kind = strategy.compression.kind
         _refuse(ParallelDims.of(strategy).compression_blocker(kind))
-        if kind is CompressionKind.POWERSGD:
-            return self._powersgd_times(strategy, slowest)
         if kind is CompressionKind.LOCAL_SGD:
             return self._local_sgd_times(strategy, slowest)
+        per_schedule = self._gradient_times(strategy, slowest, kind)
+        return {name: seconds * schedules for name, seconds in per_schedule.items()}
+
+    def _gradient_times(
+        self, strategy: Strategy, slowest: RankSums, kind: CompressionKind
+    ) -> dict[str, float]:
+        """:meth:`times` of one gradient reduction (and its weight gathers)."""
+        if kind is CompressionKind.POWERSGD:
+            return self._powersgd_times(strategy, slowest)
         reduce_bytes = self.options.grad_reduce_bytes
         if kind is CompressionKind.NONE:
             return self._reduction_times(strategy, slowest, reduce_bytes)

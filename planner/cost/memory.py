@@ -191,17 +191,18 @@ class MemoryModel:
 
     def peak(
         self, strategy: Strategy, ranks: Sequence[RankSums], *, logits_bytes: float,
-        compression: Callable[[RankSums], float | None],
+        compression: Callable[[RankSums], float | None], schedule_microbatches: int,
     ) -> dict[str, float]:  # fmt: skip
         """The terms of the rank with the largest peak. ``logits_bytes``: the head's logits
-        per micro-batch (held by the last rank); ``compression(rank)``: the compression
+        per micro-batch (held by the last rank, for the micro-batches in flight in a
+        schedule of ``schedule_microbatches``); ``compression(rank)``: the compression
         buffers' bytes, or ``None`` without compression."""
         dims = ParallelDims.of(strategy)
         worst: dict[str, float] = {}
         for index, rank in enumerate(ranks):
             logits = 0.0
             if index == len(ranks) - 1:
-                logits = logits_bytes * head_in_flight(strategy.schedule, strategy.num_microbatches)
+                logits = logits_bytes * head_in_flight(strategy.schedule, schedule_microbatches)
             parts = self._rank_memory(strategy, dims, rank, logits, compression(rank))
             if sum(parts.values()) > sum(worst.values()):
                 worst = parts

@@ -23,7 +23,7 @@ from planner.cost.compute import ComputeModel
 from planner.cost.data_parallel import DataParallelCost
 from planner.cost.memory import MemoryModel, ModelStateBytes, boundary_bytes
 from planner.cost.options import CostOptions
-from planner.cost.pipeline import even_split, pipeline_time
+from planner.cost.pipeline import even_split, pipeline_time, schedule_rounds
 from planner.cost.ranks import TIMES, RankSums, SegmentTable, sum_ranks
 from planner.cost.segment import SegmentPricer, TypeCost
 from planner.cost.throughput import Throughput
@@ -372,7 +372,8 @@ class CostModel:
         if ranks is None:
             if len(self._rank_sums) >= _RANK_CACHE_SIZE:
                 self._rank_sums.clear()
-            ranks = self._rank_sums[key] = sum_ranks(strategy, chunks, table)
+            largest_round = max(self._rounds(strategy))
+            ranks = self._rank_sums[key] = sum_ranks(strategy, chunks, table, largest_round)
         return ranks
 
     # ----- step time --------------------------------------------------------------------
@@ -392,7 +393,8 @@ class CostModel:
             "bubble": pipe - m * slowest.time_s,
             "comm_pp": self._pp_time(strategy),
         }
-        breakdown.update(self._data_parallel.times(strategy, slowest))
+        rounds = self._rounds(strategy)
+        breakdown.update(self._data_parallel.times(strategy, slowest, len(rounds)))
         heaviest = max(ranks, key=lambda r: r.params + r.expert_params)
         breakdown["optimizer"] = self._data_parallel.optimizer_time(
             strategy, heaviest.params, heaviest.expert_params
@@ -401,6 +403,7 @@ class CostModel:
         memory = self._memory.peak(
             strategy, ranks, logits_bytes=self._logits_bytes(strategy),
             compression=lambda rank: self._data_parallel.compression_bytes(strategy, rank),
+            schedule_microbatches=max(rounds),
         )  # fmt: skip
         return self._throughput.prediction(strategy, step, breakdown, memory, modes)
 
@@ -422,22 +425,30 @@ class CostModel:
         ranks = self._ranks(strategy, chunks, self._table(strategy, modes))
         return self._pipe_time(strategy, ranks) + self._pp_time(strategy)
 
-    @staticmethod
-    def _pipe_time(strategy: Strategy, ranks: list[RankSums]) -> float:
-        return pipeline_time(
-            strategy.schedule, [r.time_s for r in ranks], strategy.num_microbatches,
-            virtual_stages=strategy.virtual_stages,
-            forward_times=[r.total("forward_s") for r in ranks],
-        )  # fmt: skip
+    def _rounds(self, strategy: Strategy) -> list[int]:
+        """Micro-batches of each pipeline schedule in a step (one schedule unless the
+        options run gradient-accumulation steps as schedules of their own)."""
+        per_round = self.options.pipeline_round_microbatches
+        return schedule_rounds(strategy.pp, strategy.num_microbatches, per_round)
+
+    def _pipe_time(self, strategy: Strategy, ranks: list[RankSums]) -> float:
+        times, forwards = [r.time_s for r in ranks], [r.total("forward_s") for r in ranks]
+        v = strategy.virtual_stages
+        return sum(
+            pipeline_time(strategy.schedule, times, m, virtual_stages=v, forward_times=forwards)
+            for m in self._rounds(strategy)
+        )
 
     def _pp_time(self, strategy: Strategy) -> float:
-        """Exposed pipeline send/recv: each micro-batch's activation crosses each boundary twice."""
+        """Exposed pipeline send/recv: each micro-batch's activation crosses each boundary
+        twice; each schedule fills and drains the pipeline."""
         if strategy.pp == 1:
             return 0.0
         hidden = self._boundary_bytes * strategy.micro_batch_size / (strategy.cp * strategy.tp)
         link = self._links.group(strategy.pp, ParallelDims.of(strategy), Axis.PP)
         one = collective_time(Collective.SEND_RECV, hidden, 2, link)
-        transfers = strategy.num_microbatches * strategy.virtual_stages + strategy.pp - 1
+        v, pp = strategy.virtual_stages, strategy.pp
+        transfers = sum(m * v + pp - 1 for m in self._rounds(strategy))
         return 2 * one * transfers
 
     @cached_property

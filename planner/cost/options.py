@@ -100,6 +100,12 @@ class CostOptions(BaseModel):
     # PyTorch caching allocator: reserved exceeds allocated by ~5-15% in LLM training
     allocator_margin: float = Field(default=0.10, ge=0, lt=1)
     workspace_gib: float = Field(default=0.5, ge=0)  # cuBLAS/NCCL workspaces, CUDA graphs
+    # micro-batches one pipeline schedule runs: a step's others run in further rounds, each
+    # filling and draining the pipeline and gathering and reducing the stage's FSDP shards
+    # (torchtitan and NeMo AutoModel run local_batch_size / the pipeline micro-batch size
+    # per gradient-accumulation step); None: the whole step in one schedule (Megatron-LM,
+    # DeepSpeed, this runtime)
+    pipeline_round_microbatches: int | None = Field(default=None, ge=1)
     # Mixture of experts: tokens the busiest EP rank receives over the mean (1: balanced,
     # as a dropless router with a load-balancing loss approaches); scales its expert
     # GEMMs and all-to-alls. ep_overlap: the dispatch/combine all-to-alls hide under the

@@ -16,6 +16,9 @@ recompute + exposed in-stage communication) and ``m`` micro-batches:
   gradients of ranks after the first (half of their backward) off that path:
   ``sum(t) - sum_{r > 0}(t_r - f_r) / 2``.
 
+A step run as several schedules (torchtitan's gradient-accumulation steps under a
+pipeline, :func:`schedule_rounds`) pays each one's fill and drain.
+
 Every formula is non-decreasing in each rank's time (a slower rank never makes the
 step faster), and with fixed per-micro-batch times the bubble (step minus
 ``m * max(t)``) never grows with ``m``.
@@ -28,7 +31,7 @@ from typing import TypeVar
 
 from planner.spec import Schedule
 
-__all__ = ["pipeline_time", "balanced_chunks", "even_split", "rank_chunks"]
+__all__ = ["pipeline_time", "schedule_rounds", "balanced_chunks", "even_split", "rank_chunks"]
 
 T = TypeVar("T")
 
@@ -58,6 +61,17 @@ def pipeline_time(
     if schedule is Schedule.INTERLEAVED_1F1B:
         fill_drain /= virtual_stages
     return m * slowest + fill_drain
+
+
+def schedule_rounds(pp: int, num_microbatches: int, per_round: int | None) -> list[int]:
+    """Micro-batches of each pipeline schedule a step runs: all in one, or rounds of
+    ``per_round`` (the last one the rest) when a framework runs each gradient-accumulation
+    step as its own schedule (:attr:`~planner.cost.options.CostOptions.pipeline_round_microbatches`).
+    Without a pipeline there is one."""
+    if pp == 1 or per_round is None or per_round >= num_microbatches:
+        return [num_microbatches]
+    full, rest = divmod(num_microbatches, per_round)
+    return [per_round] * full + ([rest] if rest else [])
 
 
 def balanced_chunks(num_blocks: int, num_chunks: int) -> list[int]:

@@ -87,17 +87,20 @@ class RankSums:
 
 
 def sum_ranks(
-    strategy: Strategy, chunks: Sequence[Sequence[int]], table: SegmentTable
-) -> list[RankSums]:
-    """Each pipeline rank's sums over its model chunks (segment indices per chunk)."""
-    heads = head_in_flight(strategy.schedule, strategy.num_microbatches)
+    strategy: Strategy, chunks: Sequence[Sequence[int]], table: SegmentTable,
+    schedule_microbatches: int,
+) -> list[RankSums]:  # fmt: skip
+    """Each pipeline rank's sums over its model chunks (segment indices per chunk), its
+    activations those of the micro-batches in flight in a schedule of
+    ``schedule_microbatches``."""
+    heads = head_in_flight(strategy.schedule, schedule_microbatches)
     ranks = []
     for rank, chunk_ids in enumerate(rank_chunks(strategy.pp, strategy.virtual_stages)):
         spans = [(chunks[c][0], chunks[c][-1] + 1) for c in chunk_ids if chunks[c]]
         totals = {field: sum(table.span(field, a, b) for a, b in spans) for field in _SUMMED}
         in_flight = in_flight_microbatches(
             strategy.schedule, pp=strategy.pp, rank=rank,
-            num_microbatches=strategy.num_microbatches, virtual_stages=strategy.virtual_stages,
+            num_microbatches=schedule_microbatches, virtual_stages=strategy.virtual_stages,
         )  # fmt: skip
         activations = (
             totals["body_activation_bytes"] * in_flight + totals["head_activation_bytes"] * heads

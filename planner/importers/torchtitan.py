@@ -129,7 +129,8 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     cluster, (replicas, shard, tp, pp, cp) = _mesh(settings, options)
     dp = replicas * shard
     zero = _zero(settings, dp, shard, cp, pp)
-    micro, total = _batch(settings, dp, pp)
+    micro, local, total = _batch(settings, dp, pp)
+    rounds = _pipeline_rounds(pp, micro, local, total // (local * dp), notes)
     stages, virtual, schedule = _pipeline(settings, model, pp, notes)
     counts = layers_per_chunk(model, stages) if stages else [model.num_layers]
     recompute, policy = _recompute(settings, counts, release_03)
@@ -149,7 +150,7 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
         "grad_clip": _clipping(settings),
     }  # fmt: skip
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
-    cost |= _expert_dispatch(settings, strategy["ep"])
+    cost |= _expert_dispatch(settings, strategy["ep"]) | rounds
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
         training=training, strategy=strategy, options=cost, stages=stages, notes=notes,
@@ -339,8 +340,8 @@ def _zero(settings: Settings, dp: int, shard: int, cp: int, pp: int) -> int:
     return 3 if reshard[policy] else 2
 
 
-def _batch(settings: Settings, dp: int, pp: int) -> tuple[int, int]:
-    """(micro-batch, global batch) in sequences."""
+def _batch(settings: Settings, dp: int, pp: int) -> tuple[int, int, int]:
+    """(micro-batch, local batch, global batch) in sequences."""
     local = settings.integer("training.local_batch_size", 8)
     total = settings.integer("training.global_batch_size", -1, least=-1)
     total = local * dp if total < 0 else total
@@ -351,14 +352,29 @@ def _batch(settings: Settings, dp: int, pp: int) -> tuple[int, int]:
             "make the batch sizes agree",
         )  # fmt: skip
     if pp == 1:
-        return local, total
+        return local, local, total
     micro = settings.integer("parallelism.pipeline_parallel_microbatch_size", 1)
     if local % micro:
         raise settings.refuse(
             "parallelism.pipeline_parallel_microbatch_size", micro,
             f"does not divide training.local_batch_size = {local}", "use a divisor of it",
         )  # fmt: skip
-    return micro, total
+    return micro, local, total
+
+
+def _pipeline_rounds(
+    pp: int, micro: int, local: int, steps: int, notes: list[str]
+) -> dict[str, Any]:
+    """Under a pipeline torchtitan runs each of the ``steps`` gradient-accumulation steps
+    as a schedule of its own, of ``local_batch_size / pipeline_parallel_microbatch_size``
+    micro-batches: a cost option then."""
+    if pp == 1 or steps == 1:
+        return {}
+    notes.append(
+        f"{steps} gradient-accumulation steps, each its own pipeline schedule of "
+        f"{local // micro} micro-batches (pipeline_round_microbatches)"
+    )
+    return {"pipeline_round_microbatches": local // micro}
 
 
 def _pipeline(

@@ -61,6 +61,7 @@ from operator import attrgetter
 from planner.cost import CostModel
 from planner.cost.memory import gradient_element_bytes, in_flight_microbatches, model_state_bytes
 from planner.cost.model import WholeModelCost
+from planner.cost.pipeline import schedule_rounds
 from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
     PLANNER,
@@ -642,12 +643,13 @@ class _Space:
             1.0, zero=zero, shard=shard, training=self.training, gradient_bytes=least
         ).total
 
-    @staticmethod
-    def _in_flight(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
-        """Micro-batches the first pipeline rank keeps (the memory bound's multiplier)."""
+    def _in_flight(self, schedule: str, pp: int, microbatches: int, virtual: int) -> float:
+        """Micro-batches the first pipeline rank keeps (the memory bound's multiplier), in
+        the step's largest pipeline schedule."""
+        per_round = self.model.options.pipeline_round_microbatches
+        largest = max(schedule_rounds(pp, microbatches, per_round))
         return in_flight_microbatches(
-            Schedule(schedule), pp=pp, rank=0, num_microbatches=microbatches,
-            virtual_stages=virtual,
+            Schedule(schedule), pp=pp, rank=0, num_microbatches=largest, virtual_stages=virtual,
         )  # fmt: skip
 
 
