@@ -66,9 +66,10 @@ class ParallelDims:
     @property
     def gathered_under_pipeline(self) -> bool:
         """Whether FSDP2 runs under a pipeline schedule: torch's pipelining then turns off
-        FSDP2's resharding after backward and its gradient sync until the step's last
+        FSDP2's resharding after backward and its gradient sync until the schedule's last
         micro-batch, so every ZeRO stage keeps the stage's weights gathered and its
-        gradients unsharded for the step: ZeRO-3 is ZeRO-2 there."""
+        gradients unsharded for the schedule (the step, unless its gradient-accumulation
+        steps run schedules of their own): ZeRO-3 is ZeRO-2 there."""
         return self.pp > 1 and self.shards_parameters
 
     @property
