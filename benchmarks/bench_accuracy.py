@@ -563,10 +563,7 @@ def search_against(run: RunConfig, result: MoeResult, target: Target) -> None:
     published = runnable(run.strategy) if target.is_planner else run.strategy
     stages = stage_indices(graph, run.stages) if run.stages else None
     result.published = model.estimate(published, stages=stages)
-    # the search splits the blocks over at most as many chunks (no chunk of its own for
-    # the embedding or the head)
-    fewer = published.num_stages <= limits.num_blocks
-    result.inside = fewer and in_search_space(model, limits, published, target)
+    result.inside = in_search_space(model, limits, published, target)
     # the published run's gradient reduction (bf16 in Megatron-Bridge's recipes) is allowed
     lossy = LossyCompression.allowing(run.strategy.compression)
     best = search(model, limits, pins=Pins(), top_k=1, target=target, lossy=lossy).best

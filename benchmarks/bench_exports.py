@@ -74,13 +74,16 @@ class Case:
     pins: Pins
     dtype: DType = DType.BF16
     seq_len: int | None = 4096  # tokens; None: the model's
+    target: str = "planner"  # the framework the search keeps to
 
     def plan(self) -> Plan:
         training = Training(
             global_batch_size=self.global_batch, dtype=self.dtype, seq_len=self.seq_len
         )
         cluster = Cluster(gpu=self.gpu, num_gpus=self.gpus)
-        return make_plan(resolve_model(self.model), cluster, training, pins=self.pins)
+        return make_plan(
+            resolve_model(self.model), cluster, training, pins=self.pins, target=self.target
+        )
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ CASES = (
     Case("405b selective", "llama3.1-405b", H100, 2048, 2048,
          Pins(tp=8, pp=16, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ONE_F_ONE_B,
               recompute=SELECTIVE)),
+    # 128 chunks of 126 layers: the embedding and the head each a chunk of their own
+    Case("405b embedding, head alone", "llama3.1-405b", H100, 256, 512,
+         Pins(tp=8, pp=16, cp=1, zero=1, sequence_parallel=True, virtual_stages=8,
+              schedule=Schedule.INTERLEAVED_1F1B, recompute=FULL), target="torchtitan"),
     FixedCase("mixtral ep8 fsdp", "mixtral-8x7b", H100,
               Strategy(dp=16, zero=3, ep=8, recompute=FULL)),
     FixedCase("mixtral tp2 ep4 etp2", "mixtral-8x7b", H100,

@@ -44,6 +44,7 @@ __all__ = [
     "experts_beside_sequence_parallel_refusal",
     "expert_tensor_parallel_refusal",
     "compressed_experts_refusal",
+    "blockless_chunk_refusal",
     "model_refusal",
     "parse_target",
     "strategy_refusal",
@@ -237,6 +238,26 @@ def compressed_experts_refusal(target: Target, *, ep: int, kind: CompressionKind
         f"with ep({ep}) > 1, this planner's expert-parallel runtime reduces the expert "
         "gradients uncompressed",
         "use compression 'none' or ep = 1, or target megatron (bf16 reduction)",
+    )
+
+
+def _runner(target: Target) -> str:
+    return "this runtime" if target.is_planner else str(target)
+
+
+def blockless_chunk_refusal(target: Target) -> Refusal | None:
+    """Why ``target`` cannot run a pipeline chunk that holds no transformer block (the
+    embedding or the final norm and head alone), or ``None``. Megatron-LM lays one out
+    (``--pipeline-model-parallel-layout``, or ``--account-for-embedding/loss-in-pipeline-
+    split``) and torchtitan builds one from ``module_fqns_per_model_part``; this runtime
+    starts and ends each stage at a block (:func:`planner.staging.install_stage_forward`)."""
+    if target.framework in (Framework.MEGATRON, Framework.TORCHTITAN):
+        return None
+    return Refusal(
+        "plan.stages",
+        "a chunk without a block",
+        f"{_runner(target)} starts and ends each pipeline stage at a transformer block",
+        "give every chunk a block (fewer pp x virtual_stages), or target megatron or torchtitan",
     )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from planner.errors import PlanMismatchError, SpecError
 from planner.fqn import match_fqns
+from planner.frameworks import PLANNER, Target, blockless_chunk_refusal
 from planner.models import fingerprint, is_hf_model
 from planner.models.moe import is_experts
 from planner.spec import ModuleTP, Plan, shard_dim
@@ -90,12 +91,15 @@ def pipeline_blocker(module: nn.Module) -> str | None:
     return None
 
 
-def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleTP]:
+def check_model_against_plan(
+    plan: Plan, module: nn.Module, target: Target = PLANNER
+) -> dict[str, ModuleTP]:
     """Raise if ``module`` is not the model ``plan`` was made for, or cannot take its layout.
 
     Checks the fingerprint, the layout keys (and that tp divides every sharded
-    dimension), the heads of zoo models, and the stage FQN lists. Returns the layout
-    expanded to concrete module FQNs.
+    dimension), the heads of zoo models, and the stage FQN lists (a chunk without a
+    block only where ``target``, the framework that runs the plan, runs one). Returns
+    the layout expanded to concrete module FQNs.
     """
     found = fingerprint(module)
     if found != plan.model_fingerprint:
@@ -110,7 +114,7 @@ def check_model_against_plan(plan: Plan, module: nn.Module) -> dict[str, ModuleT
     expanded = expand_layout(module, plan.tp_layout) if tp > 1 else {}
     _check_tp_divides(expanded, module, tp)
     if plan.strategy.pp > 1:
-        _check_stages(plan, module)
+        _check_stages(plan, module, target)
     if plan.strategy.cp > 1:
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
@@ -269,15 +273,7 @@ def _chunk_of(plan: Plan, fqn: str) -> int:
     return -1
 
 
-def _check_stages(plan: Plan, module: nn.Module) -> None:
-    strategy = plan.strategy
-    blocks = find_blocks(module)
-    if len(blocks) < strategy.num_stages:
-        raise SpecError(
-            f"model has {len(blocks)} blocks but pp({strategy.pp}) * virtual_stages"
-            f"({strategy.virtual_stages}) = {strategy.num_stages} pipeline chunks need at least "
-            "one block each; lower pp or virtual_stages"
-        )
+def _check_stages(plan: Plan, module: nn.Module, target: Target) -> None:
     known = {name for name, _ in module.named_modules() if name}
     for index, chunk in enumerate(plan.stages):
         if not chunk:
@@ -287,4 +283,16 @@ def _check_stages(plan: Plan, module: nn.Module) -> None:
             raise SpecError(
                 f"plan.stages[{index}] names {', '.join(map(repr, missing))}, not modules of "
                 f"{type(module).__name__}; fix the FQNs (e.g. 'layers.0')"
+            )
+    refusal = blockless_chunk_refusal(target)
+    if refusal is None:
+        return
+    blocks = [fqn for fqn, _ in find_blocks(module)]
+    for index, chunk in enumerate(plan.stages):
+        if not any(
+            block == fqn or block.startswith(fqn + ".") for block in blocks for fqn in chunk
+        ):
+            raise SpecError(
+                f"plan.stages[{index}] = {list(chunk)} holds none of {type(module).__name__}'s "
+                f"{len(blocks)} blocks: {refusal.why}; {refusal.fix}"
             )

@@ -188,7 +188,7 @@ def search_plan(
         without_target=without_target,
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
-    check_model_against_plan(plan, handle.module)
+    check_model_against_plan(plan, handle.module, target)
     return PlanSearch(plan, result.costed)
 
 

@@ -413,7 +413,11 @@ BIG = ModelSpec(
     name="rss-llama", family="llama", num_layers=16, hidden_size=1024, num_heads=16,
     num_kv_heads=4, vocab_size=8192, seq_len=64,
 )  # fmt: skip  # 200M parameters: 0.80 GB in fp32, 0.20 GB per rank at world 4
-LOAD_OVERHEAD = 48 * 2**20  # bytes per rank beyond its shards and the largest tensor
+LOAD_OVERHEAD = 48 * 2**20  # bytes per rank beyond its shards and the largest tensor's copies
+# Copies of the largest tensor a reader holds at once: safetensors maps the file, while DCP's
+# FileSystemReader hands torch.load a Python stream, which reads the saved chunk as bytes and
+# copies them into a storage before narrowing it to this rank's part.
+LARGEST_COPIES = {"hugging face": 1, "checkpoint": 2}
 
 
 def _plan_for(spec: ModelSpec, world_size: int, **strategy: Any) -> Any:
@@ -466,7 +470,7 @@ def test_loading_holds_a_rank_to_its_shard_plus_one_tensor(tmp_path: Path) -> No
             if isinstance(figures, str):
                 failures.append(f"{name}: raised\n{figures}")
                 continue
-            bound = figures["shard"] + figures["largest"] + LOAD_OVERHEAD
+            bound = figures["shard"] + LARGEST_COPIES[name] * figures["largest"] + LOAD_OVERHEAD
             print(
                 f"{name:<13} rank {rank}: peak {figures['peak'] / 2**20:.0f} MiB above start; "
                 f"shard {figures['shard'] / 2**20:.0f} MiB, largest tensor "

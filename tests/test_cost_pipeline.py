@@ -9,6 +9,7 @@ from planner.cost.options import CostOptions
 from planner.cost.pipeline import (
     balanced_chunks,
     even_split,
+    most_chunks,
     pipeline_time,
     rank_chunks,
     schedule_rounds,
@@ -53,6 +54,23 @@ def test_even_split_gives_the_middle_the_extra_blocks_and_the_ends_the_rest():
         ["layers.3", "norm", "head"],
     ]
     assert even_split(range(10), 4) == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+
+
+def test_beyond_the_blocks_the_embedding_then_the_head_take_a_chunk_of_their_own():
+    """Megatron-LM's split accounting for the embedding and the loss (96 chunks of
+    Qwen3-235B's 94 layers at pp 32 x vp 3), as far as the ends go."""
+    blocks = [f"layers.{i}" for i in range(4)]
+    assert most_chunks(4, ["embed"], ["norm", "head"]) == 6
+    assert most_chunks(4, [], ["head"]) == 5
+    assert even_split(blocks, 6, ["embed"], ["norm", "head"]) == [
+        ["embed"], ["layers.0"], ["layers.1"], ["layers.2"], ["layers.3"], ["norm", "head"],
+    ]  # fmt: skip
+    assert even_split(blocks, 5, ["embed"], ["head"]) == [
+        ["embed"], ["layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "head"],
+    ]  # fmt: skip
+    assert even_split(blocks, 5, [], ["head"])[-1] == ["head"]
+    with pytest.raises(ValueError, match="7 chunks exceed 4 blocks"):
+        even_split(blocks, 7, ["embed"], ["head"])
 
 
 def test_zero_bubble_never_speeds_up_when_a_rank_slows_down():

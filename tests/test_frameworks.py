@@ -24,6 +24,7 @@ from planner.frameworks import (
     torchtitan_model,
 )
 from planner.models import handle_for_module, resolve_model
+from planner.modules import check_model_against_plan
 from planner.planning import make_plan, parallel_dimensions, preferred
 from planner.solve.search import Headroom, Pins, Scored
 from planner.spec import (
@@ -379,3 +380,27 @@ def test_plan_from_refuses_training_options_and_needs_a_batch_otherwise(tmp_path
     assert main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
                  "--format", "megatron"]) == 2  # fmt: skip
     assert "--format only applies with --from" in capsys.readouterr().err
+
+
+def test_embedding_and_head_get_chunks_of_their_own_only_where_the_target_runs_them():
+    """tiny-llama's 4 blocks in pp 2 x vp 3 = 6 chunks: the embedding and the head alone,
+    as Megatron-LM's accounted split and torchtitan's own default make them. This
+    runtime starts and ends each stage at a block: its search never offers them, and it
+    refuses such a plan before it cuts the model."""
+    from tests.test_importers import round_trip
+
+    pins = Pins(pp=2, virtual_stages=3)
+    for target in ("megatron", "torchtitan"):
+        plan = _plan("tiny-llama", 8, 16, pins=pins, target=target)
+        assert plan.stages[0] == ("tok_embeddings",) and plan.stages[-1] == ("norm", "output")
+        assert [len(chunk) for chunk in plan.stages[1:-1]] == [1, 1, 1, 1]
+        assert plan.prediction.step_time_s > 0
+        assert round_trip(plan, target).run.stages == plan.stages
+    exported = export_plan(_plan("tiny-llama", 8, 16, pins=pins, target="megatron"), "megatron")
+    assert "--pipeline-model-parallel-layout E|t|t|t|t|L" in exported
+    runtime = "this runtime starts and ends each pipeline stage at a transformer block"
+    with pytest.raises(SpecError, match=r"pp\(2\) \* virtual_stages\(3\) chunks > the model's 4"):
+        _plan("tiny-llama", 8, 16, pins=pins)
+    bare = r"plan.stages\[0\] = \['tok_embeddings'\] holds none of .* 4 blocks: " + runtime
+    with pytest.raises(SpecError, match=bare):
+        check_model_against_plan(plan, resolve_model("tiny-llama").module)

@@ -23,7 +23,7 @@ from planner.cost.compute import ComputeModel
 from planner.cost.data_parallel import DataParallelCost
 from planner.cost.memory import MemoryModel, ModelStateBytes, boundary_bytes
 from planner.cost.options import CostOptions
-from planner.cost.pipeline import even_split, pipeline_time, schedule_rounds
+from planner.cost.pipeline import even_split, most_chunks, pipeline_time, schedule_rounds
 from planner.cost.ranks import TIMES, RankSums, SegmentTable, sum_ranks
 from planner.cost.segment import SegmentPricer, TypeCost
 from planner.cost.throughput import Throughput
@@ -288,19 +288,36 @@ class CostModel:
         return [list(chunk) for chunk in self._stages[key]]
 
     def _even_stages(self, strategy: Strategy) -> list[list[int]]:
-        indices = range(len(self.graph.segments))
-        blocks = [i for i in indices if self._is_block(i)]
         chunks = strategy.num_stages
         if chunks == 1:
-            return [list(indices)]  # also models without repeated blocks
-        if len(blocks) < chunks:
+            return [list(range(len(self.graph.segments)))]  # also models without blocks
+        blocks = self._blocks()
+        before, after = self._ends(blocks) if blocks else ([], [])
+        if chunks > most_chunks(len(blocks), before, after):
             raise SpecError(
                 f"pp({strategy.pp}) * virtual_stages({strategy.virtual_stages}) = {chunks} "
-                f"model chunks but the model has {len(blocks)} blocks: use fewer stages"
+                f"model chunks but the model has {len(blocks)} blocks, plus "
+                f"{bool(before) + bool(after)} chunks for its embedding and head: use fewer "
+                "stages"
             )
-        before = [i for i in indices if i < blocks[0]]
-        after = [i for i in indices if i > blocks[-1]]
         return even_split(blocks, chunks, before, after)
+
+    def _blocks(self) -> list[int]:
+        return [i for i in range(len(self.graph.segments)) if self._is_block(i)]
+
+    def _ends(self, blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The segments before the first block (embedding) and after the last (head)."""
+        indices = range(len(self.graph.segments))
+        return [i for i in indices if i < blocks[0]], [i for i in indices if i > blocks[-1]]
+
+    @property
+    def most_chunks(self) -> int:
+        """The most pipeline chunks the even split makes of this model: a block each, and
+        one each for the embedding and the head (:func:`~planner.cost.pipeline.most_chunks`);
+        a chunk without a block runs only where
+        :func:`~planner.frameworks.blockless_chunk_refusal` allows it."""
+        blocks = self._blocks()
+        return most_chunks(len(blocks), *self._ends(blocks)) if blocks else 1
 
     def _is_block(self, index: int) -> bool:
         return self.graph.segment_type(self.graph.segments[index]).kind == "block"

@@ -31,7 +31,10 @@ from typing import TypeVar
 
 from planner.spec import Schedule
 
-__all__ = ["pipeline_time", "schedule_rounds", "balanced_chunks", "even_split", "rank_chunks"]
+__all__ = [
+    "pipeline_time", "schedule_rounds", "balanced_chunks", "most_chunks", "even_split",
+    "rank_chunks",
+]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -88,19 +91,36 @@ def balanced_chunks(num_blocks: int, num_chunks: int) -> list[int]:
     return counts
 
 
+def most_chunks(num_blocks: int, before: Sequence[object], after: Sequence[object]) -> int:
+    """The most chunks :func:`even_split` makes: a block each, and one each for a
+    non-empty ``before`` and ``after``."""
+    return num_blocks + bool(before) + bool(after)
+
+
 def even_split(
     blocks: Sequence[T], num_chunks: int, before: Sequence[T] = (), after: Sequence[T] = ()
 ) -> list[list[T]]:
-    """The even stage split: ``blocks`` in ``num_chunks`` consecutive runs sized by
-    :func:`balanced_chunks`, with ``before`` (the embeddings) joining the first run and
-    ``after`` (the final norm and head) the last. Needs ``num_chunks <= len(blocks)``."""
+    """The even stage split: ``blocks`` in consecutive runs sized by :func:`balanced_chunks`,
+    with ``before`` (the embeddings) joining the first run and ``after`` (the final norm
+    and head) the last. With more chunks than blocks, ``before`` and then ``after`` take a
+    chunk of their own, as Megatron-LM's split accounting for the embedding and the loss
+    does. Needs ``num_chunks <= most_chunks(len(blocks), before, after)``."""
+    spare = num_chunks - len(blocks)
+    own_before = spare > 0 and bool(before)
+    own_after = spare > own_before and bool(after)
+    if spare > own_before + own_after:
+        raise ValueError(f"{num_chunks} chunks exceed {len(blocks)} blocks and their ends")
     chunks: list[list[T]] = []
     start = 0
-    for count in balanced_chunks(len(blocks), num_chunks):
+    for count in balanced_chunks(len(blocks), num_chunks - own_before - own_after):
         chunks.append(list(blocks[start : start + count]))
         start += count
-    chunks[0] = [*before, *chunks[0]]
-    chunks[-1] = [*chunks[-1], *after]
+    ends = ([list(before)] if own_before else [], [list(after)] if own_after else [])
+    chunks = [*ends[0], *chunks, *ends[1]]
+    if not own_before:
+        chunks[0] = [*before, *chunks[0]]
+    if not own_after:
+        chunks[-1] = [*chunks[-1], *after]
     return chunks
 
 

@@ -66,6 +66,7 @@ from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
     PLANNER,
     Target,
+    blockless_chunk_refusal,
     compressed_experts_refusal,
     expert_tensor_parallel_refusal,
     experts_beside_sequence_parallel_refusal,
@@ -372,6 +373,11 @@ class _Space:
         self.leanest: _Point | None = None  # the dropped candidate with the smallest bound
         self._leanest_bytes = math.inf
         self.compression_blocked: str | None = None  # why a pinned compression was dropped
+        # pipeline chunks at most: a block each, and where the target runs it, the
+        # embedding and the head alone
+        self.max_chunks = (
+            model.most_chunks if blockless_chunk_refusal(target) is None else limits.num_blocks
+        )
         self._work: dict[tuple[int, int, bool, int, int, int, int], WholeModelCost] = {}
 
     def fits(self, prediction: Prediction) -> bool:
@@ -414,7 +420,7 @@ class _Space:
                     dp = n // (tp * cp * pp)
                     if not (pins.allows("pp", pp) and pins.allows("dp", dp)):
                         continue
-                    if pp > limits.num_blocks or self.training.global_batch_size % dp:
+                    if pp > self.max_chunks or self.training.global_batch_size % dp:
                         continue
                     if pp > 1 and limits.pipeline_problem:
                         continue
@@ -482,8 +488,9 @@ class _Space:
             interleaved, microbatches
         ):
             return
-        for virtual in range(2, self.limits.num_blocks // pp + 1):
-            even = self.limits.num_blocks % (pp * virtual) == 0
+        for virtual in range(2, self.max_chunks // pp + 1):
+            chunks = pp * virtual  # beyond the blocks: one block each, ends alone
+            even = self.limits.num_blocks % chunks == 0 or chunks >= self.limits.num_blocks
             pinned = self.pins.virtual_stages == virtual  # the user's, even or not
             if (even or virtual <= _MAX_UNEVEN_VIRTUAL or pinned) and self.pins.allows(
                 "virtual_stages", virtual
@@ -840,6 +847,16 @@ def _check_pinned_compression(pins: Pins, lossy: LossyCompression) -> None:
         )
 
 
+def _too_many_chunks(pins: Pins, limits: ModelLimits, space: _Space) -> str:
+    """Why pinned ``pp x virtual_stages`` chunks exceed what the model gives the target."""
+    virtual = f" * virtual_stages({pins.virtual_stages})" if pins.virtual_stages else ""
+    reason = f"pp({pins.pp}){virtual} chunks > the model's {space.max_chunks} at most"
+    refusal = blockless_chunk_refusal(space.target)
+    if refusal is not None and space.model.most_chunks > space.max_chunks:
+        reason += f" (one block each: {refusal.why}; {refusal.fix})"
+    return reason
+
+
 def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Space) -> SpecError:
     """Why the pins leave nothing to search, naming the factors."""
     gpus, batch = model.cluster.num_gpus, model.training.global_batch_size
@@ -861,8 +878,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             reasons.append(f"{what} at tp({pins.tp}): {blockers[options[-1]]}")
     if pins.pp is not None and pins.pp > 1 and limits.pipeline_problem:
         reasons.append(f"pp({pins.pp}): {limits.pipeline_problem}")
-    elif pins.pp is not None and pins.pp > limits.num_blocks:
-        reasons.append(f"pp({pins.pp}) > the model's {limits.num_blocks} blocks")
+    elif pins.pp is not None and pins.pp * (pins.virtual_stages or 1) > space.max_chunks:
+        reasons.append(_too_many_chunks(pins, limits, space))
     if pins.dp_shard is not None:
         per_node = model.cluster.gpus_per_node
         reasons.append(
