@@ -473,7 +473,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     options: dict[str, Any] = {
         "attention": "flash", "dropout": False, "fused_pointwise": True, "grad_reduce_bytes": 4,
         "overlap_grad_reduce": True, "overlap_param_gather": True,
-        "tp_comm_overlap": row["framework"].startswith(MEGATRON_FRAMEWORKS) and tp > 1,
+        "tp_comm_overlap": row["framework"].startswith(MEGATRON_FRAMEWORKS) and tp > 1
+        and "without --tp-comm-overlap" not in row["notes"],  # the source's launch settings
     }  # fmt: skip
     options.update(_moe_kernels(row["framework"]), **recompute_options)
     if "ep_overlap" in row["routing"]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from planner.errors import SpecError
 from planner.parallel_dims import ParallelDims
@@ -33,8 +34,12 @@ from planner.spec import (
     Training,
 )
 
+if TYPE_CHECKING:
+    from planner.cost.options import CostOptions
+
 __all__ = [
     "KERNELS",
+    "framework_options",
     "RELEASES",
     "torchtitan_model",
     "Framework",
@@ -71,19 +76,34 @@ RELEASES: dict[Framework, tuple[Version, ...]] = {
 MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) here
 
 # What each framework's kernels and buffers keep, as CostOptions fields (unlisted: the
-# defaults, eager PyTorch; planner.planning.framework_options applies them). Megatron-Core
+# defaults, eager PyTorch; framework_options applies them). This runtime's selective
+# recompute keeps every matmul output and recomputes the rest, attention included
+# (strategies.checkpointing). Megatron-Core
 # on Transformer Engine (its default --transformer-impl) fuses norms and SwiGLU and reads
 # grouped K/V as they are; since v0.13 its experts multiply the routing probabilities
 # into their activation (experts.py, activation_func_with_probs); in fp8 its GEMMs keep
 # their fp8 inputs for backward (Transformer Engine's Linear); its gradients
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers).
-KERNELS: dict[Framework, dict[str, bool]] = {
+KERNELS: dict[Framework, dict[str, bool | str]] = {
+    Framework.PLANNER: {"selective": "matmuls"},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_saved_inputs": True, "grads_in_reduce_dtype": True,
     },
 }  # fmt: skip
+
+
+def framework_options(framework: Framework, options: CostOptions) -> CostOptions:
+    """``options`` with ``framework``'s kernels (:data:`KERNELS`) where they leave them
+    unset."""
+    kernels = {
+        name: value for name, value in KERNELS.get(framework, {}).items()
+        if name not in options.model_fields_set
+    }  # fmt: skip
+    if not kernels:
+        return options
+    return type(options).model_validate({**options.model_dump(exclude_unset=True), **kernels})
 
 
 def _show_version(version: Version) -> str:
@@ -257,7 +277,8 @@ def blockless_chunk_refusal(target: Target) -> Refusal | None:
         "plan.stages",
         "a chunk without a block",
         f"{_runner(target)} starts and ends each pipeline stage at a transformer block",
-        "give every chunk a block (fewer pp x virtual_stages), or target megatron or torchtitan",
+        "give every chunk a block (fewer pp x virtual_stages: a plan for this runtime), or "
+        "run the plan with megatron or torchtitan",
     )
 
 

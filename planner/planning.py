@@ -21,10 +21,9 @@ from planner.cost.memory import in_flight_microbatches
 from planner.cost.options import device_options
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.frameworks import (
-    KERNELS,
     PLANNER,
-    Framework,
     Target,
+    framework_options,
     model_refusal,
     parse_target,
     strategy_refusal,
@@ -321,16 +320,6 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
     if refined.fits and refined.step_time_s < best.prediction.step_time_s:
         return chunks, refined
     return even, best.prediction
-
-
-def framework_options(framework: Framework, options: CostOptions) -> CostOptions:
-    """``options`` with ``framework``'s kernels (:data:`~planner.frameworks.KERNELS`)
-    where they leave them unset."""
-    kernels = {
-        name: value for name, value in KERNELS.get(framework, {}).items()
-        if name not in options.model_fields_set
-    }  # fmt: skip
-    return options.model_copy(update=kernels) if kernels else options
 
 
 def _check_target(target: Target | str, handle: ModelHandle, training: Training) -> Target:

@@ -163,6 +163,7 @@ def test_a_plan_made_on_a_cpu_profile_prices_what_its_runtime_runs(tmp_path: Pat
     --profile`` re-prices, and small models are predicted small."""
     import planner
     from planner.cost.options import device_options
+    from planner.frameworks import Framework, framework_options
     from planner.spec import Cluster, Training
 
     profile_path = _cpu_profile(tmp_path)
@@ -170,7 +171,9 @@ def test_a_plan_made_on_a_cpu_profile_prices_what_its_runtime_runs(tmp_path: Pat
     training = Training(global_batch_size=8, seq_len=32, dtype="fp32")
     plan = planner.make_plan(planner.resolve_model("tiny-llama"), cluster, training)
     profile = load_profile(str(profile_path))
-    assert measured_run_options(profile) == device_options("cpu")
+    assert measured_run_options(profile) == framework_options(
+        Framework.PLANNER, device_options("cpu")
+    )
     repriced = predict_plan(plan, profile, measured_run_options(profile))
     assert plan.prediction is not None
     assert plan.prediction.step_time_s == repriced.step_time_s

@@ -10,12 +10,14 @@ Megatron's ``--recompute-modules`` (core_attn, layernorm, moe_act, mla_up_proj).
 import pytest
 from pydantic import ValidationError
 
+from planner.calibrate import measured_run_options
 from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.build import spec_graph
+from planner.cost.options import SelectivePolicy, device_options
 from planner.cost.spec_graph import Kernels
-from planner.frameworks import KERNELS, Framework
+from planner.frameworks import KERNELS, Framework, framework_options
 from planner.graph import OpKind, OpRole
-from planner.planning import framework_options
+from planner.hardware import load_profile
 from planner.spec import Cluster, Family, ModelSpec, RecomputeMode, Strategy, Training
 
 T, H, HEADS, KV, F = 64, 128, 8, 2, 256  # tokens, hidden, heads, kv heads, ffn
@@ -94,6 +96,20 @@ def test_a_megatron_target_prices_its_kernels_unless_the_options_say_otherwise()
     assert not chosen.gqa_native and chosen.dropout  # what the user set stays
     assert chosen.fused_norm_swiglu and chosen.moe_probs_in_activation
     assert framework_options(Framework.TORCHTITAN, given) is given
+
+
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_this_runtime_is_searched_and_compared_with_its_own_selective_recompute(device):
+    """strategies.checkpointing keeps every matmul output: the search for this runtime
+    and ``plan compare``/calibration (measured_run_options) price that, not Megatron's
+    attention core; an explicit choice stays."""
+    profile = load_profile("h200-sxm-141gb" if device == "gpu" else "a100-sxm-80gb")
+    profile = profile.model_copy(update={"device_kind": device})
+    searched = framework_options(Framework.PLANNER, device_options(device))
+    for options in (searched, measured_run_options(profile)):
+        assert options.selective is SelectivePolicy.MATMULS
+    chosen = framework_options(Framework.PLANNER, CostOptions(selective="attention"))
+    assert chosen.selective is SelectivePolicy.ATTENTION
 
 
 def _block(graph, options: CostOptions, mode: RecomputeMode):

@@ -207,15 +207,17 @@ def test_expert_rules_name_the_field_value_and_fix():
 # ---- plan --for ---------------------------------------------------------------------
 
 
-def _plan(model: str, gpus: int, batch: int, **options):
+def _plan(model: str, gpus: int, batch: int, seq: int | None = None, **options):
     handle = resolve_model(model)
     cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus)
-    return make_plan(handle, cluster, Training(global_batch_size=batch), **options)
+    return make_plan(handle, cluster, Training(global_batch_size=batch, seq_len=seq), **options)
 
 
 @pytest.mark.parametrize("text", ["torchtitan==0.2", "torchtitan", "megatron", "deepspeed"])
 def test_a_plan_for_a_framework_exports_to_it(text):
-    plan = _plan("llama3-8b", 64, 256, target=text)
+    """At 4096 tokens: DeepSpeed's plans recompute nothing and split no layer, and
+    Llama-3 8B at 8192 tokens a sequence holds more than an H100 then."""
+    plan = _plan("llama3-8b", 64, 256, 4096, target=text)
     target = parse_target(text)
     assert plan.target == str(target)
     assert strategy_refusal(target, plan.strategy, plan.training) is None

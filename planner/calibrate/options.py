@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from planner.cost import CostOptions
 from planner.cost.options import DDP_BUCKET_MIB, device_options
+from planner.frameworks import Framework, framework_options
 from planner.hardware import HardwareProfile
 
 __all__ = ["measured_run_options"]
@@ -21,7 +22,12 @@ __all__ = ["measured_run_options"]
 def measured_run_options(profile: HardwareProfile) -> CostOptions:
     """Cost options matching what ``plan measure`` runs and counts on ``profile``'s device:
     the device's own (:func:`~planner.cost.options.device_options`); on GPUs with DDP's
-    buckets, DTensor sequence parallelism and allocated bytes (no allocator slack)."""
+    buckets, DTensor sequence parallelism and allocated bytes (no allocator slack); with
+    this runtime's kernels (:data:`~planner.frameworks.KERNELS`)."""
     if profile.device_kind == "cpu":
-        return device_options("cpu")
-    return CostOptions(dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0, sp_regather_input=False)
+        options = device_options("cpu")
+    else:
+        options = CostOptions(
+            dp_bucket_mib=DDP_BUCKET_MIB, allocator_margin=0.0, sp_regather_input=False
+        )
+    return framework_options(Framework.PLANNER, options)

@@ -35,6 +35,9 @@ class AttentionKernel(StrEnum):
 class SelectivePolicy(StrEnum):
     ATTENTION = "attention"  # recompute the attention core (Korthikanti et al., Megatron)
     OP = "op"  # save every other matmul output and attention; recompute the rest (torchtitan)
+    # save every matmul output; recompute the rest, attention included (this runtime:
+    # strategies.checkpointing)
+    MATMULS = "matmuls"
     MODULES = "modules"  # Megatron-Core's --recompute-modules: the ones in recompute_modules
 
 

@@ -27,6 +27,9 @@ from planner.spec import Axis, RecomputeMode
 
 __all__ = ["TypeCost", "SegmentPricer"]
 
+# policies whose selective recompute keeps a block's input and its saved matmul outputs
+_SAVE_MATMULS = (SelectivePolicy.OP, SelectivePolicy.MATMULS)
+
 
 @dataclass(frozen=True)
 class TypeCost:
@@ -72,6 +75,13 @@ class SegmentPricer:
         self.links = links
         self.assignment = assignment
         self.element_bytes = compute.element_bytes
+        # Bytes per logit the loss holds beside what it keeps, at the backward's start.
+        # Eager F.cross_entropy(logits.float()): nll_loss's and log_softmax's fp32
+        # gradients at once. A compiled or fused loss (validated on torchtitan's compiled
+        # runs): the logits in the compute dtype and one fp32 gradient.
+        self._loss_transient_bytes = (
+            self.element_bytes + FP32_BYTES if options.fused_pointwise else 2 * FP32_BYTES
+        )
 
     def layout(self, seg_type: SegmentType, key: ShardKey) -> SegmentTP:
         """How the layout at ``key`` splits ``seg_type``."""
@@ -97,7 +107,7 @@ class SegmentPricer:
         if mode is RecomputeMode.FULL:
             recompute += tp_fwd + cp_fwd + ep_fwd
             kept = self._input_bytes(nodes, saved)
-        elif mode is RecomputeMode.SELECTIVE and self.options.selective is SelectivePolicy.OP:
+        elif mode is RecomputeMode.SELECTIVE and self.options.selective in _SAVE_MATMULS:
             kept = self._input_bytes(nodes, saved) + sum(
                 nodes[i].bytes_written * saved[i] for i in range(len(nodes)) if i not in recomputed
             )
@@ -177,6 +187,8 @@ class SegmentPricer:
         if self.options.selective is SelectivePolicy.MODULES:
             return _module_recompute_nodes(nodes, self.options.recompute_modules)
         matmuls = [i for i, n in enumerate(nodes) if n.kind is OpKind.MATMUL]
+        if self.options.selective is SelectivePolicy.MATMULS:
+            return set(range(len(nodes))) - set(matmuls)
         saved = set(matmuls[::2]) | {i for i, n in enumerate(nodes) if n.kind is OpKind.ATTENTION}
         return set(range(len(nodes))) - saved
 
@@ -192,9 +204,9 @@ class SegmentPricer:
                 own += unfused_score_bytes(node, self.element_bytes, self.options.dropout)
             scaled = own * scale
             kept += scaled
-            if node.kind is OpKind.LOSS:  # logits and their fp32 gradient live alongside
+            if node.kind is OpKind.LOSS:  # the logits' transients besides what is kept
                 elements = math.prod(node.input_shapes[0]) if node.input_shapes else 0
-                transient = elements * (self.element_bytes + FP32_BYTES) * scale
+                transient = elements * self._loss_transient_bytes * scale
                 logits += scaled + transient
                 kept += transient
         return kept, logits

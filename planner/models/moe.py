@@ -40,13 +40,15 @@ def expert_mlp(
 ) -> torch.Tensor:
     """Outputs of ``rows`` (pairs sorted by expert, ``counts[e]`` for expert
     ``first + e`` of ``module``'s grouped weights), in the same order."""
+    # unbind, not one index per expert: indexing's backward writes a zero-filled gradient
+    # of the whole grouped weight per expert (experts x its size), unbind's stacks one
+    gate_ups, downs = module.gate_up_proj.unbind(0), module.down_proj.unbind(0)
     outputs, start = [], 0
     for local, count in enumerate(counts):
         chunk = rows[start : start + count]
         start += count
-        expert = first + local
-        gate_up = F.linear(chunk, module.gate_up_proj[expert])
-        outputs.append(F.linear(module._apply_gate(gate_up), module.down_proj[expert]))
+        gate_up = F.linear(chunk, gate_ups[first + local])
+        outputs.append(F.linear(module._apply_gate(gate_up), downs[first + local]))
     return torch.cat(outputs) if outputs else rows[:0]
 
 
