@@ -37,6 +37,8 @@ from typing import Any
 
 from planner.assemble import assemble_plan
 from planner.calibrate import measured_run_options, predict_plan
+from planner.calibrate.fit import fit_matmul
+from planner.cli.calibrate import GPU_MATMUL_SHAPES
 from planner.cost import RunConfig, estimate_run
 from planner.cost.compute import ComputeModel
 from planner.hardware import HardwareProfile, load_profile
@@ -71,13 +73,6 @@ SMALL_PLANS: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "tiny-llama mbs4 full": ("tiny-llama", 32, 4, {"micro_batch_size": 4, "recompute": "full"}),
     "tiny-moe mbs2 x2": ("tiny-moe", 32, 4, {"micro_batch_size": 2}),
 }  # fmt: skip
-# (tokens, in, out) of the GEMMs in the measured models' layers, at 1-32K tokens
-GEMM_SHAPES = tuple(
-    (m, k, n)
-    for m in (1024, 4096, 16384, 32768)
-    for k, n in ((2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (2048, 128256),
-                 (4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
-)  # fmt: skip
 SMALL_GEMM_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 2048))
 
 
@@ -109,11 +104,12 @@ def _out_of_memory_path(plan: Path) -> Path:
     return _measured_path(plan).with_suffix(".oom")
 
 
-def _run(command: list[str], *, ranks: int) -> str:
-    """``python -m torch.distributed.run --nproc-per-node RANKS COMMAND``'s stdout (one
-    thread per rank when there are several); exits on failure."""
+def _run(command: list[str], *, ranks: int, one_thread: bool) -> str:
+    """``python -m torch.distributed.run --nproc-per-node RANKS COMMAND``'s stdout (with
+    ``one_thread``, one thread per rank: a CPU's calibration and the runs it prices);
+    exits on failure."""
     full = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *command]
-    threads = {"OMP_NUM_THREADS": "1"} if ranks > 1 else {}
+    threads = {"OMP_NUM_THREADS": "1"} if one_thread else {}
     result = subprocess.run(full, capture_output=True, text=True, env={**os.environ, **threads})
     if result.returncode != 0:
         own = [line for line in result.stderr.splitlines() if "torch/distributed" not in line]
@@ -155,7 +151,7 @@ def _gemm_sweep(out: Path, *, small: bool) -> None:
     from planner.calibrate.microbench import matmul_sweep
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    shapes = SMALL_GEMM_SHAPES if small else GEMM_SHAPES
+    shapes = SMALL_GEMM_SHAPES if small else GPU_MATMUL_SHAPES
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = [("bf16" if device.type == "cuda" else "fp32", *shape, s.seconds)
             for shape, s in zip(shapes, matmul_sweep(device, dtype, shapes), strict=True)]  # fmt: skip
@@ -184,27 +180,30 @@ def _fp8_seconds(shape: tuple[int, int, int], device: Any) -> float:
     )
 
 
-def _step_table(names: list[str], plans: list[Plan], base: HardwareProfile,
-                calibrated: HardwareProfile, workdir: Path) -> None:  # fmt: skip
-    """Measured step and peak memory against the predictions on both profiles."""
-    print(f"\n{'plan':<20} {'measured':>9} {'datasheet':>16} {'calibrated':>16} "
-          f"{'mem meas':>9} {'mem pred':>16}")  # fmt: skip
-    errors: dict[str, list[float]] = {"datasheet": [], "calibrated": [], "memory": []}
+def _step_table(names: list[str], plans: list[Plan], profiles: dict[str, HardwareProfile],
+                workdir: Path) -> None:  # fmt: skip
+    """Measured step time against each profile's prediction, and peak memory against the
+    first's (memory does not depend on the profile)."""
+    print(f"\n{'plan':<20} {'measured':>9} " + " ".join(f"{k:>15}" for k in profiles)
+          + f" {'mem meas':>9} {'mem pred':>16}")  # fmt: skip
+    errors: dict[str, list[float]] = {**{k: [] for k in profiles}, "memory": []}
+    base = next(iter(profiles.values()))
     for name, plan in zip(names, plans, strict=True):
         path = _measured_path(workdir / f"plan-{_slug(name)}.json")
         if not path.is_file():
             print(f"{name:<20} {_not_measured(plan, base, path.with_suffix('.oom'))}")
             continue
         run = load_document(MeasuredProfile, path)
-        sheet, fitted = _predict(plan, base), _predict(plan, calibrated)
         measured_s, measured_gib = run.step_time_median_s, run.peak_memory_max_gib
         cells = []
-        for key, prediction in (("datasheet", sheet), ("calibrated", fitted)):
-            errors[key].append(error := prediction.step_time_s / measured_s - 1)
-            cells.append(f"{prediction.step_time_s * 1e3:7.0f}ms {error:+6.1%}")
-        errors["memory"].append(mem_error := sheet.peak_memory_gib / measured_gib - 1)
-        print(f"{name:<20} {measured_s * 1e3:7.0f}ms {cells[0]:>16} {cells[1]:>16} "
-              f"{measured_gib:8.2f}G {sheet.peak_memory_gib:8.2f}G {mem_error:+6.1%}")  # fmt: skip
+        for key, profile in profiles.items():
+            predicted_s = _predict(plan, profile).step_time_s
+            errors[key].append(error := predicted_s / measured_s - 1)
+            cells.append(f"{predicted_s * 1e3:6.0f}ms {error:+6.1%}")
+        predicted_gib = _predict(plan, base).peak_memory_gib
+        errors["memory"].append(mem_error := predicted_gib / measured_gib - 1)
+        print(f"{name:<20} {measured_s * 1e3:7.0f}ms {' '.join(cells)} "
+              f"{measured_gib:8.2f}G {predicted_gib:8.2f}G {mem_error:+6.1%}")  # fmt: skip
     for key, values in errors.items():
         if values:
             mean = sum(abs(v) for v in values) / len(values)
@@ -226,25 +225,38 @@ def _not_measured(plan: Plan, base: HardwareProfile, out_of_memory: Path) -> str
     )
 
 
-def _gemm_table(path: Path, base: HardwareProfile, calibrated: HardwareProfile) -> None:
-    """Each GEMM's measured time against the cost model's (``ComputeModel.gemm_time``)."""
+def _gemm_rows(path: Path) -> list[tuple[DType, int, int, int, float]]:
+    """(dtype, m, k, n, seconds) of each GEMM the worker timed."""
     with path.open() as f:
-        rows = list(csv.DictReader(f))
+        return [(DType(r["dtype"]), int(r["m"]), int(r["k"]), int(r["n"]), float(r["seconds"]))
+                for r in csv.DictReader(f)]  # fmt: skip
+
+
+def _gemm_refit(profile: HardwareProfile, rows: list[tuple[DType, int, int, int, float]],
+                dtype: DType) -> HardwareProfile:  # fmt: skip
+    """``profile`` with its GEMM efficiency and overhead fitted on the ``dtype`` GEMMs of
+    ``rows``, as ``plan calibrate`` fits its sweep (the same shapes on GPUs)."""
+    timed = [(2.0 * m * k * n, seconds) for kind, m, k, n, seconds in rows if kind is dtype]
+    fit = fit_matmul([f for f, _ in timed], [t for _, t in timed], profile.peak_flops(dtype))
+    return profile.model_copy(update=fit.values)
+
+
+def _gemm_table(rows: list[tuple[DType, int, int, int, float]],
+                profiles: dict[str, HardwareProfile]) -> None:  # fmt: skip
+    """Each GEMM's measured time against each profile's (``ComputeModel.gemm_time``)."""
     print(f"\n{'dtype':<5} {'m x k x n':<22} {'measured':>10} {'TFLOP/s':>8} "
-          f"{'datasheet':>9} {'calibrated':>10}")  # fmt: skip
+          + " ".join(f"{k:>11}" for k in profiles))  # fmt: skip
     errors: dict[tuple[str, str], list[float]] = {}
-    for row in rows:
-        dtype = DType(row["dtype"])
-        m, k, n, seconds = int(row["m"]), int(row["k"]), int(row["n"]), float(row["seconds"])
+    for dtype, m, k, n, seconds in rows:
         flops, nbytes = 2.0 * m * k * n, dtype.activation_bytes * (m * k + k * n + m * n)
         cells = []
-        for label, profile in (("datasheet", base), ("calibrated", calibrated)):
+        for label, profile in profiles.items():
             model = ComputeModel(profile, dtype, measured_run_options(profile))
             error = model.gemm_time(flops, nbytes) / seconds - 1
-            errors.setdefault((row["dtype"], label), []).append(error)
-            cells.append(f"{error:+9.1%}")
-        print(f"{row['dtype']:<5} {f'{m}x{k}x{n}':<22} {seconds * 1e6:8.1f}us "
-              f"{flops / seconds / 1e12:8.1f} {cells[0]} {cells[1]:>10}")  # fmt: skip
+            errors.setdefault((dtype.value, label), []).append(error)
+            cells.append(f"{error:+11.1%}")
+        print(f"{dtype.value:<5} {f'{m}x{k}x{n}':<22} {seconds * 1e6:8.1f}us "
+              f"{flops / seconds / 1e12:8.1f} {' '.join(cells)}")  # fmt: skip
     for (dtype_name, label), values in errors.items():
         mean = sum(abs(v) for v in values) / len(values)
         print(f"GEMM {dtype_name}, {label} profile: {len(values)} shapes, mean |error| "
@@ -286,16 +298,22 @@ def main() -> int:
     else:
         calibrate = ["-m", "planner", "calibrate", "-o", str(calibrated_path)]
         print(_run(calibrate + ([] if args.small else ["--base", base_name]),
-                   ranks=2 if args.small else 1))  # fmt: skip
+                   ranks=2 if args.small else 1, one_thread=args.small))  # fmt: skip
         paths = [_plan_file(name, entries[name], base_name, workdir) for name in names]
         worker = [__file__, "--worker", "--workdir", str(workdir), "--steps", str(args.steps),
                   "--warmup", str(args.warmup), *(["--small"] if args.small else [])]  # fmt: skip
-        print(_run([*worker, *map(str, paths)], ranks=1))
-    base, calibrated = load_profile(base_name), load_profile(str(calibrated_path))
+        print(_run([*worker, *map(str, paths)], ranks=1, one_thread=args.small))
+    calibrated = load_profile(str(calibrated_path))
     print(f"\n{calibrated.description}")
     plans = [load_document(Plan, path) for path in paths]
-    _step_table(names, plans, base, calibrated, workdir)
-    _gemm_table(workdir / "gemm.csv", base, calibrated)
+    gemms = _gemm_rows(workdir / "gemm.csv")
+    profiles = {
+        "datasheet": load_profile(base_name),
+        "calibrated": calibrated,
+        "GEMMs refit": _gemm_refit(calibrated, gemms, plans[0].training.dtype),
+    }
+    _step_table(names, plans, profiles, workdir)
+    _gemm_table(gemms, profiles)
     print(f"\nworkdir {workdir}; benchmark took {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -8,7 +8,7 @@ import pytest
 from planner.calibrate import measured_run_options, predict_plan
 from planner.hardware import load_profile
 from planner.measured import MeasuredProfile, plan_fingerprint
-from planner.spec import Plan, load_document
+from planner.spec import DType, Plan, load_document
 from tests.benchmark_modules import load_benchmark
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "h200"
@@ -40,3 +40,15 @@ def test_dense_runs_are_priced_within_15_percent_and_memory_within_10(name):
     predicted = predict_plan(plan, profile, measured_run_options(profile))
     assert predicted.step_time_s == pytest.approx(run.step_time_median_s, rel=0.15)
     assert predicted.peak_memory_gib == pytest.approx(run.peak_memory_max_gib, rel=0.10)
+
+
+@pytest.mark.parametrize("name", [n for n in DENSE if _files(n)[1].is_file()])
+def test_a_gemm_fit_on_transformer_shapes_prices_the_dense_runs_within_8_percent(name):
+    """What ``plan calibrate`` fits on GPUs now (GPU_MATMUL_SHAPES, timed in gemm.csv):
+    the profile calibrated on square products priced these runs 6-16% too fast."""
+    plan, measured = _files(name)
+    run = load_document(MeasuredProfile, measured)
+    calibrated = load_profile(str(DATA / "calibrated.json"))
+    refit = BENCH._gemm_refit(calibrated, BENCH._gemm_rows(DATA / "gemm.csv"), DType.BF16)
+    predicted = predict_plan(plan, refit, measured_run_options(refit))
+    assert predicted.step_time_s == pytest.approx(run.step_time_median_s, rel=0.08)

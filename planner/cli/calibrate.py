@@ -41,7 +41,16 @@ if TYPE_CHECKING:  # the measuring and fitting machinery loads torch: imported o
     from planner.calibrate.refit import RefitReport, RunError
     from planner.cost.communication import Collective
 
-_GPU_MATMUL = tuple((n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192))
+# (m, k, n) GEMMs that transformer layers run: 1-32K tokens through hidden sizes 2048-8192
+# and their attention, MLP and vocabulary projections. Fitted on square products instead
+# (which run faster), an H200's profile priced its dense training steps 6-16% too fast,
+# against within 7% fitted on these (benchmarks/data/h200, bench_gpu_loop.py).
+GPU_MATMUL_SHAPES: tuple[tuple[int, int, int], ...] = tuple(
+    (m, k, n)
+    for m in (1024, 4096, 16384, 32768)
+    for k, n in ((2048, 2048), (2048, 512), (2048, 8192), (8192, 2048), (2048, 128256),
+                 (4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
+)  # fmt: skip
 _GPU_MEMORY = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
 _GPU_ATTENTION = ((16, 1024, 128), (32, 2048, 128), (32, 4096, 128))
 _GPU_COLLECTIVE_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
@@ -225,7 +234,7 @@ def _measure(
     cpu_shapes = microbench.DEFAULT_MATMUL_SHAPES[:: 2 if args.quick else 1]
     announce(f"{dtype.value} matmul sweep")
     matmul = microbench.matmul_sweep(
-        device, torch_dtype, _GPU_MATMUL if gpu else cpu_shapes, repeats=repeats
+        device, torch_dtype, GPU_MATMUL_SHAPES if gpu else cpu_shapes, repeats=repeats
     )
     announce("memory-bound kernel sweep")
     memory = microbench.memory_sweep(
