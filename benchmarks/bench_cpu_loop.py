@@ -191,24 +191,37 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def loop_parser(description: str, *, steps: int, reuse: str) -> argparse.ArgumentParser:
+    """The arguments of a calibrate-measure-compare loop: ``--workdir``, ``--steps``,
+    ``--warmup``, ``--reuse`` (helped by ``reuse``), and its torchrun worker's."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, help="keep plans, profiles and measurements here")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per plan and pass")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan and pass")
-    parser.add_argument("--passes", type=int, default=2,
-                        help="measure every plan this many times, keep the lowest median")  # fmt: skip
-    parser.add_argument("--reuse", action="store_true",
-                        help="refit and compare the profile and runs already in --workdir")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per plan")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan")
+    parser.add_argument("--reuse", action="store_true", help=reuse)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("plans", nargs="*", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def loop_workdir(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> Path:
+    """``--workdir`` (required with ``--reuse``), or a new temporary one; created."""
+    if args.reuse and args.workdir is None:
+        parser.error("--reuse needs --workdir")
+    workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
+def main() -> int:
+    parser = loop_parser(__doc__.split("\n")[0], steps=6,
+                         reuse="refit and compare the profile and runs already in --workdir")  # fmt: skip
+    parser.add_argument("--passes", type=int, default=2,
+                        help="measure every plan this many times, keep the lowest median")  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
-    if args.reuse and args.workdir is None:
-        parser.error("--reuse needs --workdir")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cpu_loop."))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = loop_workdir(parser, args, "bench_cpu_loop.")
     started = time.perf_counter()
     print(f"load average at the start: {_load()}")
     micro = workdir / "my-cpu.json"

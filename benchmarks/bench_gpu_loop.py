@@ -30,10 +30,11 @@ import csv
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_cpu_loop import loop_parser, loop_workdir
 
 from planner.assemble import assemble_plan
 from planner.calibrate import measured_run_options, predict_plan
@@ -268,26 +269,17 @@ def _predict(plan: Plan, profile: HardwareProfile) -> Prediction:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", type=Path, help="keep plans, profiles and measurements here")
+    parser = loop_parser(__doc__.split("\n")[0], steps=8,
+                         reuse="compare the profile and runs already in --workdir")  # fmt: skip
     parser.add_argument("--base", default="h200-sxm-141gb",
                         help="datasheet profile of this GPU (default: h200-sxm-141gb)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per plan")
     parser.add_argument("--small", action="store_true",
-                        help="tiny models on the 'cpu' profile: check the benchmark on a CPU")  # fmt: skip
-    parser.add_argument("--reuse", action="store_true",
-                        help="compare the profile and runs already in --workdir")  # fmt: skip
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("plans", nargs="*", type=Path, help=argparse.SUPPRESS)
+                        help="tiny models, a CPU calibrated as their profile: check the benchmark")  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         return _worker(args)
-    if args.reuse and args.workdir is None:
-        parser.error("--reuse needs --workdir")
     entries = SMALL_PLANS if args.small else GPU_PLANS
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_gpu_loop."))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = loop_workdir(parser, args, "bench_gpu_loop.")
     started = time.perf_counter()
     calibrated_path = workdir / "calibrated.json"
     # a CPU has no datasheet profile: it is calibrated over 2 ranks and is its own base
