@@ -6,17 +6,19 @@
 
 On a GPU (one process, NCCL) the benchmark
 
-1. runs ``plan calibrate --base BASE`` (GEMM, memory-bound, attention sweeps);
-2. times GEMMs of the shapes transformer layers run (tokens x hidden x output), in bf16
-   and, where the GPU has them, fp8 (``torch._scaled_mm``, per-tensor scales), into
-   ``gemm.csv``;
+1. runs ``plan calibrate --base BASE`` (GEMM, memory-bound and attention sweeps);
+2. times the GEMMs ``plan calibrate`` sweeps on GPUs (``GPU_MATMUL_SHAPES``: the shapes
+   transformer layers run), in bf16 and, where the GPU has them, fp8
+   (``torch._scaled_mm``, per-tensor scales), into ``gemm.csv``;
 3. makes a plan per entry of ``GPU_PLANS`` (Llama-3.2 1B, GPT-3 1.3B, OLMoE 1B-7B, one
    GPU, bf16 with fp32 master weights, AdamW) and measures each with
    ``strategies.measure.measure_plan`` (what ``plan measure`` runs);
 4. prints, per plan, the measured step time and peak memory against the cost model's
    prediction on the datasheet profile (``BASE``, priced with the options of the run
-   that measured it: ``plan compare --profile``) and on the calibrated one; then the
-   GEMM table: each shape's measured time against the cost model's on both profiles.
+   that measured it: ``plan compare --profile``), on the calibrated one, and on the
+   calibrated one with its GEMM fit redone on ``gemm.csv`` ("GEMMs refit": a run
+   calibrated before the sweep took these shapes); then the GEMM table: each shape's
+   measured time against the cost model's on the three profiles.
 
 ``--reuse`` skips steps 1-3 and compares what ``--workdir`` holds, so the figures of a
 GPU run stored in the repository (``benchmarks/data/h200``) reprint on any machine with
