@@ -208,14 +208,14 @@ def _norm(b: _Builder, module: str, spec: ModelSpec, h: int, params: int | None 
     """A norm over ``h`` features a token (``params`` weights, default ``h``: fewer for
     per-head norms). LayerNorm, and RMSNorm with fused kernels, is one kernel keeping
     input and output (Korthikanti: 2+2 bytes per element; the output as the next GEMM
-    keeps it, :class:`Kernels`); eager RMSNorm also keeps its fp32 upcast and
-    normalised value (4+2+2)."""
+    keeps it, :class:`Kernels`); eager RMSNorm (the zoo's) keeps its one fp32 upcast (in
+    fp32, the input itself), its normalised value and output (4+2+2, fp32 4+4+4)."""
     scale = b.e / HALF_BYTES
     if spec.family is Family.LLAMA:
         steps = tuple((n, r * scale, w * scale) for n, r, w in _RMSNORM)
         # input and output; eager also the fp32 upcast and the normalised value
         fused = b.e + b.gemm_saved
-        kept = fused if b.kernels.fused_norm_swiglu else (FP32_BYTES + 2 * HALF_BYTES) * scale
+        kept = fused if b.kernels.fused_norm_swiglu else FP32_BYTES + 2 * b.e
         weights = h if params is None else params
         b.chain(module, OpKind.NORM, h, steps, saved_per_element=kept, params=weights)
     else:

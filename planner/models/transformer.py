@@ -27,7 +27,7 @@ from torch import nn
 from planner.models.moe import MoE
 from planner.spec import Activation, Family, ModelSpec
 
-__all__ = ["Transformer", "Block", "LatentAttention"]
+__all__ = ["Transformer", "Block", "LatentAttention", "LayerNorm", "RMSNorm", "autocast_dtype"]
 
 
 def _positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,20 @@ def _positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tens
     return torch.arange(x.shape[1], device=x.device)[None, :]
 
 
+def autocast_dtype() -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in where it is on (CUDA or CPU), else ``None``."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 from one upcast of its input (its square and its product
+    share it); the output is in the input's dtype, or autocast's where it is on, so the
+    projections reading it share one half-precision copy (an fp32 output would be cast,
+    and saved for backward, once per projection)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -47,8 +60,12 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        upcast = x.float()
+        normed = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + self.eps)
+        dtype = autocast_dtype()
+        if dtype is None:
+            return normed.type_as(x) * self.weight
+        return normed.to(dtype) * self.weight.to(dtype)
 
 
 def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
@@ -170,10 +187,26 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm in autocast's dtype where it is on (MosaicML's low-precision LayerNorm):
+    CUDA's autocast runs ``layer_norm`` in fp32 and returns fp32, which every projection
+    reading it would cast, and save for backward, again; this keeps one half-precision
+    input and output, as without autocast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = autocast_dtype()
+        if dtype is None:
+            return super().forward(x)
+        weight = self.weight.to(dtype) if self.weight is not None else None
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x.to(dtype), self.normalized_shape, weight, bias, self.eps)
+
+
 def _norm(spec: ModelSpec) -> nn.Module:
     if spec.family is Family.LLAMA:
         return RMSNorm(spec.hidden_size, spec.norm_eps)
-    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+    return LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
 def _feed_forward(spec: ModelSpec, index: int) -> nn.Module:
@@ -206,7 +239,9 @@ class Transformer(nn.Module):
     """Token ids (batch, seq) -> logits (batch, seq, vocab).
 
     ``position_ids`` (batch or 1, seq) are the tokens' positions, ``0..seq-1`` when not
-    given.
+    given. Under autocast the hidden state between blocks is in autocast's dtype, so
+    fp32 weights under autocast keep (and a pipeline sends) what half-precision weights
+    do, which is what the cost model prices.
     """
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -230,6 +265,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(_positions(position_ids, h))
+        dtype = autocast_dtype()
+        if dtype is not None:  # the residual stream in autocast's dtype, as with half weights
+            h = h.to(dtype)
         for block in self.layers.values():  # without positions, traced as block(h) alone
             h = block(h) if position_ids is None else block(h, position_ids)
         return self.output(self.norm(h))

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from planner.models.transformer import LayerNorm
 from planner.torch_dtypes import dtype_name
 from planner.tracing.ops import RawOp, TensorRef
 
@@ -45,6 +46,7 @@ _LEAF_MODULES: dict[type[nn.Module], str] = {
     nn.Linear: "linear",
     nn.Embedding: "embedding",
     nn.LayerNorm: "layer_norm",
+    LayerNorm: "layer_norm",  # the zoo's: in autocast's dtype where it is on
     nn.RMSNorm: "rms_norm",
     nn.GroupNorm: "group_norm",
     nn.BatchNorm1d: "batch_norm",
