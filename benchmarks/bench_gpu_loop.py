@@ -235,13 +235,25 @@ def _gemm_rows(path: Path) -> list[tuple[DType, int, int, int, float]]:
                 for r in csv.DictReader(f)]  # fmt: skip
 
 
+def _gemm_fit(profile: HardwareProfile, rows: list[tuple[DType, int, int, int, float]],
+              dtype: DType) -> dict[str, float]:  # fmt: skip
+    """GEMM efficiency and overhead fitted on the ``dtype`` GEMMs of ``rows``, as ``plan
+    calibrate`` fits its sweep (the same shapes on GPUs)."""
+    timed = [(2.0 * m * k * n, seconds) for kind, m, k, n, seconds in rows if kind is dtype]
+    return fit_matmul(
+        [f for f, _ in timed], [t for _, t in timed], profile.peak_flops(dtype)
+    ).values
+
+
 def _gemm_refit(profile: HardwareProfile, rows: list[tuple[DType, int, int, int, float]],
                 dtype: DType) -> HardwareProfile:  # fmt: skip
-    """``profile`` with its GEMM efficiency and overhead fitted on the ``dtype`` GEMMs of
-    ``rows``, as ``plan calibrate`` fits its sweep (the same shapes on GPUs)."""
-    timed = [(2.0 * m * k * n, seconds) for kind, m, k, n, seconds in rows if kind is dtype]
-    fit = fit_matmul([f for f, _ in timed], [t for _, t in timed], profile.peak_flops(dtype))
-    return profile.model_copy(update=fit.values)
+    """``profile`` with its GEMM fit redone on the ``dtype`` GEMMs of ``rows`` and, where
+    fp8 GEMMs were timed, ``fp8_matmul_ratio`` as the fp8 fit's efficiency over it."""
+    fitted = _gemm_fit(profile, rows, dtype)
+    if any(kind is DType.FP8 for kind, *_ in rows):
+        fp8 = _gemm_fit(profile, rows, DType.FP8)["matmul_efficiency"]
+        fitted["fp8_matmul_ratio"] = fp8 / fitted["matmul_efficiency"]
+    return profile.model_copy(update=fitted)
 
 
 def _gemm_table(rows: list[tuple[DType, int, int, int, float]],
@@ -306,6 +318,11 @@ def main() -> int:
         "calibrated": calibrated,
         "GEMMs refit": _gemm_refit(calibrated, gemms, plans[0].training.dtype),
     }
+    refit = profiles["GEMMs refit"]
+    if refit.fp8_matmul_ratio is not None:
+        print(f"fp8 GEMMs reach {refit.fp8_matmul_ratio:.3f} of bf16's efficiency (each fitted "
+              f"on gemm.csv: {refit.matmul_efficiency_for(DType.FP8):.3f} of the fp8 peak, "
+              f"{refit.matmul_efficiency:.3f} of the bf16 peak)")  # fmt: skip
     _step_table(names, plans, profiles, workdir)
     _gemm_table(gemms, profiles)
     print(f"\nworkdir {workdir}; benchmark took {time.perf_counter() - started:.0f} s")

@@ -102,7 +102,8 @@ class HardwareProfile(_Frozen):
 
     Matmul time for a GEMM of F FLOPs is ``F / (peak * matmul_efficiency) +
     matmul_overhead_us``: the efficiency saturates with problem size and is half the
-    maximum at ``F = peak * matmul_efficiency * matmul_overhead_us``. Memory-bound
+    maximum at ``F = peak * matmul_efficiency * matmul_overhead_us`` (fp8 GEMMs at
+    :meth:`matmul_efficiency_for`). Memory-bound
     operators move bytes at ``memory_bandwidth_GBps * memory_efficiency`` plus
     ``kernel_overhead_us`` each.
 
@@ -121,6 +122,7 @@ class HardwareProfile(_Frozen):
     peak_tflops: dict[DType, PeakTflops]  # dense matrix throughput per dtype
     matmul_efficiency: Fraction  # large GEMMs in training, fraction of peak
     matmul_overhead_us: Latency  # fixed cost per GEMM (launch, tail waves)
+    fp8_matmul_ratio: Fraction | None = None  # fp8 GEMMs' efficiency over bf16's (None: 1)
     attention_efficiency: Fraction  # fused (flash) attention, of peak
     memory_capacity_gib: Capacity  # usable by the framework
     memory_bandwidth_GBps: Bandwidth
@@ -156,6 +158,14 @@ class HardwareProfile(_Frozen):
                 f"(it has: {known}); choose one of those dtypes or add the figure"
             )
         return self.peak_tflops[dtype] * 1e12
+
+    def matmul_efficiency_for(self, dtype: DType) -> float:
+        """The fraction of ``dtype``'s peak large GEMMs reach in training: fp8 GEMMs reach
+        ``fp8_matmul_ratio`` of bf16's efficiency (Hopper's fp8 tensor cores do not
+        double bf16's throughput at training shapes), where the profile gives it."""
+        if dtype is DType.FP8 and self.fp8_matmul_ratio is not None:
+            return self.matmul_efficiency * self.fp8_matmul_ratio
+        return self.matmul_efficiency
 
     @property
     def memory_capacity_bytes(self) -> float:

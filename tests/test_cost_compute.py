@@ -120,3 +120,17 @@ def test_split_work_is_faster_by_its_divisor():
     norm = _node(kind=OpKind.NORM, module="attention_norm", nbytes=8e9)
     replicated, split = model.node_time(norm, 1.0).forward_s, model.node_time(norm, 0.25).forward_s
     assert replicated > 3.5 * split
+
+
+def test_fp8_gemms_run_at_the_profiles_fp8_share_of_bf16s_efficiency():
+    hopper = load_profile("h100-sxm-80gb")
+    fp8, bf16 = (ComputeModel(hopper, dtype, CostOptions()) for dtype in (DType.FP8, DType.BF16))
+    overhead = hopper.matmul_overhead_us * 1e-6
+    assert hopper.fp8_matmul_ratio is not None and hopper.fp8_matmul_ratio < 1
+    assert (bf16.gemm_time(1e12, 0.0) - overhead) / (fp8.gemm_time(1e12, 0.0) - overhead) == (
+        pytest.approx(
+            hopper.fp8_matmul_ratio * hopper.peak_tflops[DType.FP8] / hopper.peak_tflops[DType.BF16]
+        )
+    )
+    unknown = hopper.model_copy(update={"fp8_matmul_ratio": None})  # fp8 at bf16's efficiency
+    assert unknown.matmul_efficiency_for(DType.FP8) == hopper.matmul_efficiency

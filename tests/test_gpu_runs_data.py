@@ -52,3 +52,11 @@ def test_a_gemm_fit_on_transformer_shapes_prices_the_dense_runs_within_8_percent
     refit = BENCH._gemm_refit(calibrated, BENCH._gemm_rows(DATA / "gemm.csv"), DType.BF16)
     predicted = predict_plan(plan, refit, measured_run_options(refit))
     assert predicted.step_time_s == pytest.approx(run.step_time_median_s, rel=0.08)
+
+
+@pytest.mark.parametrize("name", ["h200-sxm-141gb", "h100-sxm-80gb", "h100-96gb"])
+def test_the_hopper_profiles_price_fp8_gemms_as_the_h200_sweep_fits_them(name):
+    """The ratio each Hopper profile cites is what ``bench_gpu_loop --reuse`` fits."""
+    rows = BENCH._gemm_rows(DATA / "gemm.csv")
+    refit = BENCH._gemm_refit(load_profile(str(DATA / "calibrated.json")), rows, DType.BF16)
+    assert load_profile(name).fp8_matmul_ratio == pytest.approx(refit.fp8_matmul_ratio, abs=5e-4)

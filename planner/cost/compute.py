@@ -3,7 +3,9 @@
 - Matmuls (and convolutions): ``max(F / (peak * matmul_efficiency), bytes / bw) +
   matmul_overhead`` per GEMM; the fixed overhead makes efficiency saturate with size.
   Backward runs two GEMMs of the forward's size. fp8 training uses the fp8 peak for
-  matmuls only and pays the dynamic-scaling casts as memory traffic.
+  matmuls only, at the profile's fp8 efficiency
+  (:meth:`~planner.hardware.HardwareProfile.matmul_efficiency_for`), and pays the
+  dynamic-scaling casts as memory traffic.
 - Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
   causal (masked blocks are skipped); its backward does 2.5x the forward's work. The
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
@@ -70,6 +72,7 @@ class ComputeModel:
         self.element_bytes = dtype.activation_bytes
         self.fp8 = dtype is DType.FP8
         self.matmul_peak = profile.peak_flops(dtype)
+        self.matmul_efficiency = profile.matmul_efficiency_for(dtype)
         self.attention_peak = profile.peak_flops(DType.BF16 if dtype is DType.FP8 else dtype)
         self.bandwidth = profile.memory_bandwidth_GBps * 1e9 * profile.memory_efficiency
         self.kernel_s = profile.kernel_overhead_us * 1e-6
@@ -83,7 +86,7 @@ class ComputeModel:
 
     def gemm_time(self, flops: float, nbytes: float) -> float:
         """Seconds for one GEMM of ``flops`` touching ``nbytes``."""
-        rate = self.matmul_peak * self.profile.matmul_efficiency
+        rate = self.matmul_peak * self.matmul_efficiency
         return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
 
     def segment_times(self, nodes: Sequence[OpNode], scales: Sequence[float]) -> list[OpTime]:
