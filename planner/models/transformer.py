@@ -27,7 +27,7 @@ from torch import nn
 from planner.models.moe import MoE
 from planner.spec import Activation, Family, ModelSpec
 
-__all__ = ["Transformer", "Block", "LatentAttention", "LayerNorm", "RMSNorm", "autocast_dtype"]
+__all__ = ["Transformer", "Block", "LatentAttention", "LayerNorm"]
 
 
 def _positions(position_ids: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
