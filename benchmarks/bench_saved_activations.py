@@ -5,13 +5,18 @@ out) are counted with ``torch.autograd.graph.saved_tensors_hooks`` on the CPU, i
 three ways this runtime trains: fp32; bf16 parameters under autocast (FSDP2's
 ``MixedPrecisionPolicy``); fp32 parameters under autocast (no sharding: DDP, one GPU,
 TP or PP alone). The zoo's Llama and GPT blocks are priced by the formula graph; a
-Hugging Face Llama (its own code) by its trace. Figures are bytes per token and hidden
-unit (a Megatron GPT block without recompute: 34).
+Hugging Face Llama and nanoGPT (``tests/user_models.py``: a fused ``c_attn`` split into
+q, k and v) by their trace, as models users bring are. Figures are bytes per token and
+hidden unit (a Megatron GPT block without recompute: 34).
 
     python benchmarks/bench_saved_activations.py
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,6 +108,29 @@ def hf_llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def nanogpt() -> nn.Module:
+    """The repository's nanoGPT-style user model at :data:`SMALL`'s width."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.user_models import GPT
+
+    return GPT(vocab=SMALL["vocab_size"], n_embd=SMALL["hidden_size"],
+               n_head=SMALL["num_heads"], n_layer=SMALL["num_layers"], block_size=SEQ)  # fmt: skip
+
+
+def traced_priced(model: nn.Module, mode: str) -> float:
+    """The trace's saved bytes of one of ``model``'s blocks."""
+    dtype = "fp32" if training_dtype(mode) is DType.FP32 else "bf16"
+    return priced_block_bytes(
+        trace(handle_for_module(model), batch_size=1, seq_len=SEQ, dtype=dtype)
+    )
+
+
+TRACED: dict[str, tuple[Callable[[], nn.Module], str]] = {  # model, its second block
+    "Hugging Face Llama": (hf_llama, "model.layers.1"),
+    "nanoGPT": (nanogpt, "transformer.h.1"),
+}
+
+
 def rows() -> list[tuple[str, str, int, float]]:
     """(model, mode, measured bytes, priced bytes) of one block, every model and mode."""
     table = []
@@ -111,12 +139,11 @@ def rows() -> list[tuple[str, str, int, float]]:
         for mode in MODES:
             measured, _ = saved_by_block(build(spec, device="cpu", seed=0), mode)
             table.append((f"zoo {preset}", mode, measured, zoo_priced(spec, mode)))
-    for mode in MODES:
-        model = hf_llama()
-        dtype = "fp32" if training_dtype(mode) is DType.FP32 else "bf16"
-        graph = trace(handle_for_module(model), batch_size=1, seq_len=SEQ, dtype=dtype)
-        measured, _ = saved_by_block(model, mode, "model.layers.1")
-        table.append(("Hugging Face Llama", mode, measured, priced_block_bytes(graph)))
+    for label, (make, block) in TRACED.items():
+        for mode in MODES:
+            model = make()
+            measured, _ = saved_by_block(model, mode, block)
+            table.append((label, mode, measured, traced_priced(model, mode)))
     return table
 
 

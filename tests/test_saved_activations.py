@@ -34,3 +34,12 @@ def test_a_hugging_face_block_under_autocast_keeps_more_than_its_trace_prices():
         for mode in ("fp32 weights, autocast", "bf16 weights, autocast")
     )  # fmt: skip
     assert fp32_weights > 1.1 * bf16_weights
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16 weights, autocast"])
+def test_a_fused_projection_split_three_ways_is_priced_whole(mode):
+    """nanoGPT's ``c_attn`` output, split into q, k and v views that attention saves,
+    stays alive whole: the trace charges its base, not one view."""
+    model = bench.nanogpt()
+    measured, _ = bench.saved_by_block(model, mode, "transformer.h.1")
+    assert measured == pytest.approx(bench.traced_priced(model, mode), rel=0.01)

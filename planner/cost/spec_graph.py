@@ -315,9 +315,12 @@ def _moe(b: _Builder, spec: ModelSpec) -> None:
     gate = float(rows * f * e)
     b.rows("silu", module, OpKind.ELEMENTWISE, (experts, slots, f), read=gate, saved=gate)
     probs = float(pairs * e) if b.kernels.moe_probs_in_activation else 0.0  # kept with the product
+    # as the dense SwiGLU: the product keeps silu's output and the up half (fused: the up half)
+    product = gate if b.kernels.fused_norm_swiglu else 2 * gate
     b.rows(
-        "mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate, saved=gate + probs
-    )
+        "mul", module, OpKind.ELEMENTWISE, (experts, slots, f), read=2 * gate,
+        saved=product + probs,
+    )  # fmt: skip
     b.grouped("experts_down", module, experts, h, slots, f)
     weighted = float(pairs * h * e + pairs * e)  # expert outputs and routing weights
     # the combine keeps what it weights, unless the probabilities were applied already

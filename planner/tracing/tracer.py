@@ -191,10 +191,14 @@ class _SavedTensors:
     """Tensors kept for backward within one segment, each counted once.
 
     A view shares its base's storage, so a tensor saved by several ops, or saved
-    through views, adds its bytes once (to the first op that saves it).
+    through views, adds its bytes once (to the first op that saves it), and a saved
+    part of a tensor (a split of a fused projection's output, say) keeps the whole
+    base alive: it adds the base's bytes, or its own where it is larger (a reshape of
+    an expanded tensor copies it).
     """
 
     base: dict[str, str] = field(default_factory=dict)  # view name -> base tensor name
+    sizes: dict[str, int] = field(default_factory=dict)  # op name -> bytes of its output
     seen: set[str] = field(default_factory=set)
 
     def add(self, op: RawOp, cost: OpCost) -> float:
@@ -202,13 +206,14 @@ class _SavedTensors:
         source = op.activations[0].producer if op.activations else None
         if cost.kind is OpKind.VIEW and source is not None:
             self.base[op.name] = self.base.get(source, source)
+        self.sizes[op.name] = op.out.nbytes
         nbytes = cost.saved_extra
         for tensor in cost.saved:
             name = tensor.producer or f"anonymous{id(tensor)}"
             key = self.base.get(name, name)
             if key not in self.seen:
                 self.seen.add(key)
-                nbytes += tensor.nbytes
+                nbytes += max(tensor.nbytes, self.sizes.get(key, 0))
         return nbytes
 
 
