@@ -110,7 +110,9 @@ def hf_llama() -> nn.Module:
 
 def nanogpt() -> nn.Module:
     """The repository's nanoGPT-style user model at :data:`SMALL`'s width."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
     from tests.user_models import GPT
 
     return GPT(vocab=SMALL["vocab_size"], n_embd=SMALL["hidden_size"],
