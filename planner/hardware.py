@@ -27,6 +27,7 @@ __all__ = [
     "MAX_FACTOR",
     "PEAK_LIMIT",
     "CollectiveName",
+    "Protocol",
     "Link",
     "HardwareProfile",
     "list_profiles",
@@ -60,15 +61,31 @@ CollectiveName = Literal[
 ]
 
 
+class Protocol(_Frozen):
+    """A low-latency wire protocol a collective library may pick for small messages
+    (NCCL's LL and LL128): a fixed ``launch_us`` per call, ``hop_us`` per algorithm step,
+    and ``bandwidth_share`` of the link's bus bandwidth (its flags ride in the payload)."""
+
+    launch_us: Latency
+    hop_us: Latency
+    bandwidth_share: Fraction
+
+
 class Link(_Frozen):
     """One link tier as collectives see it.
 
     ``bandwidth_GBps`` is the line rate per device, one direction; collectives reach
-    ``busbw_efficiency`` of it for large messages (nccl-tests bus bandwidth). Each
-    algorithm step pays ``latency_us``, which makes small messages latency-bound.
-    ``collective_factors`` scales the bus bandwidth of one collective against the
-    all-reduce's (a library whose reduce-scatter reaches half the all-reduce's bus
-    bandwidth has 0.5); a collective not listed gets 1, as NCCL's ring does.
+    ``busbw_efficiency`` of it for large messages (nccl-tests bus bandwidth). The bulk
+    protocol pays ``launch_us`` once per call (None: 0; NCCL's Simple protocol fills its
+    pipeline) and ``latency_us`` per algorithm step, which makes small messages
+    latency-bound. ``protocols`` are the library's low-latency protocols; a collective
+    runs on whichever of them and the bulk one is fastest for its size, which gives the
+    bandwidth-over-size curve nccl-tests prints. ``collective_factors`` scales the bulk
+    protocol's bus bandwidth for one collective against the ring's (NVLink SHARP
+    all-reduces at 1.3x the ring's on H100; a library whose reduce-scatter reaches half
+    the all-reduce's has 0.5); a collective not listed gets 1, as NCCL's ring does.
+    An all-reduce may run as a tree (``2 ceil(log2 n)`` steps instead of the ring's
+    ``2(n-1)``) at ``tree_bandwidth_share`` of the bandwidth (None: the ring's).
     ``call_overhead_us`` is paid once per blocking collective call on top of its
     algorithm steps: the runtime's dispatch and, in training, the wait for the slowest
     rank after a stretch of compute, which a back-to-back sweep does not see (None: 0;
@@ -78,6 +95,9 @@ class Link(_Frozen):
     bandwidth_GBps: Bandwidth
     latency_us: Latency
     busbw_efficiency: Fraction
+    launch_us: Latency | None = None
+    protocols: dict[str, Protocol] = {}
+    tree_bandwidth_share: Fraction | None = None
     collective_factors: dict[CollectiveName, float] = {}
     call_overhead_us: Latency | None = None
 

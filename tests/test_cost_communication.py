@@ -1,4 +1,6 @@
-"""Collectives: alpha-beta with NCCL bus factors, and the link tier an axis spans."""
+"""Collectives: NCCL bus factors, protocols and algorithms, and the link tier an axis spans."""
+
+import itertools
 
 import pytest
 
@@ -69,3 +71,78 @@ def test_cluster_overrides_and_extra_tiers():
     assert whole_site.busbw_Bps == pytest.approx(40e9 / 32)
     one_group = link_for_axis(64, 1, cluster, A100)  # one ring leaves the site
     assert one_group.busbw_Bps == pytest.approx(40e9)  # the whole uplink
+
+
+# --- protocols, algorithms and the nccl-tests curve ---------------------------------------
+
+from planner.cost.communication import Algorithm, ProtocolModel  # noqa: E402
+from tests.benchmark_modules import load_benchmark  # noqa: E402
+
+PROTOCOL_LINK = LinkModel(
+    "nvlink", busbw_Bps=100e9, latency_s=2e-6, launch_s=50e-6,
+    protocols=(ProtocolModel(5e-6, 0.5e-6, 0.5e-6, 0.5),),
+)  # fmt: skip
+
+
+def test_a_small_message_takes_the_low_latency_protocol_and_a_large_one_the_bulk():
+    small = collective_time(Collective.ALL_GATHER, 8e3, 8, PROTOCOL_LINK)
+    assert small == pytest.approx(5e-6 + 7 * 0.5e-6 + 7 / 8 * 8e3 / 50e9)
+    large = collective_time(Collective.ALL_GATHER, 8e9, 8, PROTOCOL_LINK)
+    assert large == pytest.approx(50e-6 + 7 * 2e-6 + 7 / 8 * 8e9 / 100e9)
+
+
+def test_bus_bandwidth_saturates_with_message_size():
+    """nccl-tests' shape: busbw rises with size and approaches the link's, never above."""
+    h100 = load_profile("h100-sxm-80gb")
+    link = link_for_axis(8, 1, Cluster(gpu="h100-sxm-80gb", num_gpus=8), h100)
+    sizes = [2**k for k in range(13, 34)]
+    busbw = [bus_factor(Collective.ALL_REDUCE, 8) * s / collective_time(
+        Collective.ALL_REDUCE, s, 8, link) for s in sizes]  # fmt: skip
+    assert all(a < b for a, b in itertools.pairwise(busbw))
+    assert busbw[-1] < link.busbw_for(Collective.ALL_REDUCE) < 1.1 * busbw[-1]
+    assert busbw[0] < 0.01 * busbw[-1]
+
+
+def test_a_ring_across_nodes_pays_the_network_only_where_it_leaves_a_node():
+    link = LinkModel(
+        "net", busbw_Bps=1e30, latency_s=10e-6, members_per_node=8, local_latency_s=1e-6
+    )
+    # 16 ranks on 2 nodes: 14 of the ring's 15 all-gather steps stay inside a node
+    assert collective_time(Collective.ALL_GATHER, 1.0, 16, link) == pytest.approx(
+        14 * 1e-6 + 1 * 10e-6
+    )
+
+
+def test_a_forced_ring_pays_every_step_at_scale_and_the_default_takes_the_tree():
+    link = LinkModel("net", busbw_Bps=45e9, latency_s=8e-6, members_per_node=8,
+                     local_latency_s=2e-6, tree_share=0.8)  # fmt: skip
+    ring = collective_time(Collective.ALL_REDUCE, 1e6, 1024, link, Algorithm.RING)
+    assert ring == pytest.approx(
+        2 * (1023 - 127) * 2e-6 + 2 * 127 * 8e-6 + 2 * 1023 / 1024 * 1e6 / 45e9
+    )
+    default = collective_time(Collective.ALL_REDUCE, 1e6, 1024, link)
+    tree = 2 * 3 * 2e-6 + 2 * 7 * 8e-6 + 2 * 1023 / 1024 * 1e6 / (0.8 * 45e9)
+    assert default == pytest.approx(tree)
+    assert default < ring
+
+
+def test_collective_factors_scale_the_bulk_protocol_only():
+    link = LinkModel("nvls", busbw_Bps=100e9, latency_s=0.0, factors={"all_reduce": 2.0},
+                     protocols=(ProtocolModel(0.0, 0.0, 0.0, 0.5),))  # fmt: skip
+    big = collective_time(Collective.ALL_REDUCE, 1e9, 2, link)
+    assert big == pytest.approx(1e9 / 200e9)  # bulk at 2x beats the protocol at 0.5x
+
+
+def test_the_public_nccl_tests_rows_are_priced_within_their_band():
+    """The shipped profiles against benchmarks/data/nccl_tests.csv (fails if a profile's
+    link parameters drift from the fit the benchmark prints)."""
+    bench = load_benchmark("bench_collectives")
+    rows = bench.load_rows()
+    profiles = {name: load_profile(name) for name in {r.profile for r in rows}}
+    fit_errors = [
+        abs(e) for r, e in zip(rows, bench.errors(rows, profiles), strict=True) if r.role == "fit"
+    ]
+    assert sum(fit_errors) / len(fit_errors) < 0.05
+    held = [r for r in rows if r.role == "held-out"]
+    held_errors = [abs(e) for e in bench.errors(held, profiles)]
+    assert sum(held_errors) / len(held_errors) < 0.20

@@ -16,6 +16,7 @@ from planner.cost.compression import (
 )
 from planner.cost.tp import megatron_assignment, unsharded
 from planner.errors import SpecError
+from planner.hardware import load_profile
 from planner.spec import Cluster, Family, ModelSpec, Strategy, Training
 
 GPT = ModelSpec(
@@ -24,12 +25,28 @@ GPT = ModelSpec(
 POWERSGD = {"kind": "powersgd", "rank": 4}
 
 
+def _alpha_beta(name):
+    """Profile ``name`` with plain alpha-beta links (no protocols, launch or tree): the
+    hand computations below count steps and bytes."""
+    profile = load_profile(name)
+    plain = {"launch_us": None, "protocols": {}, "tree_bandwidth_share": None,
+             "collective_factors": {}}  # fmt: skip
+    links = profile.links.model_copy(update={
+        tier: getattr(profile.links, tier).model_copy(update=plain)
+        for tier in ("intra_node", "inter_node")
+    })  # fmt: skip
+    return profile.model_copy(update={"links": links})
+
+
 def _model(intra_node_GBps=None, **options):
     cluster = Cluster(
         gpu="a100-sxm-80gb", num_gpus=2, gpus_per_node=2, intra_node_GBps=intra_node_GBps
     )
     training = Training(global_batch_size=4, dtype="fp32")
-    return CostModel(graph_from_spec(GPT), cluster, training, options=CostOptions(**options))
+    return CostModel(
+        graph_from_spec(GPT), cluster, training, profile=_alpha_beta("a100-sxm-80gb"),
+        options=CostOptions(**options),
+    )  # fmt: skip
 
 
 def _estimate(model, compression=None, **fields):

@@ -1,15 +1,21 @@
-"""Collective communication time: alpha-beta with the NCCL bus-bandwidth factors.
+"""Collective communication time: the NCCL bus-bandwidth factors, per protocol and algorithm.
 
-A collective over ``n`` ranks moving an array of ``S`` bytes takes
-``steps * latency + factor * S / busbw`` where ``factor`` is nccl-tests' bus factor
-(all-reduce ``2(n-1)/n``; all-gather, reduce-scatter and all-to-all ``(n-1)/n``;
-send/recv and broadcast 1) and ``busbw`` is the link's line rate times its measured
-bus-bandwidth efficiency. Ring all-gather/reduce-scatter take ``n-1`` latency steps;
-all-reduce takes the fewer of ring (``2(n-1)``) and tree (``2*ceil(log2 n)``) steps,
-as NCCL picks the faster algorithm. A link may run one collective at a different bus
-bandwidth than its all-reduce (gloo's reduce-scatter reaches about a third of it):
-the profile's ``collective_factors`` scale ``busbw`` per collective (default 1), and
-its ``call_overhead_us`` adds a fixed cost per call (default 0).
+A collective over ``n`` ranks moving an array of ``S`` bytes takes, on one protocol and
+algorithm, ``launch + steps * hop + factor * S / busbw`` where ``factor`` is
+nccl-tests' bus factor (all-reduce ``2(n-1)/n``; all-gather, reduce-scatter and
+all-to-all ``(n-1)/n``; send/recv and broadcast 1) and ``busbw`` is the link's line rate
+times its measured bus-bandwidth efficiency, times the protocol's and the algorithm's
+share of it. The bulk protocol pays the link's ``launch_us`` and ``latency_us`` per step
+at the full rate; a link's low-latency ``protocols`` (NCCL's LL and LL128) start sooner
+at a share of it. Ring all-gather/reduce-scatter take ``n-1`` steps; all-reduce runs as
+a ring (``2(n-1)`` steps) or a tree (``2*ceil(log2 n)`` steps at the link's
+``tree_bandwidth_share``). As NCCL does, a collective takes the fastest combination,
+which gives the bandwidth-over-message-size curve nccl-tests prints
+(``benchmarks/bench_collectives.py``). A link may run one collective at a different bus
+bandwidth than its ring (NVLink SHARP all-reduces faster; gloo's reduce-scatter reaches
+about a third of its all-reduce): the profile's ``collective_factors`` scale the bulk
+protocol's ``busbw`` per collective (default 1), and its ``call_overhead_us`` adds a
+fixed cost per call (default 0).
 
 The link tier is the one the mesh axis spans: an axis whose ranks fit in one node
 uses the scale-up link; one that crosses nodes pays the network, with the group's
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -38,8 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Collective",
+    "Algorithm",
     "bus_factor",
+    "ring_steps",
+    "tree_steps",
     "latency_steps",
+    "ProtocolModel",
     "LinkModel",
     "collective_time",
     "alltoall_time",
@@ -67,22 +77,56 @@ def bus_factor(kind: Collective, n: int) -> float:
     return 1.0
 
 
-def latency_steps(kind: Collective, n: int) -> int:
-    """Sequential message steps of the algorithm NCCL would pick."""
+class Algorithm(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+
+
+def ring_steps(kind: Collective, n: int) -> int:
+    """Sequential message steps of ``kind`` over ``n`` ranks on a ring (send/recv: one;
+    broadcast: a pipelined tree's ``ceil(log2 n)``)."""
     if kind is Collective.ALL_REDUCE:
-        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+        return 2 * (n - 1)
     if kind in (Collective.SEND_RECV, Collective.BROADCAST):
         return 1 if kind is Collective.SEND_RECV else math.ceil(math.log2(n))
     return n - 1
 
 
+def tree_steps(n: int) -> int:
+    """Sequential message steps of a tree all-reduce over ``n`` ranks (reduce up, broadcast down)."""
+    return 2 * math.ceil(math.log2(n))
+
+
+def latency_steps(kind: Collective, n: int) -> int:
+    """Steps of the algorithm NCCL would pick where ring and tree move data equally fast."""
+    if kind is Collective.ALL_REDUCE:
+        return min(ring_steps(kind, n), tree_steps(n))
+    return ring_steps(kind, n)
+
+
+@dataclass(frozen=True)
+class ProtocolModel:
+    """A wire protocol on a link: fixed cost per call, per step inside a node and per step
+    between nodes (s), and its share of the link's bus bandwidth."""
+
+    launch_s: float
+    local_hop_s: float
+    remote_hop_s: float
+    share: float
+
+
 @dataclass(frozen=True)
 class LinkModel:
-    """A link as a collective sees it: achieved bus bandwidth (bytes/s) and step latency (s).
+    """A link as a collective sees it: achieved bus bandwidth (bytes/s) and step latency (s)
+    of its bulk protocol, and its low-latency ``protocols``.
 
-    ``factors`` maps a collective's value to its bus bandwidth relative to
-    ``busbw_Bps`` (the all-reduce's); missing collectives get 1. ``call_s`` is paid once
-    per collective call (the profile's ``call_overhead_us``).
+    ``factors`` maps a collective's value to the bulk protocol's bus bandwidth relative
+    to ``busbw_Bps`` (the ring's); missing collectives get 1. ``call_s`` is paid once per
+    collective call (the profile's ``call_overhead_us``); ``launch_s`` once per call of
+    the bulk protocol. ``tree_share``: the tree all-reduce's share of the bandwidth
+    (None: the ring's). A group across nodes has ``members_per_node`` ranks in each
+    (None: one node): its steps between nodes pay ``latency_s`` and those inside a node
+    ``local_latency_s``, as NCCL's rings and trees do.
     """
 
     name: str
@@ -90,27 +134,83 @@ class LinkModel:
     latency_s: float
     factors: Mapping[str, float] = field(default_factory=dict)
     call_s: float = 0.0
+    launch_s: float = 0.0
+    protocols: tuple[ProtocolModel, ...] = ()
+    tree_share: float | None = None
+    members_per_node: int | None = None
+    local_latency_s: float | None = None
 
     def busbw_for(self, kind: Collective) -> float:
-        """Achieved bus bandwidth of ``kind`` on this link (bytes/s)."""
+        """Bulk bus bandwidth of ``kind`` on this link (bytes/s)."""
         return self.busbw_Bps * self.factors.get(kind.value, 1.0)
 
+    def bulk(self, kind: Collective) -> ProtocolModel:
+        """The bulk protocol for ``kind``, its bandwidth share relative to ``busbw_Bps``."""
+        local = self.latency_s if self.local_latency_s is None else self.local_latency_s
+        return ProtocolModel(
+            self.launch_s, local, self.latency_s, self.factors.get(kind.value, 1.0)
+        )
 
-def collective_time(kind: Collective, size_bytes: float, n: int, link: LinkModel) -> float:
-    """Seconds for one ``kind`` collective of ``size_bytes`` (the whole array) over ``n`` ranks."""
+
+def _algorithms(
+    kind: Collective, n: int, link: LinkModel, forced: Algorithm | None
+) -> list[tuple[int, int, float]]:
+    """(steps inside a node, steps between nodes, bandwidth share) of each algorithm
+    ``kind`` may run with over ``n`` ranks (``forced``: only that one)."""
+    per_node = min(link.members_per_node or n, n)
+    nodes = n // per_node
+    crossings = 0 if nodes == 1 else (2 if kind is Collective.ALL_REDUCE else 1) * (nodes - 1)
+    if kind in (Collective.SEND_RECV, Collective.BROADCAST):
+        steps = ring_steps(kind, n)
+        return [(0, steps, 1.0) if nodes > 1 else (steps, 0, 1.0)]
+    ring = (ring_steps(kind, n) - crossings, crossings, 1.0)
+    if kind is not Collective.ALL_REDUCE or forced is Algorithm.RING:
+        return [ring]
+    share = 1.0 if link.tree_share is None else link.tree_share
+    tree = (tree_steps(per_node), tree_steps(nodes), share)
+    return [tree] if forced is Algorithm.TREE else [ring, tree]
+
+
+def collective_time(
+    kind: Collective, size_bytes: float, n: int, link: LinkModel,
+    algorithm: Algorithm | None = None,
+) -> float:  # fmt: skip
+    """Seconds for one ``kind`` collective of ``size_bytes`` (the whole array) over ``n``
+    ranks, on the fastest protocol and algorithm (``algorithm``: as a run that forces it,
+    ``NCCL_ALGO``)."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    steps = latency_steps(kind, n)
-    moved = bus_factor(kind, n) * size_bytes / link.busbw_for(kind)
-    return link.call_s + steps * link.latency_s + moved
+    moved = bus_factor(kind, n) * size_bytes / link.busbw_Bps
+    return link.call_s + min(
+        p.launch_s + local * p.local_hop_s + remote * p.remote_hop_s + moved / (p.share * share)
+        for p in (link.bulk(kind), *link.protocols)
+        for local, remote, share in _algorithms(kind, n, link, algorithm)
+    )
 
 
-def _factors(link: Link) -> dict[str, float]:
-    return {str(kind): factor for kind, factor in link.collective_factors.items()}
-
-
-def _call_s(link: Link) -> float:
-    return (link.call_overhead_us or 0.0) * 1e-6
+def _link_model(
+    name: str, link: Link, busbw_Bps: float, latency_us: float, local: Link | None = None,
+    members_per_node: int | None = None, local_latency_us: float | None = None,
+) -> LinkModel:  # fmt: skip
+    """``link`` as a collective sees it; a group across nodes steps inside each over ``local``."""
+    local_link = local or link
+    protocols = tuple(
+        ProtocolModel(
+            p.launch_us * 1e-6,
+            local_link.protocols.get(name, p).hop_us * 1e-6,
+            p.hop_us * 1e-6,
+            p.bandwidth_share,
+        )
+        for name, p in link.protocols.items()
+    )
+    return LinkModel(
+        name, busbw_Bps, latency_us * 1e-6,
+        factors={str(kind): factor for kind, factor in link.collective_factors.items()},
+        call_s=(link.call_overhead_us or 0.0) * 1e-6, launch_s=(link.launch_us or 0.0) * 1e-6,
+        protocols=protocols, tree_share=link.tree_bandwidth_share,
+        members_per_node=members_per_node,
+        local_latency_s=None if local_latency_us is None else local_latency_us * 1e-6,
+    )  # fmt: skip
 
 
 def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
@@ -119,10 +219,7 @@ def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
     latency = (
         link.latency_us if cluster.intra_node_latency_us is None else cluster.intra_node_latency_us
     )
-    return LinkModel(
-        "intra_node", bandwidth * 1e9 * link.busbw_efficiency, latency * 1e-6,
-        _factors(link), _call_s(link),
-    )  # fmt: skip
+    return _link_model("intra_node", link, bandwidth * 1e9 * link.busbw_efficiency, latency)
 
 
 def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) -> LinkModel:
@@ -132,9 +229,10 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
         link.latency_us if cluster.inter_node_latency_us is None else cluster.inter_node_latency_us
     )
     intra = _intra(cluster, profile)
-    return LinkModel(
-        "inter_node", min(members_per_node * bandwidth, intra.busbw_Bps), latency * 1e-6,
-        _factors(link), _call_s(link),
+    busbw = min(members_per_node * bandwidth, intra.busbw_Bps)
+    return _link_model(
+        "inter_node", link, busbw, latency, profile.links.intra_node, members_per_node,
+        intra.latency_s * 1e6,
     )  # fmt: skip
 
 
@@ -153,9 +251,11 @@ def alltoall_time(
         return 0.0
     local, remote = sent or (size_bytes * (per_node - 1) / n, size_bytes * (n - per_node) / n)
     intra = _intra(cluster, profile)
+    if per_node == n:  # inside one node: an all-to-all like any other collective
+        return collective_time(
+            Collective.ALL_TO_ALL, local / bus_factor(Collective.ALL_TO_ALL, n), n, intra
+        )
     local_s = local / intra.busbw_for(Collective.ALL_TO_ALL)
-    if per_node == n:
-        return intra.call_s + latency_steps(Collective.ALL_TO_ALL, n) * intra.latency_s + local_s
     inter = _inter(cluster, profile, 1)
     remote_s = remote / inter.busbw_for(Collective.ALL_TO_ALL)
     return inter.call_s + inter.latency_s + max(local_s, remote_s)
@@ -179,7 +279,7 @@ def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwarePro
         share = tier.uplink_GBps * 1e9 / min(stride, tier.domain_size)
         if share < link.busbw_Bps:
             latency = max(link.latency_s, tier.latency_us * 1e-6)
-            link = LinkModel(tier.name, share, latency, link.factors, link.call_s)
+            link = replace(link, name=tier.name, busbw_Bps=share, latency_s=latency)
     return link
 
 
