@@ -82,7 +82,7 @@ class Link(_Frozen):
     runs on whichever of them and the bulk one is fastest for its size, which gives the
     bandwidth-over-size curve nccl-tests prints. ``collective_factors`` scales the bulk
     protocol's bus bandwidth for one collective against the ring's (NVLink SHARP
-    all-reduces at 1.3x the ring's on H100; a library whose reduce-scatter reaches half
+    all-reduces at 1.28x the ring's on H100; a library whose reduce-scatter reaches half
     the all-reduce's has 0.5); a collective not listed gets 1, as NCCL's ring does.
     An all-reduce may run as a tree (``2 ceil(log2 n)`` steps instead of the ring's
     ``2(n-1)``) at ``tree_bandwidth_share`` of the bandwidth (None: the ring's).

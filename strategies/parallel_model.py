@@ -277,15 +277,21 @@ class ParallelModel:
     # ---- forward, step, clip
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward of this rank's inputs in the plan's precision (its autocast), as
+        :meth:`step` runs it."""
         module = self.module  # raises for pipelines
         if args and isinstance(args[0], torch.Tensor):
             self._check_local(args[0], "parallel(inputs)", whole=False)
-        return module(*args, **kwargs)
+        with self._autocast(torch.device(device_type())):
+            return module(*args, **kwargs)
 
-    def loss_context(self) -> contextlib.AbstractContextManager[object]:
-        """Enter around the loss and backward when calling the model yourself (loss-parallel
-        heads hand on vocabulary-sharded logits)."""
-        return loss_context(self.plan)
+    @contextlib.contextmanager
+    def loss_context(self) -> Iterator[None]:
+        """Enter around the loss and backward when calling the model yourself: the plan's
+        autocast, as :meth:`step` computes its loss, and the loss-parallel context where
+        the head hands on vocabulary-sharded logits."""
+        with self._autocast(torch.device(device_type())), loss_context(self.plan):
+            yield
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's batch over the plan's micro-batches (the

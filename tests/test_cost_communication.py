@@ -121,7 +121,7 @@ def test_a_forced_ring_pays_every_step_at_scale_and_the_default_takes_the_tree()
         2 * (1023 - 127) * 2e-6 + 2 * 127 * 8e-6 + 2 * 1023 / 1024 * 1e6 / 45e9
     )
     default = collective_time(Collective.ALL_REDUCE, 1e6, 1024, link)
-    tree = 2 * 3 * 2e-6 + 2 * 7 * 8e-6 + 2 * 1023 / 1024 * 1e6 / (0.8 * 45e9)
+    tree = 2 * 7 * 2e-6 + 2 * 7 * 8e-6 + 2 * 1e6 / (0.8 * 45e9)  # a chain of 8 in a node
     assert default == pytest.approx(tree)
     assert default < ring
 
@@ -145,4 +145,4 @@ def test_the_public_nccl_tests_rows_are_priced_within_their_band():
     assert sum(fit_errors) / len(fit_errors) < 0.05
     held = [r for r in rows if r.role == "held-out"]
     held_errors = [abs(e) for e in bench.errors(held, profiles)]
-    assert sum(held_errors) / len(held_errors) < 0.20
+    assert sum(held_errors) / len(held_errors) < 0.17

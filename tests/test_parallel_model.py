@@ -21,9 +21,9 @@ from tests.test_runtime_numerics import TinyLM
 USER_GPT = "tests.user_models:gpt"
 
 
-def _parallel(batch: int = 8, seq: int = 16) -> ParallelModel:
+def _parallel(batch: int = 8, seq: int = 16, dtype: str = "fp32") -> ParallelModel:
     model = resolve_model("tiny-gpt", device="cpu", seed=0).module
-    training = Training(global_batch_size=batch, micro_batch_size=batch, seq_len=seq, dtype="fp32")
+    training = Training(global_batch_size=batch, micro_batch_size=batch, seq_len=seq, dtype=dtype)
     cluster = Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1)
     plan = assemble_plan(
         resolve_model("tiny-gpt"), cluster, training, Strategy(micro_batch_size=batch)
@@ -44,6 +44,27 @@ def test_the_parallel_model_knows_its_plan_and_steps_like_the_model() -> None:
     norm = parallel.clip_grad_norm_(1e-3)
     clipped = torch.sqrt(sum(p.grad.pow(2).sum() for p in parallel.parameters()))
     assert float(norm) > 1e-3 and float(clipped) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_calling_the_model_yourself_runs_in_the_plans_precision() -> None:
+    """``parallel(inputs)`` computes under the plan's autocast and ``loss_context`` adds it
+    around the loss, so the loop that calls the model itself trains as ``step`` does
+    (what was priced: bf16 activations, not fp32)."""
+    parallel = _parallel(dtype="bf16")
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = parallel.local_batch(tokens[:, :-1], tokens[:, 1:])
+    loss = parallel.step(inputs, targets)
+    stepped = [p.grad.clone() for p in parallel.parameters()]
+    for p in parallel.parameters():
+        p.grad = None
+    logits = parallel(inputs)
+    assert logits.dtype is torch.bfloat16
+    with parallel.loss_context():
+        mine = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        mine.backward()
+    assert float(mine.detach()) == pytest.approx(float(loss), abs=1e-6)
+    for grad, p in zip(stepped, parallel.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, grad, rtol=0, atol=1e-6)
 
 
 def test_a_batch_that_is_not_the_global_batch_names_the_fix() -> None:

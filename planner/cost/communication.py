@@ -153,21 +153,31 @@ class LinkModel:
 
 
 def _algorithms(
-    kind: Collective, n: int, link: LinkModel, forced: Algorithm | None
+    kind: Collective, size_bytes: float, n: int, link: LinkModel, forced: Algorithm | None
 ) -> list[tuple[int, int, float]]:
-    """(steps inside a node, steps between nodes, bandwidth share) of each algorithm
-    ``kind`` may run with over ``n`` ranks (``forced``: only that one)."""
+    """(steps inside a node, steps between nodes, seconds moving data at the bulk rate)
+    of each algorithm ``kind`` may run with over ``n`` ranks (``forced``: only that one).
+
+    A ring moves ``bus_factor * S``. A tree all-reduce inside one node takes ``2 log2 n``
+    steps; across nodes it chains the ranks of a node (``2(ppn - 1)`` steps) and spans
+    the nodes in ``2 log2 nodes``, a node's network carrying the array up and down
+    (``2 S``, NCCL's tree model), each at ``tree_share`` of the bandwidth.
+    """
     per_node = min(link.members_per_node or n, n)
     nodes = n // per_node
-    crossings = 0 if nodes == 1 else (2 if kind is Collective.ALL_REDUCE else 1) * (nodes - 1)
+    ring_s = bus_factor(kind, n) * size_bytes / link.busbw_Bps
     if kind in (Collective.SEND_RECV, Collective.BROADCAST):
         steps = ring_steps(kind, n)
-        return [(0, steps, 1.0) if nodes > 1 else (steps, 0, 1.0)]
-    ring = (ring_steps(kind, n) - crossings, crossings, 1.0)
+        return [(0, steps, ring_s) if nodes > 1 else (steps, 0, ring_s)]
+    crossings = 0 if nodes == 1 else (2 if kind is Collective.ALL_REDUCE else 1) * (nodes - 1)
+    ring = (ring_steps(kind, n) - crossings, crossings, ring_s)
     if kind is not Collective.ALL_REDUCE or forced is Algorithm.RING:
         return [ring]
     share = 1.0 if link.tree_share is None else link.tree_share
-    tree = (tree_steps(per_node), tree_steps(nodes), share)
+    if nodes == 1:
+        tree = (tree_steps(n), 0, ring_s / share)
+    else:
+        tree = (2 * (per_node - 1), tree_steps(nodes), 2 * size_bytes / (link.busbw_Bps * share))
     return [tree] if forced is Algorithm.TREE else [ring, tree]
 
 
@@ -180,11 +190,10 @@ def collective_time(
     ``NCCL_ALGO``)."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    moved = bus_factor(kind, n) * size_bytes / link.busbw_Bps
     return link.call_s + min(
-        p.launch_s + local * p.local_hop_s + remote * p.remote_hop_s + moved / (p.share * share)
+        p.launch_s + local * p.local_hop_s + remote * p.remote_hop_s + data_s / p.share
         for p in (link.bulk(kind), *link.protocols)
-        for local, remote, share in _algorithms(kind, n, link, algorithm)
+        for local, remote, data_s in _algorithms(kind, size_bytes, n, link, algorithm)
     )
 
 
