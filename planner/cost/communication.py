@@ -8,8 +8,11 @@ times its measured bus-bandwidth efficiency, times the protocol's and the algori
 share of it. The bulk protocol pays the link's ``launch_us`` and ``latency_us`` per step
 at the full rate; a link's low-latency ``protocols`` (NCCL's LL and LL128) start sooner
 at a share of it. Ring all-gather/reduce-scatter take ``n-1`` steps; all-reduce runs as
-a ring (``2(n-1)`` steps) or a tree (``2*ceil(log2 n)`` steps at the link's
-``tree_bandwidth_share``). As NCCL does, a collective takes the fastest combination,
+a ring (``2(n-1)`` steps) or a tree (``2*ceil(log2 n)`` steps inside a node; across nodes
+a chain inside each and ``2*ceil(log2 nodes)`` steps between them, the network carrying
+``2 S``), at the link's ``tree_bandwidth_share``. A step inside a node pays the
+scale-up link's latency and one between nodes the network's. As NCCL does, a
+collective takes the fastest combination,
 which gives the bandwidth-over-message-size curve nccl-tests prints
 (``benchmarks/bench_collectives.py``). A link may run one collective at a different bus
 bandwidth than its ring (NVLink SHARP all-reduces faster; gloo's reduce-scatter reaches
@@ -198,27 +201,27 @@ def collective_time(
 
 
 def _link_model(
-    name: str, link: Link, busbw_Bps: float, latency_us: float, local: Link | None = None,
-    members_per_node: int | None = None, local_latency_us: float | None = None,
+    name: str, link: Link, busbw_Bps: float, latency_us: float,
+    within: tuple[Link, LinkModel] | None = None, members_per_node: int | None = None,
 ) -> LinkModel:  # fmt: skip
-    """``link`` as a collective sees it; a group across nodes steps inside each over ``local``."""
-    local_link = local or link
+    """``link`` as a collective sees it; a group across nodes, ``members_per_node`` in
+    each, steps inside a node over ``within`` (the scale-up link and its model)."""
+    local_link = within[0] if within else link
     protocols = tuple(
         ProtocolModel(
             p.launch_us * 1e-6,
-            local_link.protocols.get(name, p).hop_us * 1e-6,
+            local_link.protocols.get(protocol, p).hop_us * 1e-6,
             p.hop_us * 1e-6,
             p.bandwidth_share,
         )
-        for name, p in link.protocols.items()
+        for protocol, p in link.protocols.items()
     )
     return LinkModel(
         name, busbw_Bps, latency_us * 1e-6,
         factors={str(kind): factor for kind, factor in link.collective_factors.items()},
         call_s=(link.call_overhead_us or 0.0) * 1e-6, launch_s=(link.launch_us or 0.0) * 1e-6,
         protocols=protocols, tree_share=link.tree_bandwidth_share,
-        members_per_node=members_per_node,
-        local_latency_s=None if local_latency_us is None else local_latency_us * 1e-6,
+        members_per_node=members_per_node, local_latency_s=within[1].latency_s if within else None,
     )  # fmt: skip
 
 
@@ -239,10 +242,8 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
     )
     intra = _intra(cluster, profile)
     busbw = min(members_per_node * bandwidth, intra.busbw_Bps)
-    return _link_model(
-        "inter_node", link, busbw, latency, profile.links.intra_node, members_per_node,
-        intra.latency_s * 1e6,
-    )  # fmt: skip
+    within = (profile.links.intra_node, intra)
+    return _link_model("inter_node", link, busbw, latency, within, members_per_node)
 
 
 def alltoall_time(
