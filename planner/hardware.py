@@ -86,6 +86,11 @@ class Link(_Frozen):
     the all-reduce's has 0.5); a collective not listed gets 1, as NCCL's ring does.
     An all-reduce may run as a tree (``2 ceil(log2 n)`` steps instead of the ring's
     ``2(n-1)``) at ``tree_bandwidth_share`` of the bandwidth (None: the ring's).
+    ``multicast`` (scale-up link): the switch reduces in the network (NVLink SHARP,
+    NCCL's NVLS), so an all-reduce across nodes may also run as NCCL's NVLS tree: reduced
+    on the switch inside each node and over a tree of the NICs between nodes, at the
+    slower of the switch's all-reduce rate and the network's (twice the network's over
+    two nodes, where a node's NICs carry the array once each way).
     ``call_overhead_us`` is paid once per blocking collective call on top of its
     algorithm steps: the runtime's dispatch and, in training, the wait for the slowest
     rank after a stretch of compute, which a back-to-back sweep does not see (None: 0;
@@ -98,6 +103,7 @@ class Link(_Frozen):
     launch_us: Latency | None = None
     protocols: dict[str, Protocol] = {}
     tree_bandwidth_share: Fraction | None = None
+    multicast: bool = False
     collective_factors: dict[CollectiveName, float] = {}
     call_overhead_us: Latency | None = None
 
@@ -167,7 +173,11 @@ class HardwareProfile(_Frozen):
     def numeric_fields(self) -> list[str]:
         """Dotted paths of every number in the profile (what ``sources`` must cover)."""
         data = self.model_dump(mode="json", exclude={"sources", "schema_version"})
-        return [path for path, value in _flatten(data) if isinstance(value, int | float)]
+        return [
+            path
+            for path, value in _flatten(data)
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        ]
 
     def peak_flops(self, dtype: DType) -> float:
         """Dense matrix FLOP/s for ``dtype`` (raises :class:`SpecError` if the profile lacks it)."""

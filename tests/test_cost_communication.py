@@ -146,3 +146,27 @@ def test_the_public_nccl_tests_rows_are_priced_within_their_band():
     held = [r for r in rows if r.role == "held-out"]
     held_errors = [abs(e) for e in bench.errors(held, profiles)]
     assert sum(held_errors) / len(held_errors) < 0.17
+
+
+def test_an_nvls_tree_over_two_nodes_outruns_the_nics_and_over_more_does_not():
+    """NCCL's NVLS tree (the switch reduces inside each node): over two nodes a node's
+    NICs carry the array once each way, so it runs at up to twice the network's rate,
+    capped by the switch's; over more nodes at the network's (src/graph/tuning.cc)."""
+    link = LinkModel("net", busbw_Bps=360e9, latency_s=0.0, members_per_node=8,
+                     local_latency_s=0.0, tree_share=0.3, multicast_Bps=474e9)  # fmt: skip
+    size = 8e9
+    two = collective_time(Collective.ALL_REDUCE, size, 16, link)
+    assert two == pytest.approx(2 * 15 / 16 * size / 474e9)  # the switch caps 720
+    four = collective_time(Collective.ALL_REDUCE, size, 32, link)
+    assert four == pytest.approx(2 * 31 / 32 * size / 360e9)  # as fast as the ring
+    plain = LinkModel("net", busbw_Bps=360e9, latency_s=0.0, members_per_node=8,
+                      local_latency_s=0.0, tree_share=0.3)  # fmt: skip
+    assert collective_time(Collective.ALL_REDUCE, size, 16, plain) > two
+
+
+def test_only_hopper_switches_reduce_in_the_network():
+    for name in ("h100-sxm-80gb", "h200-sxm-141gb"):
+        assert load_profile(name).links.intra_node.multicast
+    assert not A100.links.intra_node.multicast
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=16, gpus_per_node=8)
+    assert link_for_axis(16, 1, cluster, A100).multicast_Bps is None

@@ -36,7 +36,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from planner.hardware import HardwareProfile, Link
 from planner.spec import Cluster
@@ -78,6 +78,11 @@ def bus_factor(kind: Collective, n: int) -> float:
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
         return (n - 1) / n
     return 1.0
+
+
+# NCCL's NVLS tree pays 20.9 us a network step where its ring pays 14 (src/graph/tuning.cc,
+# hwLatencies NET Simple): an NVLS tree step counts as that many of the link's steps.
+NVLS_TREE_HOP_STEPS = 20.9 / 14
 
 
 class Algorithm(StrEnum):
@@ -129,7 +134,9 @@ class LinkModel:
     the bulk protocol. ``tree_share``: the tree all-reduce's share of the bandwidth
     (None: the ring's). A group across nodes has ``members_per_node`` ranks in each
     (None: one node): its steps between nodes pay ``latency_s`` and those inside a node
-    ``local_latency_s``, as NCCL's rings and trees do.
+    ``local_latency_s``, as NCCL's rings and trees do. ``multicast_Bps``: the all-reduce
+    rate of a scale-up switch that reduces in the network (None: it does not), which
+    offers the group NCCL's NVLS tree.
     """
 
     name: str
@@ -142,6 +149,7 @@ class LinkModel:
     tree_share: float | None = None
     members_per_node: int | None = None
     local_latency_s: float | None = None
+    multicast_Bps: float | None = None
 
     def busbw_for(self, kind: Collective) -> float:
         """Bulk bus bandwidth of ``kind`` on this link (bytes/s)."""
@@ -155,33 +163,50 @@ class LinkModel:
         )
 
 
+class _Route(NamedTuple):
+    """One algorithm's cost on a link: steps inside a node and between nodes (in hops),
+    seconds moving data at the bulk rate, and whether only the bulk protocol runs it."""
+
+    local_steps: float
+    remote_steps: float
+    data_s: float
+    bulk_only: bool = False
+
+
 def _algorithms(
     kind: Collective, size_bytes: float, n: int, link: LinkModel, forced: Algorithm | None
-) -> list[tuple[int, int, float]]:
-    """(steps inside a node, steps between nodes, seconds moving data at the bulk rate)
-    of each algorithm ``kind`` may run with over ``n`` ranks (``forced``: only that one).
+) -> list[_Route]:
+    """Each algorithm ``kind`` may run with over ``n`` ranks (``forced``: only that one).
 
     A ring moves ``bus_factor * S``. A tree all-reduce inside one node takes ``2 log2 n``
     steps; across nodes it chains the ranks of a node (``2(ppn - 1)`` steps) and spans
     the nodes in ``2 log2 nodes``, a node's network carrying the array up and down
-    (``2 S``, NCCL's tree model), each at ``tree_share`` of the bandwidth.
+    (``2 S``, NCCL's tree model), each at ``tree_share`` of the bandwidth. Where the
+    switch reduces (``multicast_Bps``), NCCL's NVLS tree spans the nodes in ``2 log2
+    nodes`` of its slower steps on its bulk protocol at the slower of the switch's rate
+    and the network's, twice the network's over two nodes (``src/graph/tuning.cc``).
     """
     per_node = min(link.members_per_node or n, n)
     nodes = n // per_node
     ring_s = bus_factor(kind, n) * size_bytes / link.busbw_Bps
     if kind in (Collective.SEND_RECV, Collective.BROADCAST):
         steps = ring_steps(kind, n)
-        return [(0, steps, ring_s) if nodes > 1 else (steps, 0, ring_s)]
+        return [_Route(0, steps, ring_s) if nodes > 1 else _Route(steps, 0, ring_s)]
     crossings = 0 if nodes == 1 else (2 if kind is Collective.ALL_REDUCE else 1) * (nodes - 1)
-    ring = (ring_steps(kind, n) - crossings, crossings, ring_s)
+    ring = _Route(ring_steps(kind, n) - crossings, crossings, ring_s)
     if kind is not Collective.ALL_REDUCE or forced is Algorithm.RING:
         return [ring]
+    rings = [ring] if forced is None else []
     share = 1.0 if link.tree_share is None else link.tree_share
     if nodes == 1:
-        tree = (tree_steps(n), 0, ring_s / share)
-    else:
-        tree = (2 * (per_node - 1), tree_steps(nodes), 2 * size_bytes / (link.busbw_Bps * share))
-    return [tree] if forced is Algorithm.TREE else [ring, tree]
+        return [_Route(tree_steps(n), 0, ring_s / share), *rings]
+    tree_s = 2 * size_bytes / (link.busbw_Bps * share)
+    trees = [_Route(2 * (per_node - 1), tree_steps(nodes), tree_s)]
+    if link.multicast_Bps is not None and forced is None:
+        rate = min(link.multicast_Bps, (2 if nodes == 2 else 1) * link.busbw_Bps)
+        hops = tree_steps(nodes) * NVLS_TREE_HOP_STEPS
+        trees.append(_Route(0, hops, ring_s * link.busbw_Bps / rate, bulk_only=True))
+    return trees + rings
 
 
 def collective_time(
@@ -193,11 +218,14 @@ def collective_time(
     ``NCCL_ALGO``)."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
+    bulk = link.bulk(kind)
     return link.call_s + min(
-        p.launch_s + local * p.local_hop_s + remote * p.remote_hop_s + data_s / p.share
-        for p in (link.bulk(kind), *link.protocols)
-        for local, remote, data_s in _algorithms(kind, size_bytes, n, link, algorithm)
-    )
+        p.launch_s + r.local_steps * p.local_hop_s + r.remote_steps * p.remote_hop_s
+        + r.data_s / p.share
+        for p in (bulk, *link.protocols)
+        for r in _algorithms(kind, size_bytes, n, link, algorithm)
+        if p is bulk or not r.bulk_only
+    )  # fmt: skip
 
 
 def _link_model(
@@ -222,7 +250,15 @@ def _link_model(
         call_s=(link.call_overhead_us or 0.0) * 1e-6, launch_s=(link.launch_us or 0.0) * 1e-6,
         protocols=protocols, tree_share=link.tree_bandwidth_share,
         members_per_node=members_per_node, local_latency_s=within[1].latency_s if within else None,
+        multicast_Bps=_multicast_Bps(within),
     )  # fmt: skip
+
+
+def _multicast_Bps(within: tuple[Link, LinkModel] | None) -> float | None:
+    """The in-network all-reduce rate of the scale-up switch ``within`` (None: none)."""
+    if within is None or not within[0].multicast:
+        return None
+    return within[1].busbw_for(Collective.ALL_REDUCE)
 
 
 def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
