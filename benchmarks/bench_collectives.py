@@ -40,9 +40,6 @@ DATA = ROOT / "benchmarks" / "data" / "nccl_tests.csv"
 TARGET = 0.15  # mean |error| per held-out table
 BANDS = ((0, 2**20, "8K-1M"), (2**20, 2**26, "1M-64M"), (2**26, math.inf, ">=64M"))
 TIERS = ("intra_node", "inter_node")
-# NCCL's per-step latencies of its low-latency protocols on a ring (src/graph/tuning.cc,
-# hwLatencies): NVLink LL 0.6 us, LL128 1.9 us; network LL 2.7 us, LL128 4.0 us.
-HOPS_US = {"intra_node": {"LL": 0.6, "LL128": 1.9}, "inter_node": {"LL": 2.7, "LL128": 4.0}}
 
 
 @dataclass(frozen=True)
@@ -184,15 +181,16 @@ FAMILIES = {
 }
 
 
-def with_parameters(link: Link, tier: str, values: Sequence[float]) -> Link:
-    """``link`` with the fitted parameters ``values`` (in ``_PARAMETERS`` order)."""
+def with_parameters(link: Link, values: Sequence[float]) -> Link:
+    """``link`` with the fitted parameters ``values`` (in ``_PARAMETERS`` order); each
+    protocol keeps the per-step hop its profile cites (NCCL's ``tuning.cc``)."""
     named = {p[0]: float(v) for p, v in zip(_PARAMETERS, values, strict=True)}
     factors = dict(link.collective_factors)
     factors["all_reduce"] = named["all_reduce_factor"]
     protocols = {
         name: Protocol(
             launch_us=named[f"{name}.launch_us"],
-            hop_us=HOPS_US[tier][name],
+            hop_us=link.protocols[name].hop_us,
             bandwidth_share=named[f"{name}.share"],
         )
         for name in ("LL", "LL128")
@@ -222,13 +220,13 @@ def fit_tier(rows: Sequence[Row], profile: HardwareProfile, tier: str) -> Link:
         return [named.get(p[0], 1.0) for p in _PARAMETERS]
 
     def residuals(values: np.ndarray) -> np.ndarray:
-        fitted = _with_link(profile, tier, with_parameters(base, tier, full(list(values))))
+        fitted = _with_link(profile, tier, with_parameters(base, full(list(values))))
         return np.array([math.log(predict(r, fitted) / r.measured_s) for r in rows])
 
     start = [p[1] for p in free]
     bounds = ([p[2] for p in free], [p[3] for p in free])
     result = least_squares(residuals, start, bounds=bounds, loss="soft_l1", f_scale=0.1)
-    return with_parameters(base, tier, full(list(result.x)))
+    return with_parameters(base, full(list(result.x)))
 
 
 def fit(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> dict[str, HardwareProfile]:

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 PROFILE_SCHEMA_VERSION: Literal[1] = 1
-MAX_FACTOR = 10.0  # largest collective bus-bandwidth factor against all-reduce
+MAX_FACTOR = 10.0  # largest collective bus-bandwidth factor against the ring's
 
 # Every number is finite and in a range whose products and quotients stay finite: a peak
 # of 0 would divide by zero, a negative one gives a negative MFU.
@@ -113,7 +113,7 @@ class Link(_Frozen):
         if bad:
             raise ValueError(
                 f"collective_factors {bad} must lie in (0, {MAX_FACTOR:g}]: a factor is a "
-                "collective's bus bandwidth relative to the all-reduce's"
+                "collective's bulk bus bandwidth relative to the ring's"
             )
         return self
 

@@ -282,7 +282,7 @@ class ParallelModel:
         module = self.module  # raises for pipelines
         if args and isinstance(args[0], torch.Tensor):
             self._check_local(args[0], "parallel(inputs)", whole=False)
-        with self._autocast(torch.device(device_type())):
+        with self._autocast():
             return module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -290,7 +290,7 @@ class ParallelModel:
         """Enter around the loss and backward when calling the model yourself: the plan's
         autocast, as :meth:`step` computes its loss, and the loss-parallel context where
         the head hands on vocabulary-sharded logits."""
-        with self._autocast(torch.device(device_type())), loss_context(self.plan):
+        with self._autocast(), loss_context(self.plan):
             yield
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -300,7 +300,7 @@ class ParallelModel:
         self._check_local(inputs, "parallel.step(inputs, targets)", whole=True)
         device = torch.device(device_type())
         inputs, targets = inputs.to(device), targets.to(device)
-        with self._autocast(device):
+        with self._autocast():
             runner = self.runner
             if runner is not None:
                 loss = runner.step(inputs, targets)
@@ -315,18 +315,19 @@ class ParallelModel:
         groups = (runner.group,) if runner is not None else ()
         return clipping.clip_grad_norm_(self.parameters(), max_norm, extra_groups=groups)
 
-    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        """The plan's autocast on this rank's device (none for fp32 plans)."""
         dtype = mixed_precision_dtype(self.plan.training.dtype)
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=dtype)
+        return torch.autocast(device_type(), dtype=dtype)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Gradient accumulation over the plan's micro-batches; the mean micro-batch loss."""
         model, count = self.module, self.plan.strategy.num_microbatches
         losses = []
         for index, (x, y) in enumerate(zip(inputs.chunk(count), targets.chunk(count), strict=True)):
-            with _gradient_sync(model, sync=index == count - 1), self.loss_context():
+            with _gradient_sync(model, sync=index == count - 1), loss_context(self.plan):
                 loss = self.loss_fn(model(x), y) / count
                 loss.backward()
             losses.append(full_value(loss).float())
