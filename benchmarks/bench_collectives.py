@@ -3,6 +3,7 @@
     python benchmarks/bench_collectives.py            # per table, per size band, held-out summary
     python benchmarks/bench_collectives.py --rows     # every row
     python benchmarks/bench_collectives.py --fit      # refit the links' protocol parameters
+    python benchmarks/bench_collectives.py --calibrate  # plan calibrate --nccl-tests, held out by size
 
 Each row of ``benchmarks/data/nccl_tests.csv`` is one line of an nccl-tests output table
 (out-of-place time) published with its source. A row is priced on its GPU's profile
@@ -26,20 +27,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from scipy.optimize import least_squares
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.cost.communication import Algorithm, Collective, collective_time, link_for_axis  # noqa: E402
-from planner.hardware import HardwareProfile, Link, Protocol, load_profile  # noqa: E402
-from planner.spec import Cluster  # noqa: E402
+from planner.calibrate.links import (  # noqa: E402
+    LinkSample,
+    Tier,
+    fit_link,
+    price,
+    table_error,
+    with_link,
+)
+from planner.cost.communication import Algorithm, Collective  # noqa: E402
+from planner.hardware import HardwareProfile, load_profile  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "nccl_tests.csv"
 TARGET = 0.15  # mean |error| per held-out table
 BANDS = ((0, 2**20, "8K-1M"), (2**20, 2**26, "1M-64M"), (2**26, math.inf, ">=64M"))
-TIERS = ("intra_node", "inter_node")
+TIERS: tuple[Tier, ...] = ("intra_node", "inter_node")
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,15 @@ class Row:
     source: str
 
     @property
-    def tier(self) -> str:
-        return "intra_node" if self.ranks <= self.per_node else "inter_node"
+    def sample(self) -> LinkSample:
+        return LinkSample(
+            self.kind, self.ranks, self.per_node, self.size, self.measured_s,
+            self.algorithm, self.network_GBps,
+        )  # fmt: skip
+
+    @property
+    def tier(self) -> Tier:
+        return self.sample.tier
 
     @property
     def table(self) -> tuple[str, int, str, str, str]:
@@ -93,18 +105,8 @@ def load_rows(path: Path = DATA) -> list[Row]:
         ]
 
 
-def predict(row: Row, profile: HardwareProfile) -> float:
-    """Seconds the cost model gives ``row``'s collective on ``profile``."""
-    cluster = Cluster(
-        gpu=row.profile, num_gpus=row.ranks, gpus_per_node=row.per_node,
-        inter_node_GBps=row.network_GBps,
-    )  # fmt: skip
-    link = link_for_axis(row.ranks, 1, cluster, profile)
-    return collective_time(row.kind, row.size, row.ranks, link, row.algorithm)
-
-
 def errors(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> list[float]:
-    return [predict(r, profiles[r.profile]) / r.measured_s - 1 for r in rows]
+    return [price(r.sample, profiles[r.profile]) / r.measured_s - 1 for r in rows]
 
 
 def _band(size: int) -> str:
@@ -162,18 +164,6 @@ def report(rows: Sequence[Row], profiles: dict[str, HardwareProfile], every_row:
 
 # --- fitting ---------------------------------------------------------------------------
 
-_PARAMETERS = (
-    # (name, start, low, high): the bulk protocol's launch, its all-reduce factor, the
-    # tree's share, and each low-latency protocol's launch and share (LL carries 8 bytes
-    # of data in 16, LL128 120 in 128: NCCL's src/graph/tuning.cc caps them there)
-    ("launch_us", 20.0, 0.0, 500.0),
-    ("all_reduce_factor", 1.0, 0.5, 2.0),
-    ("tree_share", 0.9, 0.3, 1.0),
-    ("LL.launch_us", 10.0, 0.0, 50.0),
-    ("LL.share", 0.4, 0.05, 0.5),
-    ("LL128.launch_us", 20.0, 0.0, 100.0),
-    ("LL128.share", 0.8, 0.3, 120 / 128),
-)
 # Profiles whose links are the same parts (NVLink generation, NICs, NCCL): fitted together
 FAMILIES = {
     "hopper": ("h100-sxm-80gb", "h100-96gb", "h200-sxm-141gb"),
@@ -181,56 +171,10 @@ FAMILIES = {
 }
 
 
-def with_parameters(link: Link, values: Sequence[float]) -> Link:
-    """``link`` with the fitted parameters ``values`` (in ``_PARAMETERS`` order); each
-    protocol keeps the per-step hop its profile cites (NCCL's ``tuning.cc``)."""
-    named = {p[0]: float(v) for p, v in zip(_PARAMETERS, values, strict=True)}
-    factors = dict(link.collective_factors)
-    factors["all_reduce"] = named["all_reduce_factor"]
-    protocols = {
-        name: Protocol(
-            launch_us=named[f"{name}.launch_us"],
-            hop_us=link.protocols[name].hop_us,
-            bandwidth_share=named[f"{name}.share"],
-        )
-        for name in ("LL", "LL128")
-    }
-    return link.model_copy(update={
-        "launch_us": named["launch_us"], "collective_factors": factors,
-        "tree_bandwidth_share": named["tree_share"], "protocols": protocols,
-    })  # fmt: skip
-
-
-def _with_link(profile: HardwareProfile, tier: str, link: Link) -> HardwareProfile:
-    links = profile.links.model_copy(update={tier: link})
-    return profile.model_copy(update={"links": links})
-
-
-def fit_tier(rows: Sequence[Row], profile: HardwareProfile, tier: str) -> Link:
-    """Least-squares fit (in log time) of ``tier``'s protocol parameters to ``rows`` (every
-    profile of a family prices with the same link, so one stands for all).
-
-    Across nodes the all-reduce factor stays 1: NVLink SHARP reduces inside a node, and
-    a ring through the NICs moves an all-reduce at the ring's rate."""
-    base = getattr(profile.links, tier)
-    free = [p for p in _PARAMETERS if tier == "intra_node" or p[0] != "all_reduce_factor"]
-
-    def full(values: Sequence[float]) -> list[float]:
-        named = dict(zip((p[0] for p in free), values, strict=True))
-        return [named.get(p[0], 1.0) for p in _PARAMETERS]
-
-    def residuals(values: np.ndarray) -> np.ndarray:
-        fitted = _with_link(profile, tier, with_parameters(base, full(list(values))))
-        return np.array([math.log(predict(r, fitted) / r.measured_s) for r in rows])
-
-    start = [p[1] for p in free]
-    bounds = ([p[2] for p in free], [p[3] for p in free])
-    result = least_squares(residuals, start, bounds=bounds, loss="soft_l1", f_scale=0.1)
-    return with_parameters(base, full(list(result.x)))
-
-
 def fit(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> dict[str, HardwareProfile]:
-    """Fit each family's tiers on its ``fit`` rows; print the fitted links."""
+    """Fit each family's tiers on its ``fit`` rows with ``plan calibrate``'s link fit,
+    keeping the datasheet bandwidths (every profile of a family prices with the same
+    link, so one stands for all); print the fitted links."""
     fitted = dict(profiles)
     for family, members in FAMILIES.items():
         for tier in TIERS:
@@ -239,9 +183,10 @@ def fit(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> dict[str, 
             ]
             if not chosen:
                 continue
-            link = fit_tier(chosen, fitted[chosen[0].profile], tier)
+            samples = [r.sample for r in chosen]
+            link, _ = fit_link(samples, fitted[chosen[0].profile], tier, fit_bandwidth=False)
             for name in members:
-                fitted[name] = _with_link(fitted.get(name) or load_profile(name), tier, link)
+                fitted[name] = with_link(fitted.get(name) or load_profile(name), tier, link)
             shown = link.model_dump(
                 include={"launch_us", "collective_factors", "tree_bandwidth_share", "protocols"}
             )
@@ -249,16 +194,55 @@ def fit(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> dict[str, 
     return fitted
 
 
+def calibrate_report(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) -> None:
+    """What ``plan calibrate --nccl-tests`` buys a user: each held-out table of 8 or more
+    sizes is fitted (bandwidth included, from its shipped profile) on every other size and
+    scored on the sizes it did not see, against the shipped profile on the same sizes."""
+    print(f"{'profile':<15}{'ranks':>6} {'collective':<15}{'algo':<8}{'fit on':>7}"
+          f"{'scored':>7}{'shipped':>9}{'calibrated':>11}  source")  # fmt: skip
+    tables: dict[tuple[str, int, str, str, str], list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.role == "held-out":
+            tables[row.table].append(row)
+    shipped_errors, calibrated_errors = [], []
+    for (profile, ranks, kind, algorithm, source), chosen in tables.items():
+        if len(chosen) < 8:
+            continue
+        chosen = sorted(chosen, key=lambda r: r.size)
+        seen, unseen = chosen[::2], chosen[1::2]
+        tier = chosen[0].tier
+        base = profiles[profile]
+        link, _ = fit_link([r.sample for r in seen], base, tier)
+        calibrated = with_link(base, tier, link)
+        before = table_error([r.sample for r in unseen], base)
+        after = table_error([r.sample for r in unseen], calibrated)
+        shipped_errors.append(before)
+        calibrated_errors.append(after)
+        print(f"{profile:<15}{ranks:>6} {kind:<15}{algorithm:<8}{len(seen):>7}{len(unseen):>7}"
+              f"{before:>9.1%}{after:>11.1%}  {_short(source)}")  # fmt: skip
+    print(
+        f"unseen sizes of {len(shipped_errors)} held-out tables, mean |err| per table: "
+        f"shipped profiles {statistics.fmean(shipped_errors):.1%} (worst "
+        f"{max(shipped_errors):.1%}), calibrated on the other sizes "
+        f"{statistics.fmean(calibrated_errors):.1%} (worst {max(calibrated_errors):.1%})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", type=Path, default=DATA, help="nccl-tests rows")
     parser.add_argument("--rows", action="store_true", help="print every row")
     parser.add_argument("--fit", action="store_true", help="refit the protocol parameters first")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="fit each held-out table on half its sizes, score the rest")  # fmt: skip
     args = parser.parse_args(argv)
     rows = load_rows(args.csv)
     profiles = {name: load_profile(name) for name in sorted({r.profile for r in rows})}
     if args.fit:
         profiles = fit(rows, profiles)
+    if args.calibrate:
+        calibrate_report(rows, profiles)
+        return 0
     report(rows, profiles, args.rows)
     return 0
 

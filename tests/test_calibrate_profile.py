@@ -195,3 +195,34 @@ def test_the_training_step_probe_times_forward_backward_and_the_optimizer() -> N
     step = training_step_sample(torch.device("cpu"), repeats=3)
     assert step.model == PROBE_MODEL
     assert step.forward_backward_s > step.optimizer_s > 0
+
+
+def test_a_gpu_sweep_refits_nccls_protocol_curve_on_the_base_links() -> None:
+    """On a base whose links carry NCCL's protocols (a GPU), the sweep of the process
+    group refits that curve, on the tier the group ran on, not an alpha-beta line."""
+    from planner.calibrate.links import LinkSample, price, table_error, with_link, with_values
+
+    hopper = load_profile("h100-sxm-80gb")
+    truth = with_link(hopper, "intra_node", with_values(
+        hopper.links.intra_node, {"bandwidth_GBps": 330.0, "launch_us": 25.0}
+    ))  # fmt: skip
+    kinds = (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER,
+             Collective.ALL_TO_ALL, Collective.SEND_RECV)  # fmt: skip
+    samples = [
+        LinkSample(kind, 8, 8, float(size), 1.0)
+        for kind in kinds for size in (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
+    ]  # fmt: skip
+    collectives = [(s.kind, s.ranks, s.size_bytes, price(s, truth)) for s in samples]
+    measured = Measurements(**{**_measurements(collectives).__dict__, "ranks_per_node": 8})
+    profile, report = build_profile(
+        measured, name="gpu", stamp="measured today", device_kind="gpu", base=hopper,
+        peak_tflops=0.2, peak_source="given", memory_capacity_gib=80.0,
+    )  # fmt: skip
+    intra = profile.links.intra_node
+    assert intra.bandwidth_GBps == pytest.approx(330.0, rel=0.02)
+    assert intra.protocols.keys() == hopper.links.intra_node.protocols.keys()
+    assert profile.links.inter_node == hopper.links.inter_node  # one node: the base's network
+    assert "protocol curve" in profile.sources["links.intra_node.launch_us"]
+    timed = [LinkSample(k, n, 8, b, t) for k, n, b, t in collectives]
+    assert table_error(timed, profile) < 0.02 < table_error(timed, hopper)
+    assert report.fits["collectives"].rms_after < 0.02

@@ -5,6 +5,8 @@
 - :mod:`~planner.calibrate.fit` the ``scipy.optimize.least_squares`` fits;
 - :mod:`~planner.calibrate.profile` samples to a :class:`~planner.hardware.HardwareProfile`;
 - :mod:`~planner.calibrate.refit` refit a profile to measured runs;
+- :mod:`~planner.calibrate.links` fit a link tier's NCCL protocol curve to collective
+  times, :mod:`~planner.calibrate.nccl_tests` read them from nccl-tests output;
 - :mod:`~planner.calibrate.options` the cost options of the measured runtime.
 """
 

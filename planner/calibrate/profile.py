@@ -36,6 +36,7 @@ from planner.calibrate.fit import (
     fit_streaming,
     rms,
 )
+from planner.calibrate.links import LinkSample, fit_link, fitted_fields, with_link
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective
 from planner.cost.options import device_options
@@ -255,7 +256,8 @@ def _memory_fields(
 def _links(
     measured: Measurements, base: HardwareProfile | None, fits: dict[str, FitResult], stamp: str
 ) -> tuple[dict[str, object], dict[str, str]]:
-    """Intra-node link from the collective fit; inter-node kept from the base (or copied)."""
+    """Intra-node link from the collective fit; inter-node kept from the base (or copied).
+    A base link with NCCL's protocols gets its curve refitted (:func:`_curve_links`)."""
     if not measured.collectives:
         if base is None:
             raise CalibrationError(
@@ -264,6 +266,8 @@ def _links(
             )
         sources = {k: v for k, v in base.sources.items() if k.startswith("links.")}
         return base.links.model_dump(), sources
+    if base is not None and base.links.intra_node.protocols:
+        return _curve_links(measured, base, fits, stamp)
     fit = fits["collectives"] = fit_alpha_beta(measured.collectives, factors=True)
     factors = {
         name.removeprefix("factor."): value
@@ -296,3 +300,21 @@ def _links(
                 f"{stamp}: copy of intra_node (one host measured, no network)"
             )
     return {"intra_node": intra, "inter_node": inter}, sources
+
+
+def _curve_links(
+    measured: Measurements, base: HardwareProfile, fits: dict[str, FitResult], stamp: str
+) -> tuple[dict[str, object], dict[str, str]]:
+    """The base's links with the tier the sweep ran on (one node: the scale-up link; under
+    torchrun across nodes: the network) fitted to NCCL's protocol curve."""
+    samples = [
+        LinkSample(kind, ranks, measured.ranks_per_node, size, seconds)
+        for kind, ranks, size, seconds in measured.collectives
+    ]
+    tier = samples[0].tier
+    link, fits["collectives"] = fit_link(samples, base, tier)
+    sources = {k: v for k, v in base.sources.items() if k.startswith("links.")}
+    how = f"{stamp}: collective sweep over the process group, NCCL protocol curve fit"
+    for path in fitted_fields(getattr(base.links, tier), link):
+        sources[f"links.{tier}.{path}"] = how
+    return with_link(base, tier, link).links.model_dump(), sources

@@ -9,6 +9,11 @@ Refit to measured runs (no torchrun)::
 
     plan calibrate --profile my-cpu.json --from m1.json m2.json -o my-cpu-fit.json
 
+Fit the links to nccl-tests output (no torchrun; one node's tables fit the scale-up
+link, tables across nodes the network)::
+
+    plan calibrate --base h100-sxm-80gb --nccl-tests all_reduce.txt all_gather.txt -o my-h100.json
+
 The profile is written atomically; a failed fit writes nothing.
 """
 
@@ -37,6 +42,7 @@ if TYPE_CHECKING:  # the measuring and fitting machinery loads torch: imported o
     import torch
 
     from planner.calibrate.fit import Sample
+    from planner.calibrate.nccl_tests import LinkCalibration
     from planner.calibrate.profile import CalibrationReport, Measurements
     from planner.calibrate.refit import RefitReport, RunError
     from planner.cost.communication import Collective
@@ -59,10 +65,13 @@ _GPU_COLLECTIVE_BYTES = (1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "calibrate",
-        help="microbenchmark this machine into a hardware profile, or refit one to runs",
-        description="Without --from: GEMM, memory-bound, attention and collective sweeps "
-        "(under torchrun), fitted into a hardware profile. With --from: refit --profile's "
-        "efficiencies, overheads and bandwidths to measured profiles.",
+        help="microbenchmark this machine into a hardware profile, refit one to runs, or fit "
+        "its links to nccl-tests output",
+        description="Without --from or --nccl-tests: GEMM, memory-bound, attention and "
+        "collective sweeps (under torchrun), fitted into a hardware profile. With --from: "
+        "refit --profile's efficiencies, overheads and bandwidths to measured profiles. With "
+        "--nccl-tests: fit --base's links (NCCL's protocol curve) to your cluster's "
+        "nccl-tests output.",
     )
     parser.add_argument("-o", "--output", required=True, metavar="profile.json",
                         help="hardware profile to write (JSON)")  # fmt: skip
@@ -81,11 +90,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     refit.add_argument("--from", dest="runs", nargs="+", type=Path, metavar="measured.json",
                        help="measured profiles written by 'plan measure'")  # fmt: skip
     refit.add_argument("--profile", metavar="PROFILE", help="the profile to refit (with --from)")
+    links = parser.add_argument_group("fit the links to nccl-tests output")
+    links.add_argument(
+        "--nccl-tests", nargs="+", type=Path, metavar="OUTPUT",
+        help="output files of nccl-tests (all_reduce_perf, all_gather_perf, reduce_scatter_perf, "
+        "alltoall_perf, sendrecv_perf, broadcast_perf) run on your cluster; --base is the "
+        "profile whose links they refit",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     args.output = output(args.output, "--output")  # before any measuring or fitting
+    if args.nccl_tests:
+        return _fit_links(args)
     if args.runs:
         return _refit(args)
     if args.profile:
@@ -116,6 +134,52 @@ def _refit(args: argparse.Namespace) -> int:
     print(format_refit(report))
     print(f"wrote {args.output}")
     return 0
+
+
+def _fit_links(args: argparse.Namespace) -> int:
+    from planner.calibrate.nccl_tests import calibrate_links, read_nccl_tests
+
+    if args.runs or args.profile:
+        raise SpecError(
+            "--nccl-tests fits the links of --base; --from/--profile refit a profile to "
+            "measured runs: run them one after the other"
+        )
+    if not args.base:
+        raise SpecError(
+            "--nccl-tests needs --base PROFILE: the profile whose links the tables refit "
+            "(a shipped one such as h100-sxm-80gb, or one 'plan calibrate' wrote)"
+        )
+    base = load_profile(args.base)
+    tables = [table for path in args.nccl_tests for table in read_nccl_tests(path)]
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    fitted, report = calibrate_links(base, tables, today)
+    fitted = fitted.model_copy(update={"name": args.name or args.output.stem})
+    save_profile(fitted, args.output)
+    print(format_link_fit(report))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def format_link_fit(report: LinkCalibration) -> str:
+    """Each table's error before and after, then each fitted field's old and new value
+    (marked where the fit left it on the edge of its range)."""
+    labels = [fit.table.label for fit in report.tables]
+    width = max(len(label) for label in labels)
+    lines = [f"{'table':<{width}} {'sizes':>5} {'before':>8} {'after':>8}"]
+    for label, table in zip(labels, report.tables, strict=True):
+        lines.append(
+            f"{label:<{width}} {len(table.table.rows):>5} {table.before:>8.1%} {table.after:>8.1%}"
+        )
+    edges = {f"links.{tier}.{name}" for tier, fit in report.fits.items() for name in fit.at_bounds}
+    for tier, fit in report.fits.items():
+        lines.append(
+            f"{tier}: RMS log error {fit.rms_before:.2f} -> {fit.rms_after:.2f} "
+            f"({fit.samples} sizes)"
+        )
+    for path, (old, new) in report.fields.items():
+        edge = "  (at the edge of its range)" if path in edges else ""
+        lines.append(f"  {path:<48} {old:10.4g} -> {new:10.4g}{edge}")
+    return "\n".join(lines)
 
 
 def format_refit(report: RefitReport) -> str:
