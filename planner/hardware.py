@@ -34,6 +34,7 @@ __all__ = [
     "profile_dir",
     "load_profile",
     "save_profile",
+    "numbers",
 ]
 
 PROFILE_SCHEMA_VERSION: Literal[1] = 1
@@ -173,11 +174,7 @@ class HardwareProfile(_Frozen):
     def numeric_fields(self) -> list[str]:
         """Dotted paths of every number in the profile (what ``sources`` must cover)."""
         data = self.model_dump(mode="json", exclude={"sources", "schema_version"})
-        return [
-            path
-            for path, value in _flatten(data)
-            if isinstance(value, int | float) and not isinstance(value, bool)
-        ]
+        return [path for path, _ in numbers(data)]
 
     def peak_flops(self, dtype: DType) -> float:
         """Dense matrix FLOP/s for ``dtype`` (raises :class:`SpecError` if the profile lacks it)."""
@@ -202,13 +199,16 @@ class HardwareProfile(_Frozen):
         return self.memory_capacity_gib * 2**30
 
 
-def _flatten(data: object, prefix: str = "") -> list[tuple[str, object]]:
+def numbers(data: object, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted path, value) of every number (not a bool) in nested dicts ``data``."""
     if isinstance(data, dict):
-        items: list[tuple[str, object]] = []
+        items: list[tuple[str, float]] = []
         for key, value in data.items():
-            items.extend(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+            items.extend(numbers(value, f"{prefix}.{key}" if prefix else str(key)))
         return items
-    return [(prefix, data)]
+    if isinstance(data, int | float) and not isinstance(data, bool):
+        return [(prefix, float(data))]
+    return []
 
 
 def profile_dir() -> Path:

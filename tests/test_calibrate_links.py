@@ -3,9 +3,6 @@ the public nccl-tests rows the shipped Hopper profiles were fitted to."""
 
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -20,8 +17,8 @@ from planner.calibrate.links import (
 )
 from planner.cost.communication import Algorithm, Collective
 from planner.hardware import load_profile
+from tests.benchmark_modules import load_benchmark
 
-ROOT = Path(__file__).resolve().parent.parent
 HOPPER = load_profile("h100-sxm-80gb")
 SIZES = [float(2**k) for k in range(13, 35, 2)]  # 8 KB to 8 GB
 RNG = np.random.default_rng(3)
@@ -102,21 +99,9 @@ def test_fit_refuses_samples_of_the_other_tier_and_too_few() -> None:
 
 
 def _public_rows(profile: str, ranks: int) -> list[LinkSample]:
-    """The ``fit`` rows of one published nccl-tests table, each GPU's network as printed."""
-    path = ROOT / "benchmarks" / "data" / "nccl_tests.csv"
-    samples = []
-    for r in csv.DictReader(path.open(newline="")):
-        if r["profile"] != profile or int(r["n_gpus"]) != ranks or r["role"] != "fit":
-            continue
-        network = None
-        if r["nics_per_node"]:
-            node_GBps = int(r["nics_per_node"]) * float(r["nic_gbps"]) / 8
-            network = node_GBps / int(r["gpus_per_node"])
-        samples.append(LinkSample(
-            Collective(r["collective"]), ranks, int(r["gpus_per_node"]), float(r["size_bytes"]),
-            float(r["time_us"]) * 1e-6, network_GBps=network,
-        ))  # fmt: skip
-    return samples
+    """The ``fit`` rows of one published nccl-tests table (``bench_collectives``'s)."""
+    rows = load_benchmark("bench_collectives").load_rows()
+    return [r.sample for r in rows if (r.profile, r.ranks, r.role) == (profile, ranks, "fit")]
 
 
 @pytest.mark.parametrize(("tier", "ranks"), [("intra_node", 8), ("inter_node", 32)])

@@ -33,8 +33,14 @@ from typing import Any, Literal
 import numpy as np
 
 from planner.calibrate.fit import Array, Bound, CalibrationError, FitResult, fit_within
-from planner.cost.communication import Algorithm, Collective, collective_time, link_for_axis
-from planner.hardware import HardwareProfile, Link
+from planner.cost.communication import (
+    Algorithm,
+    Collective,
+    alltoall_time,
+    collective_time,
+    link_for_axis,
+)
+from planner.hardware import HardwareProfile, Link, numbers
 from planner.spec import Cluster
 
 __all__ = [
@@ -81,11 +87,14 @@ class LinkSample:
 
 
 def price(sample: LinkSample, profile: HardwareProfile) -> float:
-    """Seconds the cost model gives ``sample``'s collective on ``profile``."""
+    """Seconds the cost model gives ``sample``'s collective on ``profile`` (an all-to-all
+    as expert parallelism prices it: ``size_bytes`` sent by each rank)."""
     cluster = Cluster(
         gpu=profile.name, num_gpus=sample.ranks, gpus_per_node=sample.per_node,
         inter_node_GBps=sample.network_GBps,
     )  # fmt: skip
+    if sample.kind is Collective.ALL_TO_ALL:
+        return alltoall_time(sample.size_bytes, sample.ranks, cluster, profile)
     link = link_for_axis(sample.ranks, 1, cluster, profile)
     return collective_time(sample.kind, sample.size_bytes, sample.ranks, link, sample.algorithm)
 
@@ -190,20 +199,9 @@ def table_error(samples: Sequence[LinkSample], profile: HardwareProfile) -> floa
 
 def fitted_fields(before: Link, after: Link) -> dict[str, tuple[float, float]]:
     """The link's numbers that the fit changed, by dotted path: (before, after)."""
-    old, new = dict(_numbers(before.model_dump())), dict(_numbers(after.model_dump()))
+    old, new = dict(numbers(before.model_dump())), dict(numbers(after.model_dump()))
     return {
         path: (old.get(path, math.nan), value)
         for path, value in new.items()
         if not math.isclose(old.get(path, math.nan), value)
     }
-
-
-def _numbers(data: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
-    items: list[tuple[str, float]] = []
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict):
-            items.extend(_numbers(value, path))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            items.append((path, float(value)))
-    return items
