@@ -38,7 +38,8 @@ predicted to fit. Each row is priced with its framework's kernels (Megatron-Core
 model preset, GPU profile or expert layout the planner lacks is listed as skipped with
 the reason.
 
-``--write-error-bands`` measures, on every priced row (dense and MoE), the error band of
+``--write-error-bands`` measures, on every priced row (dense, MoE and the MLPerf rows of
+``bench_mlperf.py``), the error band of
 each regime that predictions carry (:mod:`planner.cost.error_band`), prints them and
 writes them to ``profiles/validation/error_bands.json`` (or PATH).
 """
@@ -641,8 +642,15 @@ def moe_report(path: Path, with_search: bool = True) -> None:
 
 
 def residuals(csv_path: Path, moe_path: Path) -> list[Residual]:
-    """Every priced published run (dense and MoE) with its prediction and measurements."""
-    found = []
+    """Every priced published run (dense, MoE and MLPerf's, ``bench_mlperf.py``) with its
+    prediction and measurements."""
+    import bench_mlperf  # imports this module's helpers: imported on use
+
+    found = [
+        Residual(estimate_run(case.config), case.measured_s, None, case.config["cluster"]["gpu"])
+        for case in bench_mlperf.load_cases()
+        if case.config is not None
+    ]
     for case in load_cases(csv_path):
         prediction = estimate_run(case.config)
         found.append(Residual(prediction, case.measured_step_s, case.measured_memory_gib,

@@ -786,3 +786,13 @@ def test_qwen3_heads_round_trip_through_megatron(tmp_path):
     run = import_config(path, cluster=GPU, gpus=8).run
     assert run.model.name == "qwen3-30b-a3b"
     assert (run.model.head_dim, run.model.qk_norm, run.strategy.ep) == (128, True, 8)
+
+
+def test_megatron_fp8_is_transformer_engines_with_its_weights_gathered_in_fp8() -> None:
+    fp8 = MEGATRON_SHELL.replace("--bf16", "--bf16 --fp8-format hybrid")
+    run = import_config(fp8, cluster=GPU).run
+    assert run.training.dtype is DType.FP8 and run.options.fp8_linear.value == "te"
+    assert not run.options.fp8_param_gather
+    gathered = import_config(fp8 + " --fp8-param-gather", cluster=GPU).run
+    assert gathered.options.fp8_param_gather
+    assert estimate_run(gathered).peak_memory_gib < estimate_run(run).peak_memory_gib

@@ -10,10 +10,9 @@ A plan's prediction is therefore reproduced, to the float, by ``plan estimate --
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
 
 from planner.cost.model import CostModel
-from planner.cost.options import CostOptions, device_options
+from planner.cost.options import CostOptions, Fp8Linear, device_options
 from planner.cost.spec_graph import Kernels, graph_from_spec
 from planner.cost.tp import AssignmentSource
 from planner.errors import SpecError
@@ -42,7 +41,11 @@ def spec_graph(spec: ModelSpec, training: Training, options: CostOptions | None 
     spec's when unset) and dtype, with the dropout nodes and the kernels the options
     describe."""
     options = options or CostOptions()
-    kernels = Kernels(**{field.name: getattr(options, field.name) for field in fields(Kernels)})
+    kernels = Kernels(
+        fused_norm_swiglu=options.fused_norm_swiglu, gqa_native=options.gqa_native,
+        moe_probs_in_activation=options.moe_probs_in_activation,
+        fp8_saved_inputs=options.fp8_linear is Fp8Linear.TRANSFORMER_ENGINE,
+    )  # fmt: skip
     return graph_from_spec(
         spec, seq_len=training.seq_len or spec.seq_len, dtype=training.dtype,
         dropout=options.dropout, kernels=kernels,

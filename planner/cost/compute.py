@@ -4,8 +4,10 @@
   matmul_overhead`` per GEMM; the fixed overhead makes efficiency saturate with size.
   Backward runs two GEMMs of the forward's size. fp8 training uses the fp8 peak for
   matmuls only, at the profile's fp8 efficiency
-  (:meth:`~planner.hardware.HardwareProfile.matmul_efficiency_for`), and pays the
-  dynamic-scaling casts as memory traffic.
+  (:meth:`~planner.hardware.HardwareProfile.matmul_efficiency_for`), and pays its
+  linear layers' casts as memory traffic (:class:`~planner.cost.options.Fp8Linear`:
+  torchao's per GEMM and micro-batch, Transformer Engine's once per tensor, its weights'
+  once per step in the optimizer's term); the output layer's GEMM stays in bf16.
 - Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
   causal (masked blocks are skipped); its backward does 2.5x the forward's work. The
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
@@ -26,13 +28,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost.options import AttentionKernel, CostOptions
+from planner.cost.options import AttentionKernel, CostOptions, Fp8Linear
 from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
 from planner.spec import DType
 
-__all__ = ["OpTime", "ComputeModel", "unfused_score_bytes"]
+__all__ = ["OpTime", "ComputeModel", "unfused_score_bytes", "fp8_weight_cast_bytes"]
 
 _MATMUL_KINDS = (OpKind.MATMUL, OpKind.CONV)
 # FlashAttention's backward recomputes the scores: 5 GEMM-sized products against the
@@ -62,6 +64,19 @@ def unfused_score_bytes(node: OpNode, element_bytes: int, dropout: bool) -> floa
     return float(batch_heads * seq_q * seq_k * per_score)
 
 
+def fp8_weight_cast_bytes(params: float, options: CostOptions, dtype: DType) -> float:
+    """Bytes of one step's weight casts outside the GEMMs' per-micro-batch ones: under
+    Transformer Engine fp8, each of the rank's ``params`` read in bf16 and written with its
+    transpose in fp8, once per step (with ``fp8_param_gather`` the weights are fp8
+    already, written so by the optimizer: their transpose only); none otherwise."""
+    if dtype is not DType.FP8 or options.fp8_linear is not Fp8Linear.TRANSFORMER_ENGINE:
+        return 0.0
+    fp8 = ELEMENT_BYTES["fp8"]
+    if options.fp8_param_gather:
+        return params * 2 * fp8
+    return params * (dtype.activation_bytes + 2 * fp8)
+
+
 class ComputeModel:
     """Prices operators; ``scale`` is the node's work on one GPU relative to the traced
     batch-1 node (micro-batch tokens over the context- and tensor-parallel split)."""
@@ -73,7 +88,9 @@ class ComputeModel:
         self.fp8 = dtype is DType.FP8
         self.matmul_peak = profile.peak_flops(dtype)
         self.matmul_efficiency = profile.matmul_efficiency_for(dtype)
-        self.attention_peak = profile.peak_flops(DType.BF16 if dtype is DType.FP8 else dtype)
+        half = DType.BF16 if self.fp8 else dtype  # attention and the output layer
+        self.half_matmul_rate = profile.peak_flops(half) * profile.matmul_efficiency_for(half)
+        self.attention_peak = profile.peak_flops(half)
         self.bandwidth = profile.memory_bandwidth_GBps * 1e9 * profile.memory_efficiency
         self.kernel_s = profile.kernel_overhead_us * 1e-6
         self.gemm_s = profile.matmul_overhead_us * 1e-6
@@ -84,25 +101,34 @@ class ComputeModel:
         """Seconds for one memory-bound kernel moving ``nbytes``."""
         return nbytes / self.bandwidth + self.kernel_s
 
-    def gemm_time(self, flops: float, nbytes: float) -> float:
-        """Seconds for one GEMM of ``flops`` touching ``nbytes``."""
-        rate = self.matmul_peak * self.matmul_efficiency
+    def gemm_time(self, flops: float, nbytes: float, *, low_precision: bool = True) -> float:
+        """Seconds for one GEMM of ``flops`` touching ``nbytes`` (``low_precision=False``:
+        in bf16 where the training runs its linear layers in fp8)."""
+        rate = self.matmul_peak * self.matmul_efficiency if low_precision else self.half_matmul_rate
         return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
 
-    def segment_times(self, nodes: Sequence[OpNode], scales: Sequence[float]) -> list[OpTime]:
-        """Per-node forward and backward seconds, with compiled fusion applied."""
-        times = [self.node_time(node, scale) for node, scale in zip(nodes, scales, strict=True)]
+    def segment_times(
+        self, nodes: Sequence[OpNode], scales: Sequence[float], *, low_precision: bool = True
+    ) -> list[OpTime]:
+        """Per-node forward and backward seconds, with compiled fusion applied;
+        ``low_precision=False``: the GEMMs stay in bf16 under fp8 training (the output layer)."""
+        times = [
+            self.node_time(node, scale, low_precision=low_precision)
+            for node, scale in zip(nodes, scales, strict=True)
+        ]
         if self.options.fused_pointwise:
             times = self._fuse_memory_bound(nodes, times, scales)
         if not self.op_s:
             return times
         return [OpTime(t.forward_s + self.op_s, t.backward_s + 2 * self.op_s) for t in times]
 
-    def node_time(self, node: OpNode, scale: float) -> OpTime:
+    def node_time(self, node: OpNode, scale: float, *, low_precision: bool = True) -> OpTime:
+        """Forward and backward seconds of ``node`` at ``scale`` (see :meth:`segment_times`)."""
         if node.kind in _MATMUL_KINDS:
             flops, nbytes = node.flops_fwd * scale, (node.bytes_read + node.bytes_written) * scale
-            forward, backward = self.gemm_time(flops, nbytes), 2 * self.gemm_time(flops, nbytes)
-            if self.fp8:
+            gemm = self.gemm_time(flops, nbytes, low_precision=low_precision)
+            forward, backward = gemm, 2 * gemm
+            if self.fp8 and low_precision:
                 forward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=True))
                 backward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=False))
             return OpTime(forward, backward)
@@ -114,15 +140,20 @@ class ComputeModel:
         return OpTime(self.memory_time(nbytes), self.memory_time(2 * nbytes))
 
     def _fp8_cast_bytes(self, node: OpNode, scale: float, *, forward: bool) -> float:
-        """Bytes moved by dynamic fp8 scaling (amax read, then read + 1-byte write) per GEMM.
+        """Bytes one GEMM's fp8 casts move in one micro-batch's forward or backward.
 
-        Forward casts the input and the weight; backward the output gradient and the
-        transposed input and weight (torchao Float8Linear with dynamic scaling).
+        torchao's dynamic scaling reads a tensor for its amax, then reads it again and
+        writes 1 byte: the input and the weight forward, the output gradient and the
+        transposed input and weight backward. Transformer Engine reads a tensor once and
+        writes it and its transpose in fp8: the input forward, the output gradient
+        backward (weights once per step: :func:`fp8_weight_cast_bytes`).
         """
         e = self.element_bytes
-        weight = node.param_bytes / e
         inputs = node.input_bytes / e * scale
         outputs = node.bytes_written / e * scale
+        if self.options.fp8_linear is Fp8Linear.TRANSFORMER_ENGINE:
+            return (inputs if forward else outputs) * (e + 2 * ELEMENT_BYTES["fp8"])
+        weight = node.param_bytes / e
         elements = inputs + weight if forward else outputs + inputs + weight
         return elements * (2 * e + ELEMENT_BYTES["fp8"])
 

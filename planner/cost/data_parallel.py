@@ -43,8 +43,8 @@ from planner.cost.compression import (
     powersgd_memory_bytes,
     powersgd_work,
 )
-from planner.cost.compute import ComputeModel
-from planner.cost.memory import gradient_element_bytes
+from planner.cost.compute import ComputeModel, fp8_weight_cast_bytes
+from planner.cost.memory import gradient_element_bytes, weight_element_bytes
 from planner.cost.options import CostOptions
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
@@ -197,12 +197,14 @@ class DataParallelCost:
         Per sharded parameter: fp32 master read+write, fp32 gradient read, moments
         read+write, half-precision weight write; per gradient element held, a read for
         the norm (with clipping) and a write to zero it. ``expert_params`` (held under
-        EP) are sharded over the expert shard ranks. Per parameter tensor of the
-        rank's stage, the profile's eager ``param_overhead_us``.
+        EP) are sharded over the expert shard ranks. Under Transformer Engine fp8, the
+        step's weight casts (:func:`~planner.cost.compute.fp8_weight_cast_bytes`). Per
+        parameter tensor of the rank's stage, the profile's eager ``param_overhead_us``.
         """
         dims = ParallelDims.of(strategy)
         moved = self._step_bytes(strategy, params, dims.zero_shard_ranks)
         moved += self._step_bytes(strategy, expert_params, dims.expert_shard_ranks)
+        moved += fp8_weight_cast_bytes(params + expert_params, self.options, self.training.dtype)
         tensors = self._param_tensors / strategy.pp  # eager: the step loops over them
         return self.compute.memory_time(moved) + tensors * self.compute.param_s
 
@@ -215,8 +217,9 @@ class DataParallelCost:
         gradient = gradient_element_bytes(training, self.options, strategy.compression.kind)
         dims = ParallelDims.of(strategy)
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
-        half_copy = HALF_BYTES if training.param_dtype is DType.FP32 else 0
-        sharded = 2 * kept + kept + 2 * moments + half_copy
+        weight = min(weight_element_bytes(training, self.options), HALF_BYTES)
+        copy = weight if training.param_dtype is DType.FP32 else 0
+        sharded = 2 * kept + kept + 2 * moments + copy
         per_gradient = (2 if training.grad_clip else 1) * gradient
         return params * (sharded / shard + per_gradient / grad_shard)
 
@@ -265,7 +268,7 @@ class DataParallelCost:
             return {"comm_dp": self._all_reduce(grad, dims.replicas, dims, bwd, experts.all_reduce)}
         shard, replicate = dims.zero_shard_ranks, strategy.replicate_degree
         scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
-        half = HALF_BYTES * params
+        half = weight_element_bytes(self.training, self.options) * params
         bucket = self.options.dp_bucket_bytes
         shard_link = self._data_link(shard, dims)
         rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
@@ -325,7 +328,12 @@ class DataParallelCost:
         rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
         return _ExpertCollectives(
             scatter=collective_time(Collective.REDUCE_SCATTER, scattered, shard, link),
-            gather=collective_time(Collective.ALL_GATHER, HALF_BYTES * params, shard, link),
+            gather=collective_time(
+                Collective.ALL_GATHER,
+                weight_element_bytes(self.training, self.options) * params,
+                shard,
+                link,
+            ),
             replica=collective_time(Collective.ALL_REDUCE, grad / shard, replicate, rep_link),
         )
 

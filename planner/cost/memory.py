@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 from planner.cost.compression import reduce_dtype_bytes
 from planner.cost.options import CostOptions
-from planner.dtypes import FP32_BYTES
+from planner.dtypes import ELEMENT_BYTES, FP32_BYTES
 from planner.graph import OpGraph, OpKind
 from planner.parallel_dims import ParallelDims
-from planner.spec import CompressionKind, Schedule, Strategy, Training
+from planner.spec import CompressionKind, DType, Schedule, Strategy, Training
 
 if TYPE_CHECKING:
     from planner.cost.ranks import RankSums
@@ -50,6 +50,7 @@ __all__ = [
     "head_in_flight",
     "in_flight_microbatches",
     "gradient_element_bytes",
+    "weight_element_bytes",
     "model_state_bytes",
 ]
 
@@ -86,13 +87,23 @@ def gradient_element_bytes(
     return training.state_bytes
 
 
+def weight_element_bytes(training: Training, options: CostOptions) -> int:
+    """Bytes per element of the weights the GEMMs read, as kept and gathered: the compute
+    dtype's, 1 under fp8 training whose weights are fp8 (``options.fp8_param_gather``)."""
+    if training.dtype is DType.FP8 and options.fp8_param_gather:
+        return ELEMENT_BYTES["fp8"]
+    return training.dtype.activation_bytes
+
+
 def model_state_bytes(
-    params: float, *, zero: int, shard: int, training: Training, gradient_bytes: int
-) -> ModelStateBytes:
+    params: float, *, zero: int, shard: int, training: Training, gradient_bytes: int,
+    weight_bytes: int | None = None,
+) -> ModelStateBytes:  # fmt: skip
     """Weights, gradients and optimizer states for ``params`` under ZeRO stage ``zero``,
     kept in ``training``'s precision (:attr:`~planner.spec.Training.state_bytes`: pure
     bf16 keeps every state, moments included, in 2 bytes and no fp32 copy), gradients in
-    ``gradient_bytes`` per element (:func:`gradient_element_bytes`)."""
+    ``gradient_bytes`` per element (:func:`gradient_element_bytes`), the compute weights
+    in ``weight_bytes`` (:func:`weight_element_bytes`; None: the compute dtype's)."""
     kept, moments = training.state_bytes, training.moment_bytes
     if zero >= 3:
         return ModelStateBytes(
@@ -101,9 +112,8 @@ def model_state_bytes(
     master = FP32_BYTES if training.master_copy else 0
     optimizer_bytes = (master + moments) * params / (shard if zero >= 1 else 1)
     gradient_total = gradient_bytes * params / (shard if zero >= 2 else 1)
-    return ModelStateBytes(
-        training.dtype.activation_bytes * params, gradient_total, optimizer_bytes
-    )
+    weight = training.dtype.activation_bytes if weight_bytes is None else weight_bytes
+    return ModelStateBytes(weight * params, gradient_total, optimizer_bytes)
 
 
 def in_flight_microbatches(
@@ -175,16 +185,17 @@ class MemoryModel:
     ) -> ModelStateBytes:
         pipelined = dims.gathered_under_pipeline
         gradient = gradient_element_bytes(self.training, self.options, strategy.compression.kind)
+        weight = weight_element_bytes(self.training, self.options)
         states = model_state_bytes(
             params, zero=3 if pipelined else strategy.zero, shard=shard, training=self.training,
-            gradient_bytes=gradient,
+            gradient_bytes=gradient, weight_bytes=weight,
         )  # fmt: skip
         if not pipelined:
             return states
         # accumulated unsharded in the reduction's dtype (fp32 unless the buffer is kept in it)
         accumulated = gradient if self.options.grads_in_reduce_dtype else FP32_BYTES
         return ModelStateBytes(
-            states.weights + self.training.dtype.activation_bytes * params,
+            states.weights + weight * params,
             states.gradients + accumulated * params,
             states.optimizer,
         )
@@ -217,7 +228,7 @@ class MemoryModel:
         if not dims.gathered_under_pipeline:
             unsharded = sum(rank.largest_params)  # the modules being gathered and computed
             if strategy.zero >= 3:
-                weights += self.training.dtype.activation_bytes * unsharded
+                weights += weight_element_bytes(self.training, self.options) * unsharded
             if strategy.zero >= 3 or (strategy.zero == 2 and dims.shards_parameters):
                 # FSDP2 reduce-scatters each module's unsharded gradient in fp32
                 grads += FP32_BYTES * unsharded

@@ -19,6 +19,7 @@ __all__ = [
     "SelectivePolicy",
     "RecomputeModule",
     "ExpertChoice",
+    "Fp8Linear",
     "CostOptions",
     "DDP_BUCKET_MIB",
     "device_options",
@@ -64,6 +65,20 @@ class ExpertChoice(StrEnum):
     CONTIGUOUS = "contiguous"
 
 
+class Fp8Linear(StrEnum):
+    """Whose fp8 linear layers a run uses: what they cast, when, and what they keep."""
+
+    # torchao's Float8Linear (torchtitan), dynamic scaling: every GEMM of every micro-batch
+    # reads its input and weight for their amax and casts them (forward), and its output
+    # gradient, input and weight (backward); it keeps the bf16 input for backward
+    TORCHAO = "torchao"
+    # Transformer Engine's Linear (Megatron-Core, NeMo): a GEMM casts its input once, with
+    # the transpose its weight gradient needs, and keeps that fp8 copy for backward; the
+    # output gradient is cast and transposed once; weights are cast once per step (the
+    # first micro-batch's, cached for the rest)
+    TRANSFORMER_ENGINE = "te"
+
+
 class CostOptions(BaseModel):
     """How the run is implemented; every field is a documented software behaviour."""
 
@@ -88,9 +103,13 @@ class CostOptions(BaseModel):
     # attention reads K/V at their own head count (FlashAttention 2+, Transformer Engine,
     # cuDNN) instead of repeated to every query head (the zoo's eager code), on formula graphs
     gqa_native: bool = False
-    # fp8 training: a block's GEMMs keep the fp8 copy of their input for the weight
-    # gradient (Transformer Engine), not the bf16 one (torchao's Float8Linear)
-    fp8_saved_inputs: bool = False
+    # fp8 training's linear layers (the output layer stays bf16 in both: torchtitan's
+    # float8 converter skips it, Megatron's is not a Transformer Engine layer)
+    fp8_linear: Fp8Linear = Fp8Linear.TORCHAO
+    # fp8 training: the weights the GEMMs read are kept, and ZeRO/FSDP-gathered, in fp8,
+    # 1 byte, the optimizer writing them in fp8 (Megatron-Core's --fp8-param-gather,
+    # NeMo's fp8_params) instead of bf16
+    fp8_param_gather: bool = False
     grad_reduce_bytes: Literal[2, 4] = 4  # bytes per gradient element in DP reductions
     # gradients accumulate in a buffer of the reduction's dtype (Megatron-Core's main_grad:
     # bf16 under --grad-reduce-in-bf16, param_and_grad_buffer.py); PyTorch DDP and FSDP2

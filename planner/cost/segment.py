@@ -93,7 +93,9 @@ class SegmentPricer:
         split, expert_params = expert_layout(seg_type, self.layout(seg_type, key), key)
         work = [key.token_scale / d for d in split.work_divisor]
         saved = [key.token_scale / d for d in split.saved_divisor]
-        times = self._imbalanced(nodes, self.compute.segment_times(nodes, work), key)
+        low_precision = seg_type.kind != "head"  # fp8 recipes keep the output layer in bf16
+        times = self.compute.segment_times(nodes, work, low_precision=low_precision)
+        times = self._imbalanced(nodes, times, key)
         tp_fwd, tp_bwd = self._tp_comm(split, times, key)
         cp_fwd, cp_bwd = self._cp_comm(nodes, times, key)
         cover = self._ep_cover(nodes, times)

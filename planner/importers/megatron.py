@@ -17,7 +17,8 @@ recompute, the distributed optimizer (ZeRO-1, hybrid with
 ``--num-distributed-optimizer-instances``), Megatron-FSDP (ZeRO-2/3), precision and
 gradient-reduction dtype, optimizer, gradient clipping, and what the cost options
 describe: ``--overlap-grad-reduce``, ``--overlap-param-gather`` (Megatron-LM overlaps
-only when asked), ``--tp-comm-overlap`` and dropout (0.1 unless set); mixture of experts
+only when asked), ``--tp-comm-overlap``, ``--fp8-param-gather`` and dropout (0.1 unless
+set); mixture of experts
 (``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
 ``--moe-shared-expert-intermediate-size``, leading dense blocks from ``--moe-layer-freq``,
 ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``) and multi-head
@@ -93,7 +94,6 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                        "are not priced"),
     "--mtp-num-layers": ((None, "0"), "multi-token prediction layers are not priced"),
     "--rampup-batch-size": ((None,), "the planner prices one batch size per step"),
-    "--fp8-param-gather": ((None,), "fp8 weight gathers are not priced"),
     "--moe-expert-capacity-factor": ((None,), "the planner's experts are dropless (every routed "
                                      "token computed); a capacity factor drops tokens"),
     "--moe-router-topk-scaling-factor": ((None,), "the planner's router weights are the "
@@ -667,6 +667,7 @@ def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> d
         "overlap_grad_reduce": settings.flag("--overlap-grad-reduce"),
         "overlap_param_gather": settings.flag("--overlap-param-gather"),
         "tp_comm_overlap": settings.flag("--tp-comm-overlap"),
+        "fp8_param_gather": settings.flag("--fp8-param-gather"),
         **KERNELS[Framework.MEGATRON],
     }
     if dp > 1 and not options["overlap_grad_reduce"]:

@@ -59,7 +59,12 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 from planner.cost import CostModel
-from planner.cost.memory import gradient_element_bytes, in_flight_microbatches, model_state_bytes
+from planner.cost.memory import (
+    gradient_element_bytes,
+    in_flight_microbatches,
+    model_state_bytes,
+    weight_element_bytes,
+)
 from planner.cost.model import WholeModelCost
 from planner.cost.pipeline import schedule_rounds
 from planner.errors import InfeasibleError, SpecError
@@ -647,8 +652,9 @@ class _Space:
         gradients at their least: as a half-precision reduction would keep them)."""
         least = gradient_element_bytes(self.training, self.model.options, CompressionKind.BF16)
         return model_state_bytes(
-            1.0, zero=zero, shard=shard, training=self.training, gradient_bytes=least
-        ).total
+            1.0, zero=zero, shard=shard, training=self.training, gradient_bytes=least,
+            weight_bytes=weight_element_bytes(self.training, self.model.options),
+        ).total  # fmt: skip
 
     def _in_flight(self, schedule: str, pp: int, microbatches: int, virtual: int) -> float:
         """Micro-batches the first pipeline rank keeps (the memory bound's multiplier), in
