@@ -386,7 +386,19 @@ def estimate_speed(case: Case, repeats: int = 200) -> tuple[float, float]:
 
 # --- MoE rows --------------------------------------------------------------------------
 
-MOE_GPUS = {"H100-SXM-80GB": "h100-sxm-80gb", "B200": "b200"}
+MOE_GPUS = {"H100-SXM-80GB": "h100-sxm-80gb", "B200": "b200", "GB200": "gb200"}
+NVL72 = 72  # GPUs in a GB200 NVL72 rack's NVLink domain
+# Multi-rack GB200 runs use 16 of a rack's 18 trays: MLPerf's "Tyche (4x NVIDIA GB200
+# NVL72)" runs 256 GPUs (NVIDIA/systems/tyche_ngpu256_ngc25.04_nemo.json, v5.0)
+NVL72_IN_USE = 64
+
+
+def nvl72_domain(gpus: int) -> int:
+    """GPUs sharing one NVLink domain (this planner's node) in a GB200 run of ``gpus``:
+    a rack's 72, or the 64 of them a run across racks uses."""
+    return NVL72 if gpus <= NVL72 or gpus % NVL72 == 0 else NVL72_IN_USE
+
+
 MEGATRON_FRAMEWORKS = ("Megatron",)  # framework column prefixes run by Megatron-Core
 
 
@@ -482,6 +494,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
         options["ep_overlap"] = True
     if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher
         options["ep_dedup"] = True
+    if "current scaling" in row["notes"]:  # FP8-CS: an amax pass before each cast
+        options["fp8_scaling"] = "dynamic"
     if row["routing"] == "fake balanced gate":  # AutoModel's FakeBalancedGate
         options["expert_choice"] = "contiguous"
     if row["local_batch"] and pp > 1:  # each gradient-accumulation step its own schedule
@@ -489,7 +503,8 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model": {"preset": row["preset"], "seq_len": _int(row["seq"])},
         "cluster": {"gpu": MOE_GPUS[row["gpu"]], "num_gpus": _int(row["n_gpus"]),
-                    "gpus_per_node": _int(row["gpus_per_node"], 8)},
+                    "gpus_per_node": nvl72_domain(_int(row["n_gpus"])) if row["gpu"] == "GB200"
+                    else _int(row["gpus_per_node"], 8)},
         "training": {"global_batch_size": _int(row["gbs"]), "micro_batch_size": _int(row["mbs"], 1),
                      "dtype": _precision(row), "param_dtype": row["param_dtype"]},
         "strategy": strategy,

@@ -1,7 +1,8 @@
 """Cost-model accuracy on MLPerf Training LLM pretraining submissions (held out).
 
     python benchmarks/bench_mlperf.py           # every row, then per benchmark and GPU
-    python benchmarks/bench_mlperf.py --implied  # the matmul efficiency each group implies
+    python benchmarks/bench_mlperf.py --implied  # the step ratio each group implies
+    python benchmarks/bench_mlperf.py --fit gb200  # fit a profile's matmul efficiency on half its rows
 
 Each row of ``benchmarks/data/mlperf_runs.csv`` (described in ``benchmarks/data/MLPERF.md``)
 is one MLPerf Training submission of GPT-3 175B, Llama 3.1 405B or Llama 3.1 8B
@@ -12,19 +13,22 @@ as NeMo / Megatron-Core runs it: Megatron-Core's kernels, the distributed optimi
 kept in bf16 (NeMo 1's ``distributed_fused_adam`` ``grad_sync_dtype: bf16``, NeMo 2's
 ``grad_reduce_in_fp32=False`` in the submissions' ``pretrain.py``), fp8 weights where
 the row's optimizer gathers them in fp8 (``FP8_PARAMS``), sequence parallelism with TP,
-TP communication overlap where the submission applies it, Transformer Engine fp8
-(delayed or current scaling, on the GEMMs), no dropout, no recompute; an interleaved schedule with
+TP communication overlap where the submission applies it, Transformer Engine fp8 with
+the row's recipe (delayed scaling; v5.1's tensorwise current scaling reads each tensor
+for its amax first), no dropout, no recompute; an interleaved schedule with
 the row's virtual stages, the embedding and the loss counted as a layer each where
 the layers do not split evenly otherwise (Llama 3.1 405B: 126 + 2 over 64 chunks).
-Vocabularies are the benchmarks' own (``VOCAB``). Rows on GPUs without a shipped
-profile (GB200, GB300, B300, AMD MI350X/MI355X) and NVFP4 rows (no fp4 peak is modelled)
-are listed as skipped with the reason.
+Vocabularies are the benchmarks' own (``VOCAB``). A GB200 run's node is its NVLink
+domain (``_scale_up_domain``). Rows on GPUs without a shipped profile (GB300, B300, AMD
+MI350X/MI355X) and NVFP4 rows (no fp4 peak is modelled) are listed as skipped with the
+reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -32,10 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_accuracy import _int, _schedule
+from bench_accuracy import _int, _schedule, nvl72_domain
+from scipy.optimize import minimize_scalar
 
-from planner.cost import estimate_run
+from planner.cost import RunConfig, estimate_run
+from planner.cost.build import build_cost_model, spec_graph, stage_indices
 from planner.frameworks import KERNELS, Framework
+from planner.hardware import HardwareProfile, load_profile
 from planner.importers.common import chunks_of
 from planner.importers.megatron import even_split
 from planner.presets import PRESETS
@@ -50,6 +57,7 @@ GPUS = {
     "H100-SXM-80GB": "h100-sxm-80gb",
     "H200-SXM5-141GB": "h200-sxm-141gb",
     "B200-SXM-180GB": "b200",
+    "GB200": "gb200",
 }
 PRESET = {"llama31_405b": "llama3.1-405b", "llama31_8b": "llama3-8b"}
 # The benchmarks' vocabularies: GPT-3 the reference's 50,257 (mlcommons/training
@@ -112,6 +120,14 @@ def _stages(row: dict[str, str], chunks: int) -> list[list[str]] | None:
     return [list(chunk) for chunk in chunks_of(spec, counts)]
 
 
+def _scale_up_domain(row: dict[str, str]) -> int:
+    """GPUs sharing one NVLink domain (this planner's node): a GB200 rack's 72, or the 64
+    of them a multi-rack run uses; the system's GPUs per node elsewhere."""
+    if _profile(row["gpu"]) != "gb200":
+        return _int(row["gpus_per_node"], 8)
+    return nvl72_domain(_int(row["n_gpus"]))
+
+
 def mlperf_config(row: dict[str, str]) -> dict[str, Any]:
     """The row as a RunConfig dict (the module docstring says how it is priced)."""
     tp, pp, cp = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["cp"], 1)
@@ -127,11 +143,12 @@ def mlperf_config(row: dict[str, str]) -> dict[str, Any]:
         "tp_comm_overlap": tp > 1 and row["tp_comm_overlap"].startswith("True"),
         "fp8_param_gather": "fp8 param gather=True" in row["distributed_optimizer"],
         **KERNELS[Framework.MEGATRON],
+        "fp8_scaling": "dynamic" if "tensorwise" in row["fp8_recipe"] else "delayed",
     }  # fmt: skip
     config: dict[str, Any] = {
         "model": _model(row),
         "cluster": {"gpu": _profile(row["gpu"]), "num_gpus": _int(row["n_gpus"]),
-                    "gpus_per_node": _int(row["gpus_per_node"], 8)},
+                    "gpus_per_node": _scale_up_domain(row)},
         "training": {"global_batch_size": _int(row["gbs"]), "micro_batch_size": _int(row["mbs"], 1),
                      "dtype": row["precision"]},
         "strategy": strategy,
@@ -216,12 +233,55 @@ def _implied(cases: list[MlperfCase], predictions: list[Prediction]) -> None:
         print(f"  {group:<36}{statistics.median(values):>7.3f}")
 
 
+def _estimate(case: MlperfCase, profile: HardwareProfile) -> Prediction:
+    """``case`` priced on ``profile`` instead of its cluster's."""
+    run = RunConfig.from_dict(case.config)  # type: ignore[arg-type]
+    graph = spec_graph(run.model, run.training, run.options)
+    model = build_cost_model(
+        graph, run.cluster, run.training, causal=run.model.causal, options=run.options,
+        profile=profile,
+    )  # fmt: skip
+    stages = stage_indices(graph, run.stages) if run.stages else None
+    return model.estimate(run.strategy, stages=stages)
+
+
+def fit_efficiency(cases: list[MlperfCase], name: str) -> None:
+    """Fit ``name``'s matmul_efficiency on every other of its rows (in file order), print
+    the held-out rest's error; the profile file is not modified."""
+    rows = [c for c in cases if c.config is not None and c.config["cluster"]["gpu"] == name]
+    train, test = rows[0::2], rows[1::2]
+    base = load_profile(name)
+
+    def log_error(efficiency: float, chosen: list[MlperfCase]) -> float:
+        profile = base.model_copy(update={"matmul_efficiency": efficiency})
+        return statistics.fmean(
+            abs(math.log(_estimate(c, profile).step_time_s / c.measured_s)) for c in chosen
+        )
+
+    fitted = minimize_scalar(
+        log_error, bounds=(0.3, 0.99), args=(train,), method="bounded", options={"xatol": 1e-3}
+    )  # fmt: skip
+    profile = base.model_copy(update={"matmul_efficiency": float(fitted.x)})
+    for role, chosen in (("fitted on", train), ("held out", test)):
+        errors = [_estimate(c, profile).step_time_s / c.measured_s - 1 for c in chosen]
+        mean, worst = _stats(errors)
+        print(f"{name}: matmul_efficiency {fitted.x:.3f} (profile {base.matmul_efficiency}); "
+              f"{role} {len(chosen)} rows: mean |err| {mean:.1%}, max {worst:.1%}")  # fmt: skip
+        for case, error in zip(chosen, errors, strict=True):
+            print(f"    {case.label[:64]:<65}{error:>+8.1%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", type=Path, default=DATA, help="MLPerf runs CSV")
     parser.add_argument("--implied", action="store_true",
                         help="print the step-time ratio each group implies")  # fmt: skip
+    parser.add_argument("--fit", metavar="PROFILE",
+                        help="fit PROFILE's matmul_efficiency on every other of its rows")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.fit:
+        fit_efficiency(load_cases(args.csv), args.fit)
+        return 0
     report(load_cases(args.csv), args.implied)
     return 0
 

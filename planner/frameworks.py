@@ -82,14 +82,15 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # on Transformer Engine (its default --transformer-impl) fuses norms and SwiGLU and reads
 # grouped K/V as they are; since v0.13 its experts multiply the routing probabilities
 # into their activation (experts.py, activation_func_with_probs); in fp8 its linear
-# layers are Transformer Engine's (CostOptions.fp8_linear); its gradients
+# layers are Transformer Engine's (CostOptions.fp8_linear), delayed-scaled unless
+# --fp8-recipe says otherwise; its gradients
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers).
 KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.PLANNER: {"selective": "matmuls"},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
-        "fp8_linear": "te", "grads_in_reduce_dtype": True,
+        "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
     },
 }  # fmt: skip
 

@@ -10,7 +10,7 @@ from planner.spec import DType
 
 REQUIRED = {
     "a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h100-96gb", "h200-sxm-141gb", "b200",
-    "mi300x",
+    "gb200", "mi300x",
 }  # fmt: skip
 
 

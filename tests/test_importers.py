@@ -796,3 +796,9 @@ def test_megatron_fp8_is_transformer_engines_with_its_weights_gathered_in_fp8() 
     gathered = import_config(fp8 + " --fp8-param-gather", cluster=GPU).run
     assert gathered.options.fp8_param_gather
     assert estimate_run(gathered).peak_memory_gib < estimate_run(run).peak_memory_gib
+    assert run.options.fp8_scaling.value == "delayed"  # Megatron's default recipe
+    current = import_config(fp8 + " --fp8-recipe tensorwise", cluster=GPU).run
+    assert current.options.fp8_scaling.value == "dynamic"  # an amax pass before each cast
+    assert estimate_run(current).step_time_s > estimate_run(run).step_time_s
+    with pytest.raises(SpecError, match="--fp8-recipe = 'mxfp8': the planner prices per-tensor"):
+        import_config(fp8 + " --fp8-recipe mxfp8", cluster=GPU)

@@ -112,8 +112,8 @@ def test_megatron_2024_flops_are_megatrons_formula():
 
 def test_rows_the_planner_cannot_price_are_skipped_with_the_reason():
     bench = _bench()
-    gb200 = next(r for r in ROWS if r["gpu"] == "GB200")
-    assert "no hardware profile for GB200" in (bench.moe_case(gb200).skipped or "")
+    gb300 = {**ROWS[0], "gpu": "GB300"}
+    assert "no hardware profile for GB300" in (bench.moe_case(gb300).skipped or "")
     unknown = {**ROWS[0], "preset": "no-such-moe"}
     assert "'no-such-moe' is not in planner.presets.PRESETS" in (
         bench.moe_case(unknown).skipped or ""
@@ -123,3 +123,13 @@ def test_rows_the_planner_cannot_price_are_skipped_with_the_reason():
     priced = bench.moe_case(ROWS[0])
     assert priced.skipped is None and priced.config["strategy"]["ep"] == int(ROWS[0]["ep"])
     assert priced.measured_step_s == pytest.approx(3.102, abs=0.001)  # 438 TFLOP/s on 64 GPUs
+
+
+def test_a_gb200_run_across_racks_uses_64_gpus_of_each_nvlink_domain():
+    """MLPerf's multi-rack GB200 runs use 16 of a rack's 18 trays (256 GPUs on 4 NVL72s);
+    a run within one rack, or in whole racks, uses all 72."""
+    bench = _bench()
+    assert [bench.nvl72_domain(n) for n in (8, 72, 144, 256, 2496)] == [72, 72, 72, 64, 64]
+    gb200 = next(r for r in ROWS if r["gpu"] == "GB200")
+    config = bench.moe_case(gb200).config
+    assert config is not None and config["cluster"]["gpus_per_node"] == 64

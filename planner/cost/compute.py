@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost.options import AttentionKernel, CostOptions, Fp8Linear
+from planner.cost.options import AttentionKernel, CostOptions, Fp8Linear, Fp8Scaling
 from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
@@ -142,20 +142,21 @@ class ComputeModel:
     def _fp8_cast_bytes(self, node: OpNode, scale: float, *, forward: bool) -> float:
         """Bytes one GEMM's fp8 casts move in one micro-batch's forward or backward.
 
-        torchao's dynamic scaling reads a tensor for its amax, then reads it again and
-        writes 1 byte: the input and the weight forward, the output gradient and the
-        transposed input and weight backward. Transformer Engine reads a tensor once and
-        writes it and its transpose in fp8: the input forward, the output gradient
-        backward (weights once per step: :func:`fp8_weight_cast_bytes`).
+        A cast reads the tensor (twice under dynamic scaling: its amax first) and writes
+        it in fp8. torchao casts the input and the weight forward, the output gradient and
+        the transposed input and weight backward. Transformer Engine writes a tensor and
+        its transpose at once: the input forward, the output gradient backward (weights
+        once per step: :func:`fp8_weight_cast_bytes`).
         """
-        e = self.element_bytes
+        e, fp8 = self.element_bytes, ELEMENT_BYTES["fp8"]
+        read = 2 * e if self.options.fp8_scaling is Fp8Scaling.DYNAMIC else e
         inputs = node.input_bytes / e * scale
         outputs = node.bytes_written / e * scale
         if self.options.fp8_linear is Fp8Linear.TRANSFORMER_ENGINE:
-            return (inputs if forward else outputs) * (e + 2 * ELEMENT_BYTES["fp8"])
+            return (inputs if forward else outputs) * (read + 2 * fp8)
         weight = node.param_bytes / e
         elements = inputs + weight if forward else outputs + inputs + weight
-        return elements * (2 * e + ELEMENT_BYTES["fp8"])
+        return elements * (read + fp8)
 
     def _attention_time(self, node: OpNode, scale: float) -> OpTime:
         flops = node.flops_fwd * scale

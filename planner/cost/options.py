@@ -20,6 +20,7 @@ __all__ = [
     "RecomputeModule",
     "ExpertChoice",
     "Fp8Linear",
+    "Fp8Scaling",
     "CostOptions",
     "DDP_BUCKET_MIB",
     "device_options",
@@ -68,15 +69,26 @@ class ExpertChoice(StrEnum):
 class Fp8Linear(StrEnum):
     """Whose fp8 linear layers a run uses: what they cast, when, and what they keep."""
 
-    # torchao's Float8Linear (torchtitan), dynamic scaling: every GEMM of every micro-batch
-    # reads its input and weight for their amax and casts them (forward), and its output
-    # gradient, input and weight (backward); it keeps the bf16 input for backward
+    # torchao's Float8Linear (torchtitan): every GEMM of every micro-batch casts its input
+    # and weight (forward), and its output gradient, input and weight (backward); it
+    # keeps the bf16 input for backward
     TORCHAO = "torchao"
     # Transformer Engine's Linear (Megatron-Core, NeMo): a GEMM casts its input once, with
     # the transpose its weight gradient needs, and keeps that fp8 copy for backward; the
     # output gradient is cast and transposed once; weights are cast once per step (the
     # first micro-batch's, cached for the rest)
     TRANSFORMER_ENGINE = "te"
+
+
+class Fp8Scaling(StrEnum):
+    """Where an fp8 cast's scale comes from."""
+
+    # the tensor's own amax, read in a pass of its own before the cast: torchao's
+    # default, Transformer Engine's current scaling (Megatron's --fp8-recipe tensorwise)
+    DYNAMIC = "dynamic"
+    # the amax history of earlier steps: no extra pass (Transformer Engine's
+    # DelayedScaling, Megatron's default --fp8-recipe delayed)
+    DELAYED = "delayed"
 
 
 class CostOptions(BaseModel):
@@ -106,6 +118,7 @@ class CostOptions(BaseModel):
     # fp8 training's linear layers (the output layer stays bf16 in both: torchtitan's
     # float8 converter skips it, Megatron's is not a Transformer Engine layer)
     fp8_linear: Fp8Linear = Fp8Linear.TORCHAO
+    fp8_scaling: Fp8Scaling = Fp8Scaling.DYNAMIC
     # fp8 training: the weights the GEMMs read are kept, and ZeRO/FSDP-gathered, in fp8,
     # 1 byte, the optimizer writing them in fp8 (Megatron-Core's --fp8-param-gather,
     # NeMo's fp8_params) instead of bf16

@@ -17,8 +17,8 @@ recompute, the distributed optimizer (ZeRO-1, hybrid with
 ``--num-distributed-optimizer-instances``), Megatron-FSDP (ZeRO-2/3), precision and
 gradient-reduction dtype, optimizer, gradient clipping, and what the cost options
 describe: ``--overlap-grad-reduce``, ``--overlap-param-gather`` (Megatron-LM overlaps
-only when asked), ``--tp-comm-overlap``, ``--fp8-param-gather`` and dropout (0.1 unless
-set); mixture of experts
+only when asked), ``--tp-comm-overlap``, ``--fp8-param-gather``, ``--fp8-recipe``
+(delayed or tensorwise) and dropout (0.1 unless set); mixture of experts
 (``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
 ``--moe-shared-expert-intermediate-size``, leading dense blocks from ``--moe-layer-freq``,
 ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``) and multi-head
@@ -100,6 +100,8 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                          "renormalised top-k probabilities, unscaled"),
     "--moe-router-score-function": ((None, "softmax"), "the planner's router is a softmax"),
 }  # fmt: skip
+# --fp8-recipe -> CostOptions.fp8_scaling (Transformer Engine's per-tensor recipes)
+_FP8_RECIPES = {"delayed": "delayed", "tensorwise": "dynamic"}
 _LAYER_FREQ = re.compile(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?")  # "([0]*3+[1]*58)", as exported
 _DEFAULT_DROPOUT = 0.1  # Megatron-LM's --attention-dropout and --hidden-dropout
 _DEFAULT_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by
@@ -670,6 +672,15 @@ def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> d
         "fp8_param_gather": settings.flag("--fp8-param-gather"),
         **KERNELS[Framework.MEGATRON],
     }
+    recipe = settings.get("--fp8-recipe")
+    if recipe is not None:
+        if recipe not in _FP8_RECIPES:
+            raise settings.refuse(
+                "--fp8-recipe", recipe, "the planner prices per-tensor scaling: "
+                + ", ".join(f"{name} ({scaling})" for name, scaling in _FP8_RECIPES.items()),
+                "use one of those",
+            )  # fmt: skip
+        options["fp8_scaling"] = _FP8_RECIPES[recipe]
     if dp > 1 and not options["overlap_grad_reduce"]:
         notes.append("no --overlap-grad-reduce: the gradient reduction is priced after backward")
     if zero and not options["overlap_param_gather"]:
