@@ -1,4 +1,4 @@
-"""Cost-model accuracy on MLPerf Training LLM pretraining submissions (held out).
+"""Cost-model accuracy on MLPerf Training LLM pretraining submissions.
 
     python benchmarks/bench_mlperf.py           # every row, then per benchmark and GPU
     python benchmarks/bench_mlperf.py --implied  # the step ratio each group implies
@@ -7,7 +7,8 @@
 Each row of ``benchmarks/data/mlperf_runs.csv`` (described in ``benchmarks/data/MLPERF.md``)
 is one MLPerf Training submission of GPT-3 175B, Llama 3.1 405B or Llama 3.1 8B
 pretraining: its parallel layout from the submitted config, its measured seconds per
-optimizer step from the result logs. No row was used to fit anything. A row is priced
+optimizer step from the result logs. No row was used to fit anything but the GB200
+profile's matmul efficiency (``--fit gb200``, on every other GB200 row). A row is priced
 as NeMo / Megatron-Core runs it: Megatron-Core's kernels, the distributed optimizer
 (ZeRO-1) with overlapped gradient reduce and parameter gather, gradients reduced and
 kept in bf16 (NeMo 1's ``distributed_fused_adam`` ``grad_sync_dtype: bf16``, NeMo 2's
