@@ -101,6 +101,7 @@ def test_calibrate_fits_the_network_to_a_clusters_nccl_tests(tmp_path: Path) -> 
         r"p5_efa_2node_all_reduce\.txt: all_reduce over 16 ranks on 2 nodes", done.stdout
     )
     assert "links.inter_node.launch_us" in done.stdout
+    assert "h100-sxm-80gb's links fitted to nccl-tests run on NVIDIA H100 80GB HBM3" in done.stdout
 
 
 def test_calibrate_nccl_tests_needs_a_base_and_no_runs(tmp_path: Path) -> None:

@@ -155,17 +155,20 @@ def _fit_links(args: argparse.Namespace) -> int:
     fitted, report = calibrate_links(base, tables, today)
     fitted = fitted.model_copy(update={"name": args.name or args.output.stem})
     save_profile(fitted, args.output)
-    print(format_link_fit(report))
+    print(format_link_fit(report, base.name))
     print(f"wrote {args.output}")
     return 0
 
 
-def format_link_fit(report: LinkCalibration) -> str:
-    """Each table's error before and after, then each fitted field's old and new value
-    (marked where the fit left it on the edge of its range)."""
+def format_link_fit(report: LinkCalibration, base: str) -> str:
+    """The GPUs the tables ran on, each table's error before and after on ``base`` and on
+    the fitted profile, then each fitted field's old and new value (marked where the fit
+    left it on the edge of its range)."""
     labels = [fit.table.label for fit in report.tables]
     width = max(len(label) for label in labels)
-    lines = [f"{'table':<{width}} {'sizes':>5} {'before':>8} {'after':>8}"]
+    devices = ", ".join(sorted({fit.table.device for fit in report.tables}))
+    lines = [f"{base}'s links fitted to nccl-tests run on {devices}"]
+    lines.append(f"{'table':<{width}} {'sizes':>5} {'before':>8} {'after':>8}")
     for label, table in zip(labels, report.tables, strict=True):
         lines.append(
             f"{label:<{width}} {len(table.table.rows):>5} {table.before:>8.1%} {table.after:>8.1%}"
