@@ -37,13 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_accuracy import _int, _schedule, nvl72_domain
+from bench_accuracy import _int, _schedule, _stats, nvl72_domain
 from scipy.optimize import minimize_scalar
 
-from planner.cost import RunConfig, estimate_run
-from planner.cost.build import build_cost_model, spec_graph, stage_indices
+from planner.cost import estimate_run
 from planner.frameworks import KERNELS, Framework
-from planner.hardware import HardwareProfile, load_profile
+from planner.hardware import load_profile
 from planner.importers.common import chunks_of
 from planner.importers.megatron import even_split
 from planner.presets import PRESETS
@@ -180,11 +179,6 @@ def load_cases(path: Path = DATA) -> list[MlperfCase]:
         return [mlperf_case(row) for row in csv.DictReader(handle)]
 
 
-def _stats(errors: list[float]) -> tuple[float, float]:
-    absolute = [abs(e) for e in errors]
-    return statistics.fmean(absolute), max(absolute)
-
-
 def report(cases: list[MlperfCase], implied: bool) -> None:
     """Every priced row, the errors per group and overall, then the skipped rows."""
     priced = [c for c in cases if c.config is not None]
@@ -234,18 +228,6 @@ def _implied(cases: list[MlperfCase], predictions: list[Prediction]) -> None:
         print(f"  {group:<36}{statistics.median(values):>7.3f}")
 
 
-def _estimate(case: MlperfCase, profile: HardwareProfile) -> Prediction:
-    """``case`` priced on ``profile`` instead of its cluster's."""
-    run = RunConfig.from_dict(case.config)  # type: ignore[arg-type]
-    graph = spec_graph(run.model, run.training, run.options)
-    model = build_cost_model(
-        graph, run.cluster, run.training, causal=run.model.causal, options=run.options,
-        profile=profile,
-    )  # fmt: skip
-    stages = stage_indices(graph, run.stages) if run.stages else None
-    return model.estimate(run.strategy, stages=stages)
-
-
 def fit_efficiency(cases: list[MlperfCase], name: str) -> None:
     """Fit ``name``'s matmul_efficiency on every other of its rows (in file order), print
     the held-out rest's error; the profile file is not modified."""
@@ -256,7 +238,8 @@ def fit_efficiency(cases: list[MlperfCase], name: str) -> None:
     def log_error(efficiency: float, chosen: list[MlperfCase]) -> float:
         profile = base.model_copy(update={"matmul_efficiency": efficiency})
         return statistics.fmean(
-            abs(math.log(_estimate(c, profile).step_time_s / c.measured_s)) for c in chosen
+            abs(math.log(estimate_run(c.config, profile=profile).step_time_s / c.measured_s))
+            for c in chosen
         )
 
     fitted = minimize_scalar(
@@ -264,7 +247,9 @@ def fit_efficiency(cases: list[MlperfCase], name: str) -> None:
     )  # fmt: skip
     profile = base.model_copy(update={"matmul_efficiency": float(fitted.x)})
     for role, chosen in (("fitted on", train), ("held out", test)):
-        errors = [_estimate(c, profile).step_time_s / c.measured_s - 1 for c in chosen]
+        errors = [
+            estimate_run(c.config, profile=profile).step_time_s / c.measured_s - 1 for c in chosen
+        ]
         mean, worst = _stats(errors)
         print(f"{name}: matmul_efficiency {fitted.x:.3f} (profile {base.matmul_efficiency}); "
               f"{role} {len(chosen)} rows: mean |err| {mean:.1%}, max {worst:.1%}")  # fmt: skip

@@ -51,8 +51,8 @@ __all__ = [
     "with_link",
     "with_values",
     "fit_link",
+    "fit_tier",
     "table_error",
-    "fitted_fields",
 ]
 
 Tier = Literal["intra_node", "inter_node"]
@@ -192,12 +192,28 @@ def fit_link(
     return fitted_link(np.array([result.values[n] for n in names])), result
 
 
+def fit_tier(
+    profile: HardwareProfile, samples: Sequence[LinkSample], tier: Tier, how: str
+) -> tuple[HardwareProfile, FitResult, dict[str, tuple[float, float]]]:
+    """``profile`` with ``tier``'s link fitted to ``samples`` (:func:`fit_link`), each
+    field the fit changed sourced ``how``; the fit, and the changed fields' (before,
+    after) by dotted profile path."""
+    before = getattr(profile.links, tier)
+    link, fit = fit_link(samples, profile, tier)
+    changed = {
+        f"links.{tier}.{path}": change for path, change in _fitted_fields(before, link).items()
+    }
+    sources = {**profile.sources, **dict.fromkeys(changed, how)}
+    fitted = with_link(profile, tier, link).model_copy(update={"sources": sources})
+    return fitted, fit, changed
+
+
 def table_error(samples: Sequence[LinkSample], profile: HardwareProfile) -> float:
     """Mean |relative error| of ``profile``'s prices on ``samples``."""
     return sum(abs(price(s, profile) / s.seconds - 1) for s in samples) / len(samples)
 
 
-def fitted_fields(before: Link, after: Link) -> dict[str, tuple[float, float]]:
+def _fitted_fields(before: Link, after: Link) -> dict[str, tuple[float, float]]:
     """The link's numbers that the fit changed, by dotted path: (before, after)."""
     old, new = dict(numbers(before.model_dump())), dict(numbers(after.model_dump()))
     return {

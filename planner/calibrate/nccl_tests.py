@@ -19,14 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.calibrate.fit import CalibrationError, FitResult
-from planner.calibrate.links import (
-    LinkSample,
-    Tier,
-    fit_link,
-    fitted_fields,
-    table_error,
-    with_link,
-)
+from planner.calibrate.links import LinkSample, Tier, fit_tier, table_error
 from planner.cost.communication import Algorithm, Collective
 from planner.hardware import HardwareProfile
 
@@ -247,25 +240,19 @@ def calibrate_links(
     fitted = profile
     fields: dict[str, tuple[float, float]] = {}
     fits: dict[Tier, FitResult] = {}
-    sources = dict(profile.sources)
     tiers: tuple[Tier, ...] = ("intra_node", "inter_node")
     for tier in tiers:
         chosen = [t for t in tables if t.samples[0].tier == tier]
         if not chosen:
             continue
         samples = [s for t in chosen for s in t.samples]
-        before = getattr(fitted.links, tier)
-        link, fits[tier] = fit_link(samples, fitted, tier)
-        fitted = with_link(fitted, tier, link)
         files = ", ".join(sorted({t.source for t in chosen}))
         how = (
             f"fitted {today} to nccl-tests output ({files}; {len(samples)} sizes) by plan "
             "calibrate --nccl-tests"
         )
-        for path, change in fitted_fields(before, link).items():
-            fields[f"links.{tier}.{path}"] = change
-            sources[f"links.{tier}.{path}"] = how
-    fitted = fitted.model_copy(update={"sources": sources})
+        fitted, fits[tier], changed = fit_tier(fitted, samples, tier, how)
+        fields.update(changed)
     report = [
         TableFit(t, table_error(t.samples, profile), table_error(t.samples, fitted)) for t in tables
     ]

@@ -36,7 +36,7 @@ from planner.calibrate.fit import (
     fit_streaming,
     rms,
 )
-from planner.calibrate.links import LinkSample, fit_link, fitted_fields, with_link
+from planner.calibrate.links import LinkSample, fit_tier
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective
 from planner.cost.options import device_options
@@ -311,10 +311,7 @@ def _curve_links(
         LinkSample(kind, ranks, measured.ranks_per_node, size, seconds)
         for kind, ranks, size, seconds in measured.collectives
     ]
-    tier = samples[0].tier
-    link, fits["collectives"] = fit_link(samples, base, tier)
-    sources = {k: v for k, v in base.sources.items() if k.startswith("links.")}
     how = f"{stamp}: collective sweep over the process group, NCCL protocol curve fit"
-    for path in fitted_fields(getattr(base.links, tier), link):
-        sources[f"links.{tier}.{path}"] = how
-    return with_link(base, tier, link).links.model_dump(), sources
+    fitted, fits["collectives"], _ = fit_tier(base, samples, samples[0].tier, how)
+    sources = {k: v for k, v in fitted.sources.items() if k.startswith("links.")}
+    return fitted.links.model_dump(), sources

@@ -211,7 +211,9 @@ class DataParallelCost:
     def _step_bytes(self, strategy: Strategy, params: float, shard: int) -> float:
         """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO:
         reads and writes the kept weights and moments, reads the gradient (twice with
-        clipping), and writes a half-precision copy unless the states are pure bf16."""
+        clipping), and writes the compute copy of the weights unless the states are pure
+        bf16: in half precision, fp8 under ``fp8_param_gather`` (fp32 states are charged
+        the 2-byte copy too, as they always were)."""
         training = self.training
         kept, moments = training.state_bytes, training.moment_bytes
         gradient = gradient_element_bytes(training, self.options, strategy.compression.kind)

@@ -29,7 +29,7 @@ from planner.cost.flops import bf16_peak_mfu
 from planner.cost.options import CostOptions, RecomputeModule, device_options
 from planner.errors import SpecError
 from planner.frameworks import KERNELS, parse_target
-from planner.hardware import load_profile
+from planner.hardware import HardwareProfile, load_profile
 from planner.parallel_dims import ParallelDims
 from planner.presets import get_preset
 from planner.spec import (
@@ -213,13 +213,17 @@ def check_run(
         )
 
 
-def estimate_run(config: dict[str, Any] | RunConfig) -> Prediction:
-    """Estimate one run given as a :class:`RunConfig` or its JSON-shaped dict."""
+def estimate_run(
+    config: dict[str, Any] | RunConfig, *, profile: HardwareProfile | None = None
+) -> Prediction:
+    """Estimate one run given as a :class:`RunConfig` or its JSON-shaped dict, on
+    ``profile`` (default: the cluster's GPU profile)."""
     run = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
     graph = spec_graph(run.model, run.training, run.options)
     model = build_cost_model(
-        graph, run.cluster, run.training, causal=run.model.causal, options=run.options
-    )
+        graph, run.cluster, run.training, causal=run.model.causal, options=run.options,
+        profile=profile,
+    )  # fmt: skip
     stages = stage_indices(graph, run.stages) if run.stages else None
     return model.estimate(run.strategy, stages=stages)
 
