@@ -181,6 +181,7 @@ def megatron_case(row: dict[str, str], source: str) -> Case:
         {"attention": "unfused", "dropout": True, "overlap_grad_reduce": False, "fused_pointwise": True,
          "grad_reduce_bytes": 2 if _precision(row) == "fp16" else 4}
     )  # fmt: skip
+    options["optimizer_impl"] = KERNELS[Framework.MEGATRON]["optimizer_impl"]  # Apex FusedAdam
     config = {
         "model": model,
         "cluster": {"gpu": GPUS[row["gpu"]], "num_gpus": n, "gpus_per_node": 8},
@@ -223,7 +224,7 @@ def titan_case(row: dict[str, str]) -> Case:
     options = {
         "attention": "flash", "dropout": False, "fused_pointwise": "compile" in notes,
         "tp_comm_overlap": "AsyncTP" in notes, "grad_reduce_bytes": 4, "selective": "op",
-        "sp_regather_input": False,
+        "sp_regather_input": False, **KERNELS[Framework.TORCHTITAN],
     }  # fmt: skip
     config = {
         "model": {"preset": LLAMA_PRESETS[row["model"]], "seq_len": seq},

@@ -85,12 +85,21 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # layers are Transformer Engine's (CostOptions.fp8_linear), delayed-scaled unless
 # --fp8-recipe says otherwise; its gradients
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
-# --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers).
+# --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
+# across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist);
+# DeepSpeed reduces them through buckets of its own (separate_grad_buckets). Optimizer
+# steps: this runtime's torch.optim for-loop (strategies.runner, foreach=False),
+# torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam.
 KERNELS: dict[Framework, dict[str, bool | str]] = {
-    Framework.PLANNER: {"selective": "matmuls"},
+    Framework.PLANNER: {"selective": "matmuls", "optimizer_impl": "for-loop"},
+    Framework.TORCHTITAN: {"optimizer_impl": "fused"},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
+        "grads_persist": True, "optimizer_impl": "fused",
+    },
+    Framework.DEEPSPEED: {
+        "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",
     },
 }  # fmt: skip
 

@@ -73,6 +73,11 @@ class ParallelDims:
         return self.pp > 1 and self.shards_parameters
 
     @property
+    def uses_ddp(self) -> bool:
+        """Whether DDP averages the gradients: replicas without FSDP2."""
+        return self.replicas > 1 and not self.shards_parameters
+
+    @property
     def hybrid_sharding(self) -> bool:
         """ZeRO shards within groups of ``dp_shard`` and replicates across them (HSDP)."""
         return self.zero >= 1 and 1 < self.dp_shard < self.dp

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.parallel_dims import ParallelDims
 from planner.spec import Plan
-from strategies import expert_parallel, fsdp
+from strategies import expert_parallel
 from strategies.mesh import replicate_mesh
 
 __all__ = ["apply", "as_shard_of"]
@@ -60,14 +60,15 @@ def apply(
 
 
 def _ddp(model: nn.Module, mesh: DeviceMesh | None, plan: Plan, ignored: list[str]) -> nn.Module:
-    if fsdp.uses_fsdp(plan) or ParallelDims.of(plan.strategy).replicas == 1 or mesh is None:
+    if not ParallelDims.of(plan.strategy).uses_ddp or mesh is None:
         return model
     dp_mesh = replicate_mesh(mesh)
     if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.strategy.tp > 1:
         _over_tensor_parallel_shards(model)
-    wrapped = DistributedDataParallel(model, device_mesh=dp_mesh)
+    # the gradients are views into DDP's buckets: one copy of them, not two
+    wrapped = DistributedDataParallel(model, device_mesh=dp_mesh, gradient_as_bucket_view=True)
     log.info("ddp: over %s, %d ranks%s", dp_mesh.mesh_dim_names, dp_mesh.size(),
              f", {len(ignored)} expert parameters left out" if ignored else "")  # fmt: skip
     return wrapped

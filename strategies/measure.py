@@ -25,6 +25,7 @@ import re
 import time
 import weakref
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -184,19 +185,24 @@ def _profiled_phases(
 
 
 class TensorMemoryTracker(TorchDispatchMode):
-    """Live and peak bytes of the tensor storages created under it, plus those :meth:`add`-ed.
+    """Live and peak bytes of the tensor storages :meth:`add`-ed or output by an operator
+    under it (DTensors by their local shard).
 
-    Every operator's tensor outputs (DTensors by their local shard) are counted once per
-    storage until the storage is freed. Storages made outside Python's dispatcher (DDP's
-    gradient buckets, gloo buffers) are not seen.
+    Each storage counts at its current size until it is freed: FSDP2 frees and
+    re-allocates its unsharded parameters by resizing their storages, which it then
+    fills through operators. Storages never passed to :meth:`add` nor output by an
+    operator (gloo's buffers) are not seen.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = 0
         self.peak = 0
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._storages: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    @property
+    def current(self) -> int:
+        """Bytes of the live storages now."""
+        return sum(storage.nbytes() for ref in self._storages.values() if (storage := ref()))
 
     def add(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -206,20 +212,12 @@ class TensorMemoryTracker(TorchDispatchMode):
             return
         storage = local.untyped_storage()
         key = storage._cdata
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        if key not in self._storages:
+            self._storages[key] = weakref.ref(storage, partial(self._free, key))
+            self.peak = max(self.peak, self.current)
 
-        def on_collect(_: weakref.ref[torch.UntypedStorage], key: int = key) -> None:
-            self._free(key)
-
-        self._refs[key] = weakref.ref(storage, on_collect)
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-        self._refs.pop(key, None)
+    def _free(self, key: int, _: weakref.ref[torch.UntypedStorage]) -> None:
+        self._storages.pop(key, None)
 
     def __torch_dispatch__(
         self,
@@ -231,6 +229,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             self.add(leaf)
+        self.peak = max(self.peak, self.current)
         return out
 
 

@@ -154,9 +154,9 @@ def test_an_eager_training_step_gives_the_framework_overheads() -> None:
     """A CPU profile prices the eager framework time its training step showed beyond the
     operators' own: the calibrated profile reproduces that step, forward+backward and
     optimizer, and a profile without the step prices none of it."""
+    from planner.calibrate import measured_run_options
     from planner.calibrate.fit import StepSample
     from planner.cost.build import build_cost_model, spec_graph
-    from planner.cost.options import device_options
     from planner.models import get_preset
     from planner.spec import Cluster, Strategy, Training
 
@@ -180,7 +180,7 @@ def test_an_eager_training_step_gives_the_framework_overheads() -> None:
     priced = {
         name: build_cost_model(
             spec_graph(spec, training), cluster, training, causal=True,
-            options=device_options("cpu"), profile=p,
+            options=measured_run_options(p), profile=p,
         ).estimate(Strategy(micro_batch_size=4)).breakdown_s
         for name, p in (("with", profile), ("without", without))
     }  # fmt: skip

@@ -173,16 +173,48 @@ def test_selective_recompute_holds_the_recomputed_scores_again_in_backward():
 
 @pytest.mark.parametrize(("layers", "hidden"), [(2, 64), (8, 2048)], ids=["small", "1.3b-wide"])
 def test_gradient_buckets_hold_at_most_the_gradients(layers, hidden):
-    """Two DDP buckets are in flight, but a model whose gradients fit in less holds less."""
+    """DeepSpeed's separate buckets: two in flight, but a model whose gradients fit in
+    less holds less. PyTorch DDP reduces the gradients in place (they are its buckets)."""
     spec = GPT.model_copy(update={"num_layers": layers, "hidden_size": hidden, "num_heads": 16})
-    options = CostOptions(workspace_gib=0.0, allocator_margin=0.0)
     cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=2)
     training = Training(global_batch_size=2, dtype=DType.FP32)
-    model = CostModel(graph_from_spec(spec), cluster, training, options=options)
-    memory = model.estimate(Strategy(dp=2, micro_batch_size=1)).memory_gib
-    two_buckets = 2 * options.dp_bucket_bytes / 2**30
+    memories = {}
+    for separate in (True, False):
+        options = CostOptions(
+            workspace_gib=0.0, allocator_margin=0.0, separate_grad_buckets=separate
+        )
+        model = CostModel(graph_from_spec(spec), cluster, training, options=options)
+        memories[separate] = model.estimate(Strategy(dp=2, micro_batch_size=1)).memory_gib
+    memory = memories[True]
+    two_buckets = 2 * CostOptions().dp_bucket_bytes / 2**30
     assert memory["buffers"] == pytest.approx(min(two_buckets, memory["gradients"]))
     assert (memory["buffers"] < two_buckets) == (layers == 2)
+    assert memories[False]["buffers"] == 0.0
+    assert memories[False]["gradients"] == memory["gradients"]  # DDP's buckets: kept
+
+
+def test_a_step_of_one_micro_batch_starts_its_backward_without_gradients():
+    """PyTorch's optimizers free every .grad at zero_grad: one micro-batch's backward
+    starts holding only those of the modules being computed (measured on this runtime's
+    TP plans: the peak is at the loss's backward, before any gradient); frameworks that
+    keep them in buffers (Megatron-Core, DeepSpeed) and DDP (its buckets) hold them all,
+    as does every micro-batch after the first."""
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=2)
+    training = Training(global_batch_size=8, dtype=DType.FP32)
+    deep = GPT.model_copy(update={"num_layers": 12})
+
+    def gradients(strategy: Strategy, **options: bool) -> float:
+        costs = CostOptions(workspace_gib=0.0, allocator_margin=0.0, **options)
+        model = CostModel(graph_from_spec(deep), cluster, training, options=costs)
+        return model.estimate(strategy).memory_gib["gradients"]
+
+    tp = Strategy(tp=2, micro_batch_size=8)
+    accumulated = Strategy(tp=2, micro_batch_size=2, num_microbatches=4)
+    whole = gradients(tp, grads_persist=True)
+    assert gradients(tp) < whole / 2
+    assert gradients(accumulated) == pytest.approx(whole)
+    ddp = Strategy(dp=2, micro_batch_size=4)
+    assert gradients(ddp) == pytest.approx(gradients(ddp, grads_persist=True))
 
 
 def test_this_runtimes_selective_recompute_keeps_its_input_and_every_matmul_output():
@@ -213,7 +245,9 @@ def test_the_loss_holds_its_fp32_gradients_beside_the_kept_log_probabilities(fus
     the kept fp32 log-probabilities and two fp32 gradients (nll_loss's, log_softmax's):
     12 bytes a logit (the H200 runs of benchmarks/data/h200 grew 14.2 GiB a sequence, 2.3
     more than 10 bytes priced). A compiled loss (torchtitan's runs): the logits and one."""
-    options = CostOptions(fused_pointwise=fused, workspace_gib=0.0, allocator_margin=0.0)
+    options = CostOptions(
+        fused_pointwise=fused, workspace_gib=0.0, allocator_margin=0.0, grads_persist=True
+    )
     cluster, training = Cluster(gpu="a100-sxm-80gb", num_gpus=1), Training(global_batch_size=1)
     model = CostModel(graph_from_spec(GPT), cluster, training, options=options)
     logits = model.estimate(Strategy(micro_batch_size=1)).memory_gib["logits"]

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from planner.calibrate import measured_run_options
 from planner.cost import CostModel, CostOptions, graph_from_spec
 from planner.cost.build import spec_graph
-from planner.cost.options import SelectivePolicy, device_options
+from planner.cost.options import OptimizerImpl, SelectivePolicy, device_options
 from planner.cost.spec_graph import Kernels
 from planner.frameworks import KERNELS, Framework, framework_options
 from planner.graph import OpKind, OpRole
@@ -95,7 +95,8 @@ def test_a_megatron_target_prices_its_kernels_unless_the_options_say_otherwise()
     chosen = framework_options(Framework.MEGATRON, given)
     assert not chosen.gqa_native and chosen.dropout  # what the user set stays
     assert chosen.fused_norm_swiglu and chosen.moe_probs_in_activation
-    assert framework_options(Framework.TORCHTITAN, given) is given
+    titan = framework_options(Framework.TORCHTITAN, given)  # only its fused AdamW
+    assert titan == given.model_copy(update={"optimizer_impl": OptimizerImpl.FUSED})
 
 
 @pytest.mark.parametrize("device", ["gpu", "cpu"])

@@ -802,3 +802,13 @@ def test_megatron_fp8_is_transformer_engines_with_its_weights_gathered_in_fp8() 
     assert estimate_run(current).step_time_s > estimate_run(run).step_time_s
     with pytest.raises(SpecError, match="--fp8-recipe = 'mxfp8': the planner prices per-tensor"):
         import_config(fp8 + " --fp8-recipe mxfp8", cluster=GPU)
+
+
+def test_torchtitan_prices_its_optimizers_implementation() -> None:
+    """torchtitan's default AdamW is fused; a config may ask for another."""
+    assert import_config(TOML, cluster=GPU, gpus=16).run.options.optimizer_impl.value == "fused"
+    text = TOML + '\n[optimizer]\nimplementation = "foreach"\n'
+    run = import_config(text, cluster=GPU, gpus=16).run
+    assert run.options.optimizer_impl.value == "foreach"
+    with pytest.raises(SpecError, match=r"optimizer.implementation = 'apex'.*use one of for-loop"):
+        import_config(text.replace('"foreach"', '"apex"'), cluster=GPU, gpus=16)

@@ -108,3 +108,27 @@ def test_plan_measure_under_torchrun_writes_a_profile(tmp_path: Path) -> None:
     assert measured.plan_fingerprint == plan_fingerprint(plan)
     assert "comm_dp_replicate" in measured.phases_s
     assert "step time: median" in result.stdout
+
+
+def test_the_memory_tracker_counts_each_storage_at_its_current_size() -> None:
+    """FSDP2 frees and re-allocates its unsharded parameters by resizing their storages,
+    made before the tracker and filled through operators; in-place writes allocate
+    nothing."""
+    import torch
+
+    from strategies.measure import TensorMemoryTracker
+
+    kept = torch.zeros(1024)  # 4 KiB
+    outside = torch.zeros(2048)  # 8 KiB, freed by resizing
+    outside.untyped_storage().resize_(0)
+    tracker = TensorMemoryTracker()
+    tracker.add(kept)
+    with tracker:
+        kept.add_(1)
+        assert tracker.current == 4096
+        outside.untyped_storage().resize_(8192)
+        torch.add(kept, 1, out=outside[:1024])
+        assert tracker.current == 4096 + 8192
+        outside.untyped_storage().resize_(0)
+        assert tracker.current == 4096
+    assert tracker.peak == 4096 + 8192

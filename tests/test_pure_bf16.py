@@ -35,7 +35,7 @@ def test_it_halves_the_states_the_plan_prices() -> None:
     assert mixed.strategy == pure.strategy
     m, p = mixed.prediction.memory_gib, pure.prediction.memory_gib
     assert p["optimizer"] == pytest.approx(m["optimizer"] / 2)  # Adam's moments in bf16
-    assert p["weights"] < m["weights"] and p["gradients"] < m["gradients"]
+    assert p["weights"] < m["weights"] and p["gradients"] <= m["gradients"]
     assert pure.prediction.peak_memory_gib < mixed.prediction.peak_memory_gib
 
 

@@ -37,9 +37,9 @@ from planner.calibrate.fit import (
     rms,
 )
 from planner.calibrate.links import LinkSample, fit_tier
+from planner.calibrate.options import measured_run_options
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective
-from planner.cost.options import device_options
 from planner.hardware import HardwareProfile
 from planner.presets import get_preset
 from planner.spec import Cluster, DType, Strategy, Training
@@ -199,8 +199,9 @@ def _with_framework_overheads(
     profile: HardwareProfile, step: StepSample, fits: dict[str, FitResult], stamp: str
 ) -> HardwareProfile:
     """``profile`` with the eager framework time ``step`` measured beyond the cost
-    model's price of the same step on ``profile`` (at least 0). The cost model prices
-    both overheads linearly, so one trial at 1 us each gives their seconds per us."""
+    model's price of the same step on ``profile`` (at least 0), priced as this runtime
+    runs it (a for-loop AdamW). The cost model prices both overheads linearly, so one
+    trial at 1 us each gives their seconds per us."""
     spec = get_preset(step.model)
     training = Training(global_batch_size=step.micro_batch, seq_len=spec.seq_len, dtype=DType.FP32)
     graph = spec_graph(spec, training)
@@ -211,7 +212,7 @@ def _with_framework_overheads(
         trial = profile.model_copy(update={"op_overhead_us": op_us, "param_overhead_us": param_us})
         model = build_cost_model(
             graph, cluster, training, causal=spec.causal,
-            options=device_options(profile.device_kind), profile=trial,
+            options=measured_run_options(profile), profile=trial,
         )  # fmt: skip
         breakdown = model.estimate(Strategy(micro_batch_size=step.micro_batch)).breakdown_s
         return np.array([breakdown["compute"], breakdown["optimizer"]])

@@ -45,14 +45,14 @@ from planner.cost.compression import (
 )
 from planner.cost.compute import ComputeModel, fp8_weight_cast_bytes
 from planner.cost.memory import gradient_element_bytes, weight_element_bytes
-from planner.cost.options import CostOptions
+from planner.cost.options import CostOptions, OptimizerImpl
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
 from planner.dtypes import HALF_BYTES
 from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.parallel_dims import ParallelDims
-from planner.spec import Axis, CompressionKind, DType, Strategy, Training
+from planner.spec import Axis, CompressionKind, Optimizer, Strategy, Training
 
 __all__ = ["DataParallelCost", "exposed", "exposed_together"]
 
@@ -77,6 +77,26 @@ def exposed_together(window: float, tail: float, *parts: tuple[float, bool]) -> 
 def _refuse(blocker: str | None) -> None:
     if blocker is not None:
         raise SpecError(blocker)
+
+
+def step_passes(impl: OptimizerImpl, optimizer: Optimizer) -> tuple[float, float, float]:
+    """Passes (reads plus writes) of one element the update makes over the kept weights,
+    over the moments (all of them together; their temporaries counted in the same dtype)
+    and over the gradient.
+
+    A fused kernel reads each once and writes weights and moments back. torch's
+    for-loop and foreach updates run one operator after another
+    (``torch.optim.adam._single_tensor_adam``): Adam's ``lerp_``, ``mul_``, ``addcmul_``,
+    ``sqrt``, ``div``, ``add_`` and ``addcdiv_`` pass 3 and 5 times over its two moments,
+    6 times over temporaries of one moment's size (7 passes of both) and twice over the
+    gradient; SGD's ``mul_``, ``add_`` and ``add_`` 5 times over its momentum, once over
+    the gradient. Both write the weights once after reading them.
+    """
+    if impl is OptimizerImpl.FUSED:
+        return 2.0, 2.0, 1.0
+    if optimizer is Optimizer.SGD:
+        return 2.0, 5.0, 1.0
+    return 2.0, 7.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -194,35 +214,37 @@ class DataParallelCost:
         """Seconds of the Adam/SGD step, gradient norm and zeroing on this rank's shard of
         ``params`` parameters: memory-bound.
 
-        Per sharded parameter: fp32 master read+write, fp32 gradient read, moments
-        read+write, half-precision weight write; per gradient element held, a read for
-        the norm (with clipping) and a write to zero it. ``expert_params`` (held under
-        EP) are sharded over the expert shard ranks. Under Transformer Engine fp8, the
-        step's weight casts (:func:`~planner.cost.compute.fp8_weight_cast_bytes`). Per
-        parameter tensor of the rank's stage, the profile's eager ``param_overhead_us``.
+        The update's bytes (:meth:`_step_bytes`); ``expert_params`` (held under EP) are
+        sharded over the expert shard ranks. Under Transformer Engine fp8, the step's
+        weight casts (:func:`~planner.cost.compute.fp8_weight_cast_bytes`). A for-loop
+        update pays the profile's eager ``param_overhead_us`` per parameter tensor of the
+        rank's stage.
         """
         dims = ParallelDims.of(strategy)
         moved = self._step_bytes(strategy, params, dims.zero_shard_ranks)
         moved += self._step_bytes(strategy, expert_params, dims.expert_shard_ranks)
         moved += fp8_weight_cast_bytes(params + expert_params, self.options, self.training.dtype)
-        tensors = self._param_tensors / strategy.pp  # eager: the step loops over them
-        return self.compute.memory_time(moved) + tensors * self.compute.param_s
+        overhead = 0.0
+        if self.options.optimizer_impl is OptimizerImpl.FOR_LOOP:  # one tensor at a time
+            overhead = self._param_tensors / strategy.pp * self.compute.param_s
+        return self.compute.memory_time(moved) + overhead
 
     def _step_bytes(self, strategy: Strategy, params: float, shard: int) -> float:
         """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO:
-        reads and writes the kept weights and moments, reads the gradient (twice with
-        clipping), and writes the compute copy of the weights unless the states are pure
-        bf16: in half precision, fp8 under ``fp8_param_gather`` (fp32 states are charged
-        the 2-byte copy too, as they always were)."""
+        the update's passes over the kept weights, moments (with its temporaries) and
+        gradient (:func:`step_passes`), a gradient read more for the norm with clipping,
+        and under mixed precision the write of the compute copy of the weights (half
+        precision, fp8 under ``fp8_param_gather``)."""
         training = self.training
-        kept, moments = training.state_bytes, training.moment_bytes
+        weights, moments, gradients = step_passes(self.options.optimizer_impl, training.optimizer)
         gradient = gradient_element_bytes(training, self.options, strategy.compression.kind)
         dims = ParallelDims.of(strategy)
         grad_shard = shard if strategy.zero >= 2 or dims.gathered_under_pipeline else 1
-        weight = min(weight_element_bytes(training, self.options), HALF_BYTES)
-        copy = weight if training.param_dtype is DType.FP32 else 0
-        sharded = 2 * kept + kept + 2 * moments + copy
-        per_gradient = (2 if training.grad_clip else 1) * gradient
+        copy = 0.0
+        if training.master_copy:
+            copy = min(weight_element_bytes(training, self.options), HALF_BYTES)
+        sharded = weights * training.state_bytes + moments * training.moment_bytes + copy
+        per_gradient = (gradients + training.grad_clip) * gradient
         return params * (sharded / shard + per_gradient / grad_shard)
 
     @cached_property

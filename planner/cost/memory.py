@@ -224,33 +224,56 @@ class MemoryModel:
         compression: float | None,
     ) -> dict[str, float]:  # fmt: skip
         states = self._states(strategy, dims, rank.params, rank.expert_params)
-        weights, grads = states.weights, states.gradients
+        weights, transient = states.weights, 0.0
         if not dims.gathered_under_pipeline:
             unsharded = sum(rank.largest_params)  # the modules being gathered and computed
             if strategy.zero >= 3:
                 weights += weight_element_bytes(self.training, self.options) * unsharded
             if strategy.zero >= 3 or (strategy.zero == 2 and dims.shards_parameters):
                 # FSDP2 reduce-scatters each module's unsharded gradient in fp32
-                grads += FP32_BYTES * unsharded
-        parts = {
+                transient = FP32_BYTES * unsharded
+        held = {
             "weights": weights,
-            "gradients": grads,
+            "gradients": states.gradients + transient,
             "optimizer": states.optimizer,
-            "activations": rank.activation_bytes - logits + rank.recompute_peak_bytes,
-            "logits": logits,
             "buffers": self._buffer_bytes(strategy, dims, states.gradients),
         }
         if compression is not None:
-            parts["compression"] = compression
+            held["compression"] = compression
+        parts = {
+            **held,
+            "activations": rank.activation_bytes - logits + rank.recompute_peak_bytes,
+            "logits": logits,
+        }
+        if self._backward_starts_without_grads(strategy, dims):
+            computed = gradient_element_bytes(
+                self.training, self.options, strategy.compression.kind
+            )
+            parts["gradients"] = transient or computed * sum(rank.largest_params)
+            if sum(held.values()) > sum(parts.values()):  # the optimizer step's, then
+                parts = {**held, "activations": 0.0, "logits": 0.0}
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
 
+    def _backward_starts_without_grads(self, strategy: Strategy, dims: ParallelDims) -> bool:
+        """Whether the step's backward starts holding no gradients: the optimizer frees
+        them (not ``grads_persist``, nor DDP's, which are views into its buckets) and the
+        step is one micro-batch (no earlier backward's left to accumulate into). Its peak
+        then holds only those of the modules being computed (FSDP2's unsharded ones);
+        all of them at the optimizer step."""
+        freed = not (self.options.grads_persist or dims.uses_ddp)
+        return freed and strategy.num_microbatches == 1
+
     def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims, gradients: float) -> float:
-        """Communication buffers and library workspaces (DDP's and ZeRO-1/2's gradient
-        buckets, two in flight and never more than the ``gradients`` bytes they hold;
-        FSDP2 under a pipeline reduces from its unsharded gradients)."""
+        """Communication buffers and library workspaces (with ``separate_grad_buckets``,
+        ZeRO-0/1/2's gradient buckets, two in flight and never more than the
+        ``gradients`` bytes they hold; FSDP2 under a pipeline reduces from its unsharded
+        gradients)."""
         buffers = self.options.workspace_gib * GIB
-        if strategy.dp > 1 and strategy.zero < 3 and not dims.gathered_under_pipeline:
+        if (
+            self.options.separate_grad_buckets and strategy.dp > 1 and strategy.zero < 3
+            and not dims.gathered_under_pipeline
+        ):  # fmt: skip
             buffers += min(2 * self.options.dp_bucket_bytes, gradients)
         if strategy.sequence_parallel:
             buffers += self._boundary_bytes * strategy.micro_batch_size / strategy.cp

@@ -21,6 +21,7 @@ __all__ = [
     "ExpertChoice",
     "Fp8Linear",
     "Fp8Scaling",
+    "OptimizerImpl",
     "CostOptions",
     "DDP_BUCKET_MIB",
     "device_options",
@@ -91,6 +92,18 @@ class Fp8Scaling(StrEnum):
     DELAYED = "delayed"
 
 
+class OptimizerImpl(StrEnum):
+    """How the optimizer step runs (torch.optim's implementations, torchtitan's
+    ``optimizer.implementation``): ``fused`` reads every state once in one kernel (torch
+    ``fused=True``, Apex/Transformer Engine FusedAdam); ``foreach`` and ``for-loop`` run the
+    update's element-wise operators one after another, over all tensors at once or one
+    tensor at a time (each paying the eager per-tensor overhead)."""
+
+    FOR_LOOP = "for-loop"
+    FOREACH = "foreach"
+    FUSED = "fused"
+
+
 class CostOptions(BaseModel):
     """How the run is implemented; every field is a documented software behaviour."""
 
@@ -128,6 +141,17 @@ class CostOptions(BaseModel):
     # bf16 under --grad-reduce-in-bf16, param_and_grad_buffer.py); PyTorch DDP and FSDP2
     # keep each parameter's .grad in its own dtype (fp32 under mixed precision)
     grads_in_reduce_dtype: bool = False
+    # gradients live in buffers kept across steps (Megatron-Core's param_and_grad_buffer,
+    # DeepSpeed's contiguous gradient partitions); PyTorch's optimizers free every .grad at
+    # zero_grad (set_to_none, the default since 2.0), so a step of one micro-batch starts
+    # its backward holding none (torchtitan, FSDP2, this runtime)
+    grads_persist: bool = False
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH  # torch.optim's default on GPUs
+    # the data-parallel reduction copies gradients into buckets of dp_bucket_mib, two in
+    # flight (DeepSpeed's IPG buckets); PyTorch DDP (with gradient_as_bucket_view, as this
+    # runtime runs it: the gradients are its buckets), FSDP2 and Megatron-Core's bucketed
+    # gradient buffer reduce the gradients where they lie
+    separate_grad_buckets: bool = False
     # SP backward all-gathers a linear's input again (Megatron), on zoo formula graphs;
     # traced layouts price what the DTensor runtime does (it keeps the gathered input)
     sp_regather_input: bool = True

@@ -28,6 +28,7 @@ from typing import Any
 
 from planner.errors import SpecError
 from planner.export.deepspeed import COMMUNICATION_DTYPES
+from planner.frameworks import KERNELS, Framework
 from planner.importers.common import (
     ImportedRun,
     Options,
@@ -108,7 +109,8 @@ def read_deepspeed(text: str, source: str, detected: str, options: Options) -> I
     overlap = _overlap(settings, stage, notes)
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
-        training=training, strategy=strategy, options={"overlap_grad_reduce": overlap},
+        training=training, strategy=strategy,
+        options={"overlap_grad_reduce": overlap, **KERNELS[Framework.DEEPSPEED]},
         notes=notes,
     )  # fmt: skip
 

@@ -40,10 +40,16 @@ import re
 import tomllib
 from typing import Any
 
-from planner.cost.options import ExpertChoice
+from planner.cost.options import ExpertChoice, OptimizerImpl
 from planner.errors import SpecError, UnknownNameError
 from planner.export.torchtitan import FLOAT8_CONVERTER, OPTIMIZERS, SCHEDULES
-from planner.frameworks import TORCHTITAN_PARAM_DTYPES, torchtitan_model, torchtitan_shards
+from planner.frameworks import (
+    KERNELS,
+    TORCHTITAN_PARAM_DTYPES,
+    Framework,
+    torchtitan_model,
+    torchtitan_shards,
+)
 from planner.importers.common import (
     ImportedRun,
     Options,
@@ -585,8 +591,9 @@ def _clipping(settings: Settings) -> bool:
 
 
 def _cost_options(settings: Settings, tp: int) -> dict[str, Any]:
-    """Async tensor parallelism (collectives overlapped with matmuls) and compilation
-    (pointwise operators fused)."""
+    """Async tensor parallelism (collectives overlapped with matmuls), compilation
+    (pointwise operators fused) and the optimizer's implementation (torchtitan's
+    default where the config names none, :data:`~planner.frameworks.KERNELS`)."""
     overlap = settings.flag("parallelism.enable_async_tensor_parallel") or settings.flag(
         "compile.enable_async_tensor_parallel"
     )
@@ -594,7 +601,18 @@ def _cost_options(settings: Settings, tp: int) -> dict[str, Any]:
     compiled = settings.flag("training.compile") or (
         settings.flag("compile.enable") and "model" in components
     )
-    return {"tp_comm_overlap": overlap and tp > 1, "fused_pointwise": compiled}
+    implementation = settings.get(
+        "optimizer.implementation", KERNELS[Framework.TORCHTITAN]["optimizer_impl"]
+    )
+    if implementation not in set(OptimizerImpl):
+        raise settings.refuse(
+            "optimizer.implementation", implementation, "not an implementation torchtitan has",
+            "use one of " + ", ".join(impl.value for impl in OptimizerImpl),
+        )  # fmt: skip
+    return {
+        "tp_comm_overlap": overlap and tp > 1, "fused_pointwise": compiled,
+        "optimizer_impl": implementation,
+    }  # fmt: skip
 
 
 def _expert_dispatch(settings: Settings, ep: int) -> dict[str, Any]:
