@@ -33,7 +33,7 @@ from planner.spec import Plan
 from strategies import expert_parallel
 from strategies.mesh import replicate_mesh
 
-__all__ = ["apply", "as_shard_of"]
+__all__ = ["apply", "as_shard_of", "ddp"]
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,16 @@ def _ddp(model: nn.Module, mesh: DeviceMesh | None, plan: Plan, ignored: list[st
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.strategy.tp > 1:
         _over_tensor_parallel_shards(model)
-    # the gradients are views into DDP's buckets: one copy of them, not two
-    wrapped = DistributedDataParallel(model, device_mesh=dp_mesh, gradient_as_bucket_view=True)
+    wrapped = ddp(model, dp_mesh)
     log.info("ddp: over %s, %d ranks%s", dp_mesh.mesh_dim_names, dp_mesh.size(),
              f", {len(ignored)} expert parameters left out" if ignored else "")  # fmt: skip
     return wrapped
+
+
+def ddp(model: nn.Module, mesh: DeviceMesh | None = None) -> DistributedDataParallel:
+    """``model`` under DDP over ``mesh`` (default: the process group), its gradients
+    views into DDP's buckets: one copy of them, not two."""
+    return DistributedDataParallel(model, device_mesh=mesh, gradient_as_bucket_view=True)
 
 
 def as_shard_of(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

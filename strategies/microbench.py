@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from planner.cost.communication import Collective
+from strategies.data_parallel import ddp
 
-__all__ = ["CollectiveSample", "DEFAULT_COLLECTIVE_BYTES", "collective_sweep"]
+__all__ = ["CollectiveSample", "DEFAULT_COLLECTIVE_BYTES", "collective_sweep", "data_parallel"]
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +111,9 @@ def collective_sweep(
                                             size, seconds))  # fmt: skip
             log.info("%s %d B over %d ranks: %.1f us", kind.value, size, world, seconds * 1e6)
     return samples
+
+
+def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as this runtime runs data parallelism over the process group (DDP): what
+    the calibration's training-step probe times."""
+    return ddp(model)

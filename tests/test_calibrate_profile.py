@@ -150,17 +150,19 @@ def test_a_cpu_peak_below_the_gemms_timed_is_raised_to_their_rate() -> None:
     assert cpu_peak_tflops(1, slow) == cpu_peak_tflops(1)  # at half the estimate: kept
 
 
-def test_an_eager_training_step_gives_the_framework_overheads() -> None:
+@pytest.mark.parametrize(("ranks", "where"), [(1, "one process"), (2, "DDP over 2 processes")])
+def test_an_eager_training_step_gives_the_framework_overheads(ranks, where) -> None:
     """A CPU profile prices the eager framework time its training step showed beyond the
-    operators' own: the calibrated profile reproduces that step, forward+backward and
-    optimizer, and a profile without the step prices none of it."""
+    operators' own: the calibrated profile reproduces that step, forward+backward (with
+    DDP's reduction when it ran over several ranks) and optimizer, and a profile without
+    the step prices none of it."""
     from planner.calibrate import measured_run_options
     from planner.calibrate.fit import StepSample
     from planner.cost.build import build_cost_model, spec_graph
     from planner.models import get_preset
     from planner.spec import Cluster, Strategy, Training
 
-    step = StepSample("tiny-llama", 4, forward_backward_s=0.012, optimizer_s=0.003)
+    step = StepSample("tiny-llama", 4, forward_backward_s=0.012, optimizer_s=0.003, ranks=ranks)
     plain = _measurements(_samples({Collective.ALL_REDUCE: 1.0}))
     stepped = Measurements(**{**plain.__dict__, "step": step})
     kwargs = dict(
@@ -172,19 +174,23 @@ def test_an_eager_training_step_gives_the_framework_overheads() -> None:
     assert without.op_overhead_us is None and without.param_overhead_us is None
     assert profile.op_overhead_us is not None and profile.op_overhead_us > 0
     assert profile.param_overhead_us is not None and profile.param_overhead_us > 0
-    assert "eager training step of tiny-llama" in profile.sources["op_overhead_us"]
+    assert (
+        f"eager training step of tiny-llama (4 sequences, fp32, {where})"
+        in (profile.sources["op_overhead_us"])
+    )
     assert report.fits["framework"].rms_after == pytest.approx(0.0, abs=1e-9)
     spec = get_preset("tiny-llama")
-    training = Training(global_batch_size=4, seq_len=spec.seq_len, dtype=DType.FP32)
-    cluster = Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1)
+    training = Training(global_batch_size=4 * ranks, seq_len=spec.seq_len, dtype=DType.FP32)
+    cluster = Cluster(gpu="cpu", num_gpus=ranks, gpus_per_node=ranks)
     priced = {
         name: build_cost_model(
             spec_graph(spec, training), cluster, training, causal=True,
             options=measured_run_options(p), profile=p,
-        ).estimate(Strategy(micro_batch_size=4)).breakdown_s
+        ).estimate(Strategy(dp=ranks, micro_batch_size=4)).breakdown_s
         for name, p in (("with", profile), ("without", without))
     }  # fmt: skip
-    assert priced["with"]["compute"] == pytest.approx(step.forward_backward_s)
+    passes = sum(priced["with"].values()) - priced["with"]["optimizer"]
+    assert passes == pytest.approx(step.forward_backward_s)
     assert priced["with"]["optimizer"] == pytest.approx(step.optimizer_s)
     assert priced["without"]["compute"] < step.forward_backward_s / 2
 

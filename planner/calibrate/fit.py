@@ -64,13 +64,15 @@ class Sample:
 @dataclass(frozen=True)
 class StepSample:
     """An eager training step of ``model`` (a zoo preset, fp32) at ``micro_batch``
-    sequences of its ``seq_len`` in one process: median seconds of its forward and
-    backward, and of its optimizer step (clipping, AdamW one tensor at a time, zeroing)."""
+    sequences of its ``seq_len`` a rank, data-parallel (DDP) over ``ranks`` processes:
+    median seconds of its forward and backward (with DDP's gradient all-reduce), and of
+    its optimizer step (clipping, AdamW one tensor at a time, zeroing)."""
 
     model: str
     micro_batch: int
     forward_backward_s: float
     optimizer_s: float
+    ranks: int = 1
 
 
 class CalibrationError(PlannerError):

@@ -175,11 +175,20 @@ PROBE_MODEL = "tiny-llama"  # the zoo model whose eager training step is timed
 PROBE_MICRO_BATCH = 4
 
 
-def training_step_sample(device: torch.device, *, repeats: int = 15) -> StepSample:
+def training_step_sample(
+    device: torch.device,
+    *,
+    repeats: int = 15,
+    data_parallel: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    ranks: int = 1,
+) -> StepSample:
     """Time the training step of :data:`PROBE_MODEL` as ``plan run`` runs one on a rank:
-    eager forward and backward, then global-norm clipping and ``AdamW(foreach=False)``."""
+    eager forward and backward (under ``data_parallel`` over ``ranks`` processes, the
+    runtime's DDP, when given), then global-norm clipping and ``AdamW(foreach=False)``."""
     spec = get_preset(PROBE_MODEL)
-    model = build(spec, device=device, seed=0)
+    model: torch.nn.Module = build(spec, device=device, seed=0)
+    if data_parallel is not None:
+        model = data_parallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
     tokens = torch.randint(0, spec.vocab_size, (PROBE_MICRO_BATCH, spec.seq_len + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -198,5 +207,6 @@ def training_step_sample(device: torch.device, *, repeats: int = 15) -> StepSamp
             passes.append(middle - start)
             updates.append(time.perf_counter() - middle)
     return StepSample(
-        PROBE_MODEL, PROBE_MICRO_BATCH, statistics.median(passes), statistics.median(updates)
-    )
+        PROBE_MODEL, PROBE_MICRO_BATCH, statistics.median(passes), statistics.median(updates),
+        ranks,
+    )  # fmt: skip

@@ -200,12 +200,15 @@ def _with_framework_overheads(
 ) -> HardwareProfile:
     """``profile`` with the eager framework time ``step`` measured beyond the cost
     model's price of the same step on ``profile`` (at least 0), priced as this runtime
-    runs it (a for-loop AdamW). The cost model prices both overheads linearly, so one
-    trial at 1 us each gives their seconds per us."""
+    runs it (data parallel over the step's ranks, a for-loop AdamW): its forward and
+    backward against the priced step but the optimizer's. The cost model prices both
+    overheads linearly, so one trial at 1 us each gives their seconds per us."""
     spec = get_preset(step.model)
-    training = Training(global_batch_size=step.micro_batch, seq_len=spec.seq_len, dtype=DType.FP32)
+    batch = step.micro_batch * step.ranks
+    training = Training(global_batch_size=batch, seq_len=spec.seq_len, dtype=DType.FP32)
     graph = spec_graph(spec, training)
-    cluster = Cluster(gpu=profile.name, num_gpus=1, gpus_per_node=1)
+    cluster = Cluster(gpu=profile.name, num_gpus=step.ranks, gpus_per_node=step.ranks)
+    strategy = Strategy(dp=step.ranks, micro_batch_size=step.micro_batch)
 
     def priced(op_us: float, param_us: float) -> Array:
         """Seconds of the step's forward+backward and optimizer at these overheads."""
@@ -214,8 +217,9 @@ def _with_framework_overheads(
             graph, cluster, training, causal=spec.causal,
             options=measured_run_options(profile), profile=trial,
         )  # fmt: skip
-        breakdown = model.estimate(Strategy(micro_batch_size=step.micro_batch)).breakdown_s
-        return np.array([breakdown["compute"], breakdown["optimizer"]])
+        breakdown = model.estimate(strategy).breakdown_s
+        optimizer = breakdown["optimizer"]
+        return np.array([sum(breakdown.values()) - optimizer, optimizer])
 
     measured = np.array([step.forward_backward_s, step.optimizer_s])
     bare = priced(0.0, 0.0)
@@ -224,9 +228,10 @@ def _with_framework_overheads(
         {"op_overhead_us": float(op_us), "param_overhead_us": float(param_us)},
         rms(np.log(measured / bare)), rms(np.log(measured / priced(op_us, param_us))), 2,
     )  # fmt: skip
+    where = "one process" if step.ranks == 1 else f"DDP over {step.ranks} processes"
     how = (
         f"{stamp}: eager training step of {step.model} ({step.micro_batch} sequences, fp32, "
-        f"one process): {step.forward_backward_s * 1e3:.2f} ms forward+backward, "
+        f"{where}): {step.forward_backward_s * 1e3:.2f} ms forward+backward, "
         f"{step.optimizer_s * 1e3:.2f} ms optimizer, beyond the cost model's price"
     )
     sources = {**profile.sources, "op_overhead_us": how, "param_overhead_us": how}

@@ -324,7 +324,10 @@ def _measure(
     step = None
     if not gpu:  # GPU kernels queue ahead of the host: no eager framework time priced there
         announce(f"eager training step of {microbench.PROBE_MODEL}")
-        step = microbench.training_step_sample(device, repeats=repeats)
+        step = microbench.training_step_sample(
+            device, repeats=repeats, data_parallel=collectives.data_parallel if world > 1 else None,
+            ranks=world,
+        )  # fmt: skip
     return Measurements(dtype, matmul, memory, attention, samples, local, step)
 
 
