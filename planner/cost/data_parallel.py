@@ -244,7 +244,8 @@ class DataParallelCost:
         if training.master_copy:
             copy = min(weight_element_bytes(training, self.options), HALF_BYTES)
         sharded = weights * training.state_bytes + moments * training.moment_bytes + copy
-        per_gradient = (gradients + training.grad_clip) * gradient
+        norm = 1 if training.grad_clip else 0  # clipping reads every gradient once more
+        per_gradient = (gradients + norm) * gradient
         return params * (sharded / shard + per_gradient / grad_shard)
 
     @cached_property

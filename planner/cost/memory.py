@@ -15,6 +15,12 @@ each stage's weights gathered and accumulates its gradients unsharded in fp32 un
 the step's last micro-batch (:attr:`~planner.parallel_dims.ParallelDims.gathered_under_pipeline`): ZeRO-1, 2 and 3 hold the
 same bytes there, ZeRO-3's states plus the stage's unsharded weights and gradients.
 
+Gradients stay held from one step to the next in frameworks that keep them in buffers
+(``grads_persist``: Megatron-Core, DeepSpeed) and under DDP (views into its buckets);
+PyTorch's optimizers free them at ``zero_grad``, so a step of one micro-batch peaks
+either at the start of its backward, holding only the gradients of the modules being
+computed, or at the optimizer step, holding them all and no activations.
+
 Activations per micro-batch follow the graph's saved bytes (Korthikanti et al. 2022
 for the built-in blocks); full recompute keeps only each block's input, and
 re-running one block's forward before its backward holds that block's other
@@ -56,10 +62,11 @@ __all__ = [
 
 GIB = 2**30
 PIPELINED_FSDP_NOTE = (
-    "under pp > 1, FSDP2 keeps each stage's weights gathered and its gradients unsharded "
-    "(fp32) until the last micro-batch (torch.distributed.pipelining; torchtitan's "
-    "reshard_after_forward=False), so ZeRO-1, 2 and 3 hold the same memory and move the "
-    "same bytes here: only fp32 parameters, reduced gradients and optimizer states are sharded"
+    "under pp > 1, each stage's weights stay gathered and its gradients unsharded until the "
+    "last micro-batch (FSDP2 under torch.distributed.pipelining, torchtitan's "
+    "reshard_after_forward=False; Megatron's distributed optimizer), so ZeRO-1, 2 and 3 hold "
+    "the same memory and move the same bytes here: only fp32 parameters, reduced gradients "
+    "and optimizer states are sharded"
 )
 
 
