@@ -10,8 +10,9 @@ and communication (c10d/gloo/NCCL calls, per mesh axis when the plan has one axi
 shares are scaled to the median step time because profiling slows a step down.
 Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak of live
 tensor storages (:class:`TensorMemoryTracker`; ``MemTracker`` refuses modules called
-more than once per step, as pipelines and gradient accumulation do) plus DDP's buckets,
-counting the state DDP comm hooks keep between steps (PowerSGD's error feedback, P, Q).
+more than once per step, as pipelines and gradient accumulation do), counting DDP's
+buckets through the gradients (views into them) and the state DDP comm hooks keep
+between steps (PowerSGD's error feedback, P, Q).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler_util import FunctionEvent
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -250,11 +250,11 @@ def _peak_memory_gib(trainer: Trainer, batches: _Batches, step: int) -> tuple[fl
     with tracker:
         _timed_step(trainer, batches, step)
     method = (
-        "peak of live tensor storages during one step (parameters, gradients, optimizer "
-        "states and DDP comm-hook state such as PowerSGD's error feedback and P, Q held at "
-        "its start, plus every operator output) plus DDP's gradient buckets (DDP logging data)"
+        "peak of live tensor storages during one step (parameters, gradients with DDP's "
+        "buckets they are views into, optimizer states and DDP comm-hook state such as "
+        "PowerSGD's error feedback and P, Q held at its start, plus every operator output)"
     )
-    return (tracker.peak + _ddp_bucket_bytes(trainer.parallel)) / 2**30, method
+    return tracker.peak / 2**30, method
 
 
 def _comm_hook_tensors(roots: list[nn.Module]) -> list[torch.Tensor]:
@@ -268,16 +268,6 @@ def _comm_hook_tensors(roots: list[nn.Module]) -> list[torch.Tensor]:
             fields += list(getattr(state, "__dict__", {}).values())
             tensors += [leaf for leaf in tree_leaves(fields) if isinstance(leaf, torch.Tensor)]
     return tensors
-
-
-def _ddp_bucket_bytes(parallel: ParallelModel) -> int:
-    """Bytes of DDP's gradient buckets, which DDP allocates outside Python's dispatcher."""
-    total = 0
-    for root in parallel.modules:
-        if isinstance(root, DistributedDataParallel) and not root.gradient_as_bucket_view:
-            sizes = str(root._get_ddp_logging_data().get("bucket_sizes", ""))
-            total += sum(int(size) for size in sizes.split(",") if size.strip())
-    return total
 
 
 def _gather(value: object) -> list[Any]:
