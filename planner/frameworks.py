@@ -89,9 +89,14 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist);
 # DeepSpeed reduces them through buckets of its own (separate_grad_buckets). Optimizer
 # steps: this runtime's torch.optim for-loop (strategies.runner, foreach=False),
-# torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam.
+# torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam. Context
+# parallel attention: this runtime gathers keys and values whole
+# (strategies.context_parallel); torchtitan (torch's context_parallel) and Megatron-Core
+# (Transformer Engine) pass them around a ring, CostOptions' default.
 KERNELS: dict[Framework, dict[str, bool | str]] = {
-    Framework.PLANNER: {"selective": "matmuls", "optimizer_impl": "for-loop"},
+    Framework.PLANNER: {
+        "selective": "matmuls", "optimizer_impl": "for-loop", "cp_attention": "all-gather",
+    },
     Framework.TORCHTITAN: {"optimizer_impl": "fused"},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,

@@ -15,21 +15,26 @@ user's module) runs on its shard:
   :func:`planner.modules.context_parallel_blocker`);
 - while it runs, a ``TorchFunctionMode`` turns each SDPA call into: keys and values
   (batch, heads, seq, dim) all-gathered over the cp group with an autograd-aware gather
-  (all-gather forward, reduce-scatter of the gradients backward), then the real SDPA
-  with the global causal mask (``is_causal=True``, or a mask the model derived from the
-  positions: a causal mask over its local tokens, or Hugging Face's packed-sequence
-  mask, as it reads non-contiguous positions) or none (full attention); any other mask
-  raises;
+  (all-gather forward, reduce-scatter of the gradients backward) and put in sequence
+  order; then, for causal attention (``is_causal=True``, or a mask the model derived
+  from the positions: a causal mask over its local tokens, or Hugging Face's
+  packed-sequence mask, as it reads non-contiguous positions), one SDPA per local chunk
+  over the keys up to its end with a lower-right causal mask (a rank computes
+  ``(2 cp + 1) / (4 cp)`` of the whole sequence's scores: its share of the causal half,
+  plus the masked halves of its two diagonal blocks), or one SDPA over all keys for
+  full attention; any other mask raises;
 - every block's ``forward`` (:func:`planner.modules.find_blocks`, wrapped in place)
   enters the mode too when the model's forward is not running: activation recompute,
   applied later to the same blocks, replays them in backward;
 - a forward that made no SDPA call raises (attention written by hand would silently
   see only its own shard).
 
-The collectives are plain c10d ``all_gather_into_tensor``/``reduce_scatter_tensor``
-(gloo and NCCL); functional collectives' ``all_gather_single_autograd`` gave the same
-numbers but now and then aborted a gloo process at exit (torch 2.13). Parameters are
-replicated over cp; their gradients are averaged over the data axes and cp together
+The gathered keys and values stay saved for backward until it runs (the cost model's
+``CpAttention.ALL_GATHER``). The collectives are plain c10d
+``all_gather_into_tensor``/``reduce_scatter_tensor`` (gloo and NCCL); functional
+collectives' ``all_gather_single_autograd`` gave the same numbers but now and then
+aborted a gloo process at exit (torch 2.13). Parameters are replicated over cp; their
+gradients are averaged over the data axes and cp together
 (:func:`strategies.mesh.shard_mesh`, :func:`strategies.mesh.replicate_mesh`), and the
 loss (a mean over local tokens, equal counts per rank) over all ranks, so a run matches
 one process. torch's experimental ``context_parallel`` (ring attention) targets CUDA
@@ -42,7 +47,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,15 +136,28 @@ class _Shard:
     count: int
     group: dist.ProcessGroup
     kv_repeats: int = 1
+    _masks: dict[tuple[int, int, torch.device], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return shard_positions(local_len, self.index, self.count, device)
 
-    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """Global positions of the gathered keys (cp ranks' shards in rank order)."""
-        return torch.cat(
-            [shard_positions(local_len, r, self.count, device) for r in range(self.count)]
-        )
+    def in_sequence_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``gathered`` (..., seq, dim), every rank's two chunks in rank order, as the
+        sequence's chunks in order (one copy)."""
+        by_rank = gathered.unflatten(-2, (self.count, 2, -1))  # (..., rank, half, chunk, dim)
+        heads, tails = by_rank[..., :, 0, :, :], by_rank[..., :, 1, :, :].flip(-3)
+        return torch.cat([heads, tails], dim=-3).flatten(-3, -2)
+
+    def prefix_mask(self, queries: int, keys: int, device: torch.device) -> torch.Tensor:
+        """The lower-right causal mask (``queries``, ``keys``) of a chunk's queries, the last
+        ``queries`` of the ``keys`` positions; one tensor per shape, shared by all layers."""
+        shape = (queries, keys, device)
+        if shape not in self._masks:
+            ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+            self._masks[shape] = ones.tril(keys - queries)
+        return self._masks[shape]
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         gathered = _GatherSequence.apply(x, dim % x.dim(), self.group)
@@ -172,11 +190,20 @@ class _Shard:
             key, value = key[..., :: self.kv_repeats, :, :], value[..., :: self.kv_repeats, :, :]
             enable_gqa = True
         key, value = self.gather(key, -2), self.gather(value, -2)
-        mask = causal_mask(queries, self.key_positions(local, query.device)) if causal else None
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-            enable_gqa=enable_gqa,
-        )  # fmt: skip
+        attend = functools.partial(
+            F.scaled_dot_product_attention, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
+        )
+        if not causal:
+            return attend(query, key, value)
+        key, value = self.in_sequence_order(key), self.in_sequence_order(value)
+        size = local // 2
+        outputs = []
+        for half, chunk in enumerate(shard_chunks(self.index, self.count)):
+            end = (chunk + 1) * size  # this chunk's queries see the keys up to its end
+            queries = query[..., half * size : (half + 1) * size, :]
+            mask = self.prefix_mask(size, end, query.device)
+            outputs.append(attend(queries, key[..., :end, :], value[..., :end, :], attn_mask=mask))
+        return torch.cat(outputs, dim=-2)
 
 
 def _reads_as_causal(

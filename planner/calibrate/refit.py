@@ -242,7 +242,8 @@ def predict_op_classes(
         seg_type = graph.segment_type(segment)
         nodes = seg_type.nodes
         scales = [key.token_scale / d for d in layout.segment(seg_type.type_id).work_divisor]
-        for node, time in zip(nodes, model.compute.segment_times(nodes, scales), strict=True):
+        times = model.compute.segment_times(nodes, scales, cp=s.cp)
+        for node, time in zip(nodes, times, strict=True):
             totals[_op_class(node.kind)] += time.forward_s + time.backward_s
     return {name: value * s.num_microbatches / s.pp for name, value in totals.items()}
 

@@ -13,6 +13,8 @@
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
   efficiency is held at 7/12 (3.5 x half / 3 x whole) at most: counted FLOPs never
   outrun the peak (MFU <= 1; of the profiles only the A100s' 0.6 is above it).
+  Under context parallelism the kernels, their work and the traffic beside them are the
+  implementation's (:func:`~planner.cost.context_parallel.cp_kernels`).
   Unfused attention: two batched GEMMs plus the scores' trips through memory
   (scale-mask-softmax, dropout), as Megatron ran in 2021-22.
 - Everything else is memory-bound: ``bytes / (bandwidth * memory_efficiency) +
@@ -25,16 +27,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.cost.context_parallel import cp_kernels
 from planner.cost.options import AttentionKernel, CostOptions, Fp8Linear, Fp8Scaling
 from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
 from planner.spec import DType
 
-__all__ = ["OpTime", "ComputeModel", "unfused_score_bytes", "fp8_weight_cast_bytes"]
+__all__ = [
+    "OpTime", "ComputeModel", "attention_elements", "unfused_score_bytes", "fp8_weight_cast_bytes",
+]  # fmt: skip
 
 _MATMUL_KINDS = (OpKind.MATMUL, OpKind.CONV)
 # FlashAttention's backward recomputes the scores: 5 GEMM-sized products against the
@@ -62,6 +68,13 @@ def unfused_score_bytes(node: OpNode, element_bytes: int, dropout: bool) -> floa
     batch_heads, seq_q, seq_k, _ = node.gemm
     per_score = element_bytes + ((ELEMENT_BYTES["bool"] + element_bytes) if dropout else 0)
     return float(batch_heads * seq_q * seq_k * per_score)
+
+
+def attention_elements(node: OpNode) -> tuple[float, float]:
+    """An attention's (query, key + value) elements as traced (0 where not recorded)."""
+    shapes = node.input_shapes
+    query = math.prod(shapes[0]) if shapes else 0
+    return float(query), float(sum(math.prod(shape) for shape in shapes[1:3]))
 
 
 def fp8_weight_cast_bytes(params: float, options: CostOptions, dtype: DType) -> float:
@@ -108,12 +121,14 @@ class ComputeModel:
         return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
 
     def segment_times(
-        self, nodes: Sequence[OpNode], scales: Sequence[float], *, low_precision: bool = True
-    ) -> list[OpTime]:
+        self, nodes: Sequence[OpNode], scales: Sequence[float], *, low_precision: bool = True,
+        cp: int = 1,
+    ) -> list[OpTime]:  # fmt: skip
         """Per-node forward and backward seconds, with compiled fusion applied;
-        ``low_precision=False``: the GEMMs stay in bf16 under fp8 training (the output layer)."""
+        ``low_precision=False``: the GEMMs stay in bf16 under fp8 training (the output
+        layer); ``cp``: the context-parallel degree attention runs under."""
         times = [
-            self.node_time(node, scale, low_precision=low_precision)
+            self.node_time(node, scale, low_precision=low_precision, cp=cp)
             for node, scale in zip(nodes, scales, strict=True)
         ]
         if self.options.fused_pointwise:
@@ -122,7 +137,9 @@ class ComputeModel:
             return times
         return [OpTime(t.forward_s + self.op_s, t.backward_s + 2 * self.op_s) for t in times]
 
-    def node_time(self, node: OpNode, scale: float, *, low_precision: bool = True) -> OpTime:
+    def node_time(
+        self, node: OpNode, scale: float, *, low_precision: bool = True, cp: int = 1
+    ) -> OpTime:
         """Forward and backward seconds of ``node`` at ``scale`` (see :meth:`segment_times`)."""
         if node.kind in _MATMUL_KINDS:
             flops, nbytes = node.flops_fwd * scale, (node.bytes_read + node.bytes_written) * scale
@@ -133,7 +150,7 @@ class ComputeModel:
                 backward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=False))
             return OpTime(forward, backward)
         if node.kind is OpKind.ATTENTION:
-            return self._attention_time(node, scale)
+            return self._attention_time(node, scale, cp)
         nbytes = (node.bytes_read + node.bytes_written) * scale
         if nbytes == 0 and node.flops_fwd == 0:
             return OpTime(0.0, 0.0)
@@ -158,17 +175,25 @@ class ComputeModel:
         elements = inputs + weight if forward else outputs + inputs + weight
         return elements * (read + fp8)
 
-    def _attention_time(self, node: OpNode, scale: float) -> OpTime:
+    def _attention_time(self, node: OpNode, scale: float, cp: int) -> OpTime:
         flops = node.flops_fwd * scale
         if self.options.attention is AttentionKernel.FLASH:
-            causal = self.options.causal
-            work = flops * (_CAUSAL_WORK if causal else 1.0)
+            q, kv = attention_elements(node)
+            kernels = cp_kernels(
+                self.options.cp_attention, cp, self.options.causal, q * scale, kv * scale,
+                self.element_bytes,
+            )  # fmt: skip
+            work = flops * kernels.work_fraction
             efficiency = self.profile.attention_efficiency
-            if causal:
+            if kernels.causal_kernel:
                 efficiency = min(efficiency, _CAUSAL_EFFICIENCY_CAP)
             rate = self.attention_peak * efficiency
-            backward = _FLASH_BACKWARD_WORK * work / rate + 2 * self.gemm_s
-            return OpTime(work / rate + self.gemm_s, backward)
+            beside = kernels.eager_ops * (self.kernel_s + self.op_s)
+            forward = work / rate + kernels.calls * self.gemm_s
+            forward += kernels.forward_bytes / self.bandwidth + beside
+            backward = _FLASH_BACKWARD_WORK * work / rate + 2 * kernels.calls * self.gemm_s
+            backward += kernels.backward_bytes / self.bandwidth + 2 * beside
+            return OpTime(forward, backward)
         scores = unfused_score_bytes(node, self.element_bytes, dropout=False) * scale
         kept = unfused_score_bytes(node, self.element_bytes, self.options.dropout) * scale
         io = (node.bytes_read + node.bytes_written) * scale

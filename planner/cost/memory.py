@@ -38,6 +38,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from planner.cost.compression import reduce_dtype_bytes
+from planner.cost.context_parallel import cp_mask_bytes
 from planner.cost.options import CostOptions
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES
 from planner.graph import OpGraph, OpKind
@@ -287,10 +288,29 @@ class MemoryModel:
         return buffers + self._cp_buffer_bytes(strategy)
 
     def _cp_buffer_bytes(self, strategy: Strategy) -> float:
-        """Context parallelism's gathered whole-sequence K and V, and their gradients."""
+        """Context parallelism's gathered whole-sequence K and V, and their gradients, and
+        its implementation's causal masks (:func:`~planner.cost.context_parallel.cp_mask_bytes`)."""
         if strategy.cp == 1:
             return 0.0
-        return 2 * self._largest_kv_bytes * strategy.micro_batch_size / strategy.tp
+        gathered = 2 * self._largest_kv_bytes * strategy.micro_batch_size / strategy.tp
+        local_tokens = self._attention_tokens // strategy.cp
+        masks = cp_mask_bytes(
+            self.options.cp_attention, strategy.cp, self.options.causal, local_tokens
+        )
+        return gathered + masks
+
+    @cached_property
+    def _attention_tokens(self) -> int:
+        """The longest sequence an attention reads, in tokens (0 without attention)."""
+        return max(
+            (
+                node.input_shapes[0][-2]
+                for seg_type in self.graph.types.values() for node in seg_type.nodes
+                if node.kind is OpKind.ATTENTION and node.input_shapes
+                and len(node.input_shapes[0]) >= 2
+            ),
+            default=0,
+        )  # fmt: skip
 
     @cached_property
     def _boundary_bytes(self) -> float:

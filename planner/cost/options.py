@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "AttentionKernel",
+    "CpAttention",
     "SelectivePolicy",
     "RecomputeModule",
     "ExpertChoice",
@@ -33,6 +34,14 @@ DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb
 class AttentionKernel(StrEnum):
     FLASH = "flash"  # fused kernel; scores never reach memory; causal skips half the work
     UNFUSED = "unfused"  # scores materialised: batched GEMMs + softmax + dropout in memory
+
+
+class CpAttention(StrEnum):
+    """How context-parallel attention meets the other ranks' keys and values
+    (:mod:`planner.cost.context_parallel` prices each)."""
+
+    ALL_GATHER = "all-gather"  # gathered whole, masked SDPA per chunk (this runtime)
+    RING = "ring"  # cp causal-balanced steps, fp32 merges (torch context_parallel, TE)
 
 
 class SelectivePolicy(StrEnum):
@@ -114,6 +123,7 @@ class CostOptions(BaseModel):
     # from the model (an encoder's is bidirectional) for the search and plan estimate alike
     causal: bool = True
     dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
+    cp_attention: CpAttention = CpAttention.RING  # torch's context_parallel
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
     overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute
     overlap_powersgd: bool = True  # PowerSGD's bucket reductions run during backward (not when the hook waits, as on gloo)

@@ -16,8 +16,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from planner.cost.communication import Collective, MeshLinks, collective_time
-from planner.cost.compute import ComputeModel, OpTime, unfused_score_bytes
+from planner.cost.communication import MeshLinks, collective_time
+from planner.cost.compute import ComputeModel, OpTime, attention_elements, unfused_score_bytes
+from planner.cost.context_parallel import cp_exposed_comm, cp_saved_bytes
 from planner.cost.experts import ep_comm, expert_layout, held_expert_params, rank_local
 from planner.cost.options import AttentionKernel, CostOptions, RecomputeModule, SelectivePolicy
 from planner.cost.tp import AssignmentSource, SegmentTP, ShardKey
@@ -94,20 +95,22 @@ class SegmentPricer:
         work = [key.token_scale / d for d in split.work_divisor]
         saved = [key.token_scale / d for d in split.saved_divisor]
         low_precision = seg_type.kind != "head"  # fp8 recipes keep the output layer in bf16
-        times = self.compute.segment_times(nodes, work, low_precision=low_precision)
+        times = self.compute.segment_times(nodes, work, low_precision=low_precision, cp=key.cp)
         times = self._imbalanced(nodes, times, key)
         tp_fwd, tp_bwd = self._tp_comm(split, times, key)
-        cp_fwd, cp_bwd = self._cp_comm(nodes, times, key)
+        cp_fwd, cp_bwd = self._cp_comm(nodes, times, work, key)
         cover = self._ep_cover(nodes, times)
         ep_fwd, ep_bwd = self._ep_comm(seg_type, key, cover)
         forward = sum(t.forward_s for t in times)
         backward = sum(t.backward_s for t in times)
-        kept_all, logits = self._kept_bytes(nodes, saved, with_scores=True)
+        kept_all, logits = self._kept_bytes(nodes, saved, with_scores=True, cp=key.cp)
         kept_all += split.gathered_bytes * key.token_scale
         recomputed = self.recomputed_nodes(nodes, mode)
         recompute = sum(times[i].forward_s for i in recomputed)
+        if any(nodes[i].kind is OpKind.ATTENTION for i in recomputed):
+            recompute += cp_fwd  # the attention's K/V exchange runs again with it
         if mode is RecomputeMode.FULL:
-            recompute += tp_fwd + cp_fwd + ep_fwd
+            recompute += tp_fwd + ep_fwd
             kept = self._input_bytes(nodes, saved)
         elif mode is RecomputeMode.SELECTIVE and self.options.selective in _SAVE_MATMULS:
             kept = self._input_bytes(nodes, saved) + sum(
@@ -117,10 +120,10 @@ class SegmentPricer:
             modules = self.options.recompute_modules
             kept = self._kept_bytes(
                 _module_recompute_kept(nodes, modules), saved,
-                with_scores=RecomputeModule.CORE_ATTN not in modules,
+                with_scores=RecomputeModule.CORE_ATTN not in modules, cp=key.cp,
             )[0]  # fmt: skip
         elif mode is RecomputeMode.SELECTIVE:
-            kept = self._kept_bytes(nodes, saved, with_scores=False)[0]
+            kept = self._kept_bytes(nodes, saved, with_scores=False, cp=key.cp)[0]
         else:
             kept = kept_all
         return TypeCost(
@@ -195,13 +198,18 @@ class SegmentPricer:
         return set(range(len(nodes))) - saved
 
     def _kept_bytes(
-        self, nodes: Sequence[OpNode], saved: Sequence[float], *, with_scores: bool
+        self, nodes: Sequence[OpNode], saved: Sequence[float], *, with_scores: bool, cp: int
     ) -> tuple[float, float]:
-        """(activations kept for backward, of which logits/loss) per micro-batch, bytes."""
+        """(activations kept for backward, of which logits/loss) per micro-batch, bytes;
+        an attention under ``cp`` keeps what its implementation gathered
+        (:func:`~planner.cost.context_parallel.cp_saved_bytes`)."""
         kept = logits = 0.0
         unfused = self.options.attention is AttentionKernel.UNFUSED
         for node, scale in zip(nodes, saved, strict=True):
             own = node.saved_bytes
+            if node.kind is OpKind.ATTENTION:
+                kv = attention_elements(node)[1]
+                own += cp_saved_bytes(self.options.cp_attention, cp, kv, self.element_bytes)
             if with_scores and unfused and node.kind is OpKind.ATTENTION:
                 own += unfused_score_bytes(node, self.element_bytes, self.options.dropout)
             scaled = own * scale
@@ -277,22 +285,24 @@ class SegmentPricer:
         return max(comm.forward_s - cover[0], 0.0), max(comm.backward_s - cover[1], 0.0)
 
     def _cp_comm(
-        self, nodes: Sequence[OpNode], times: Sequence[OpTime], key: ShardKey
-    ) -> tuple[float, float]:
-        """Exposed context-parallel (forward, backward) seconds: K/V exchange under attention."""
+        self, nodes: Sequence[OpNode], times: Sequence[OpTime], work: Sequence[float],
+        key: ShardKey,
+    ) -> tuple[float, float]:  # fmt: skip
+        """Exposed context-parallel (forward, backward) seconds: each attention's K/V
+        exchange (:func:`~planner.cost.context_parallel.cp_exposed_comm`)."""
         if key.cp == 1:
             return 0.0, 0.0
         link = self.links.group(key.cp, key.dims, Axis.CP)
         fwd = bwd = 0.0
-        for node, time in zip(nodes, times, strict=True):
+        for node, time, scale in zip(nodes, times, work, strict=True):
             if node.kind is not OpKind.ATTENTION or len(node.input_shapes) < 3:
                 continue
-            kv = sum(math.prod(shape) for shape in node.input_shapes[1:3]) * self.element_bytes
-            full = kv * key.micro_batch_size / key.tp  # whole sequence's K and V per rank
-            gather = collective_time(Collective.ALL_GATHER, full, key.cp, link)
-            scatter = collective_time(Collective.REDUCE_SCATTER, full, key.cp, link)
-            fwd += max(gather - time.forward_s, 0.0)
-            bwd += max(gather + scatter - time.backward_s, 0.0)
+            forward, backward = cp_exposed_comm(
+                self.options.cp_attention, key.cp, attention_elements(node)[1] * scale,
+                self.element_bytes, (time.forward_s, time.backward_s), link,
+            )  # fmt: skip
+            fwd += forward
+            bwd += backward
         return fwd, bwd
 
 
