@@ -29,6 +29,7 @@ from planner.spec import (
 )
 from planner.staging import modules_around
 from planner.tracing import trace_for_training
+from planner.validate import check_batch
 from planner.version import __version__
 
 __all__ = ["assemble_plan", "megatron_layout", "even_stages"]
@@ -53,7 +54,9 @@ def assemble_plan(
 
     ``stages`` defaults to :func:`even_stages` when ``strategy.pp > 1``; ``tp_layout``
     defaults to :func:`megatron_layout` when ``strategy.tp > 1`` (zoo models only).
+    Raises :class:`SpecError` when the strategy does not make the global batch.
     """
+    check_batch(training, strategy)
     if strategy.tp > 1 and tp_layout is None:
         tp_layout = megatron_layout(handle, training, strategy)
     if strategy.pp > 1 and stages is None:

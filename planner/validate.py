@@ -23,10 +23,13 @@ from planner.spec import (
     ModelSpec,
     Plan,
     RecomputeMode,
+    Strategy,
+    Training,
 )
 
 __all__ = [
     "validate_plan_for_world",
+    "check_batch",
     "check_plan",
     "check_heads",
     "check_replication",
@@ -101,7 +104,7 @@ def validate_plan_for_world(plan: Plan, world_size: int) -> None:
             f"--nproc-per-node/--nnodes giving {strategy.world_size} ranks, or make a plan "
             f"for {world_size} GPUs"
         )
-    _check_batch(plan)
+    check_batch(plan.training, plan.strategy)
     _check_sequence(plan)
     if plan.model is not None:
         check_experts(plan, plan.model.num_experts)
@@ -118,10 +121,11 @@ def check_experts(plan: Plan, num_experts: int) -> None:
         raise SpecError(f"strategy.{blocker}")
 
 
-def _check_batch(plan: Plan) -> None:
-    strategy = plan.strategy
+def check_batch(training: Training, strategy: Strategy) -> None:
+    """Raise :class:`SpecError` unless ``strategy``'s replicas, micro-batch size and
+    micro-batches make ``training``'s global batch."""
     blocker = ParallelDims.of(strategy).batch_blocker(
-        plan.training.global_batch_size, strategy.micro_batch_size, strategy.num_microbatches
+        training.global_batch_size, strategy.micro_batch_size, strategy.num_microbatches
     )
     if blocker is not None:
         raise SpecError(blocker)

@@ -16,7 +16,7 @@ TRAINING = Training(global_batch_size=16, seq_len=32)
 
 def test_plan_carries_mesh_fingerprint_and_source() -> None:
     handle = resolve_model("tiny-gpt")
-    strategy = Strategy(dp=2, tp=2, pp=2, zero=3, num_microbatches=4)
+    strategy = Strategy(dp=2, tp=2, pp=2, zero=3, micro_batch_size=2, num_microbatches=4)
     plan = assemble_plan(handle, CLUSTER, TRAINING, strategy)
     assert [(axis.name, axis.size) for axis in plan.mesh] == [
         (Axis.PP, 2),
@@ -94,11 +94,19 @@ def test_tp_outside_the_zoo_needs_a_layout() -> None:
     module = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     handle = ModelHandle("mlp", "mine:mlp", module, lambda b, s: ())
     with pytest.raises(SpecError, match="give its tp_layout"):
-        assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2))
+        assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2, micro_batch_size=16))
     layout = {
         "0": ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"}),
         "1": ModuleTP(style="rowwise", params={"weight": "Shard(1)", "bias": "Replicate()"}),
     }
-    plan = assemble_plan(handle, CLUSTER, TRAINING, Strategy(tp=2), tp_layout=layout)
+    whole = Strategy(tp=2, micro_batch_size=16)
+    plan = assemble_plan(handle, CLUSTER, TRAINING, whole, tp_layout=layout)
     assert plan.tp_layout == layout
     assert plan.model is None
+
+
+def test_a_strategy_that_does_not_make_the_global_batch_is_refused() -> None:
+    with pytest.raises(
+        SpecError, match=r"global_batch_size = 16 != dp\(1\) \* micro_batch_size\(2\)"
+    ):
+        assemble_plan(resolve_model("tiny-gpt"), CLUSTER, TRAINING, Strategy(micro_batch_size=2))

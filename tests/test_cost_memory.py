@@ -246,9 +246,29 @@ def test_the_loss_holds_its_fp32_gradients_beside_the_kept_log_probabilities(fus
     12 bytes a logit (the H200 runs of benchmarks/data/h200 grew 14.2 GiB a sequence, 2.3
     more than 10 bytes priced). A compiled loss (torchtitan's runs): the logits and one."""
     options = CostOptions(
-        fused_pointwise=fused, workspace_gib=0.0, allocator_margin=0.0, grads_persist=True
-    )
+        fused_pointwise=fused, workspace_gib=0.0, allocator_margin=0.0, grads_persist=True,
+        optimizer_impl="fused",  # no step temporaries to outgrow the backward's start
+    )  # fmt: skip
     cluster, training = Cluster(gpu="a100-sxm-80gb", num_gpus=1), Training(global_batch_size=1)
     model = CostModel(graph_from_spec(GPT), cluster, training, options=options)
     logits = model.estimate(Strategy(micro_batch_size=1)).memory_gib["logits"]
     assert logits * 2**30 == pytest.approx(S * GPT.vocab_size * per_logit)
+
+
+def test_the_optimizer_step_holds_its_implementations_temporaries():
+    """llama3-8b on 64 H100s, ZeRO-1 with full recompute: the peak is the optimizer
+    step's (every gradient, no activation). foreach AdamW adds an fp32 denominator for
+    each element it updates, the for-loop one for the largest tensor, twice; fused none."""
+    base = Strategy(dp=64, zero=1, recompute="full", micro_batch_size=1)
+    peaks = {
+        impl: _preset_model(
+            "llama3-8b", 64, 64, 1024, optimizer_impl=impl, allocator_margin=0.0
+        ).estimate(base).memory_gib
+        for impl in ("fused", "foreach", "for-loop")
+    }  # fmt: skip
+    assert all(peak["activations"] == 0.0 for peak in peaks.values())
+    fused = peaks["fused"]["optimizer"]
+    updated = 8.03e9 / 64  # every parameter, in its optimizer shard
+    assert peaks["foreach"]["optimizer"] - fused == pytest.approx(4 * updated / 2**30, rel=0.01)
+    embedding = 128256 * 4096 / 64  # the largest weight, in its optimizer shard
+    assert peaks["for-loop"]["optimizer"] - fused == pytest.approx(2 * 4 * embedding / 2**30)

@@ -229,7 +229,7 @@ def test_the_optimizer_step_moves_what_its_implementation_reads_and_writes():
     (on this CPU the for-loop step measured 2.4x the bytes a fused kernel moves,
     bench_cpu_loop.py); a fused kernel reads each once. Only the for-loop pays the
     per-tensor eager overhead."""
-    from planner.cost.data_parallel import step_passes
+    from planner.cost.optimizer_step import step_passes
     from planner.cost.options import OptimizerImpl
     from planner.spec import Optimizer
 

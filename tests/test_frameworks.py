@@ -33,11 +33,13 @@ from planner.spec import (
     CompressionKind,
     DType,
     Optimizer,
+    Plan,
     Prediction,
     RecomputeMode,
     Schedule,
     Strategy,
     Training,
+    load_document,
 )
 from planner.validate import check_plan
 from tests.test_export import TINY_MIXTRAL, TINY_MLA, moe_plan, plan_for
@@ -271,6 +273,8 @@ def test_cli_for_and_export_round(tmp_path, capsys):
     assert "runs on: torchtitan==0.2" in printed
     assert main(["export", str(out), "--to", "torchtitan"]) == 0
     assert "torchtitan" in capsys.readouterr().out
+    plan = load_document(Plan, out)  # 0.2 takes a TOML file
+    assert "parallelism" in tomllib.loads(export_plan(plan, "torchtitan==0.2"))
     assert main(["explain", str(out)]) == 0
     assert "runs on: torchtitan==0.2" in capsys.readouterr().out
     assert main([*args, "--for", "colossal"]) == 2
@@ -293,9 +297,8 @@ def test_flagship_plans_for_a_framework_export(model, gpu, gpus, batch, text):
     exported = export_plan(plan, text)
     if text == "megatron":
         assert "--tensor-model-parallel-size" in shlex.split(exported, comments=True)
-    else:  # torchtitan 0.3: command-line overrides
+    else:  # torchtitan 0.3: command-line overrides (0.2's TOML: test_cli_for_and_export_round)
         assert "--parallelism.tensor_parallel_degree" in exported
-        assert "parallelism" in tomllib.loads(export_plan(plan, "torchtitan==0.2"))
 
 
 # ---- near ties and headroom ---------------------------------------------------------

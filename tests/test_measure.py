@@ -132,3 +132,37 @@ def test_the_memory_tracker_counts_each_storage_at_its_current_size() -> None:
         outside.untyped_storage().resize_(0)
         assert tracker.current == 4096
     assert tracker.peak == 4096 + 8192
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_the_optimizer_steps_temporaries_are_what_the_memory_model_prices(impl: str) -> None:
+    """torch's AdamW step, counted by the tracker of ``plan measure``, allocates what
+    :func:`planner.cost.optimizer_step.step_temporary_elements` says (fp32 states)."""
+    import torch
+
+    from planner.cost.optimizer_step import step_temporary_elements
+    from planner.cost.options import OptimizerImpl
+    from planner.spec import Optimizer
+    from strategies.measure import TensorMemoryTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 512))
+    flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **flags[impl])
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()  # the moments exist from here
+    model(torch.randn(4, 256)).sum().backward()
+    tracker = TensorMemoryTracker()
+    for param in model.parameters():
+        tracker.add(param)
+        tracker.add(param.grad)
+        for state in optimizer.state[param].values():
+            tracker.add(state)
+    before = tracker.current
+    tracker.peak = before
+    with tracker:
+        optimizer.step()
+    sizes = [p.numel() for p in model.parameters()]
+    priced = step_temporary_elements(OptimizerImpl(impl), Optimizer.ADAMW, sum(sizes), max(sizes))
+    # for-loop: the previous tensor's quotient is still referenced (its bias: 1 KB more)
+    assert tracker.peak - before == pytest.approx(4 * priced, rel=0.01, abs=0)

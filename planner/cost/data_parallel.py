@@ -45,6 +45,7 @@ from planner.cost.compression import (
 )
 from planner.cost.compute import ComputeModel, fp8_weight_cast_bytes
 from planner.cost.memory import gradient_element_bytes, weight_element_bytes
+from planner.cost.optimizer_step import step_passes
 from planner.cost.options import CostOptions, OptimizerImpl
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
@@ -52,7 +53,7 @@ from planner.dtypes import HALF_BYTES
 from planner.errors import SpecError
 from planner.graph import OpGraph
 from planner.parallel_dims import ParallelDims
-from planner.spec import Axis, CompressionKind, Optimizer, Strategy, Training
+from planner.spec import Axis, CompressionKind, Strategy, Training
 
 __all__ = ["DataParallelCost", "exposed", "exposed_together"]
 
@@ -77,26 +78,6 @@ def exposed_together(window: float, tail: float, *parts: tuple[float, bool]) -> 
 def _refuse(blocker: str | None) -> None:
     if blocker is not None:
         raise SpecError(blocker)
-
-
-def step_passes(impl: OptimizerImpl, optimizer: Optimizer) -> tuple[float, float, float]:
-    """Passes (reads plus writes) of one element the update makes over the kept weights,
-    over the moments (all of them together; their temporaries counted in the same dtype)
-    and over the gradient.
-
-    A fused kernel reads each once and writes weights and moments back. torch's
-    for-loop and foreach updates run one operator after another
-    (``torch.optim.adam._single_tensor_adam``): Adam's ``lerp_``, ``mul_``, ``addcmul_``,
-    ``sqrt``, ``div``, ``add_`` and ``addcdiv_`` pass 3 and 5 times over its two moments,
-    6 times over temporaries of one moment's size (7 passes of both) and twice over the
-    gradient; SGD's ``mul_``, ``add_`` and ``add_`` 5 times over its momentum, once over
-    the gradient. Both write the weights once after reading them.
-    """
-    if impl is OptimizerImpl.FUSED:
-        return 2.0, 2.0, 1.0
-    if optimizer is Optimizer.SGD:
-        return 2.0, 5.0, 1.0
-    return 2.0, 7.0, 2.0
 
 
 @dataclass(frozen=True)

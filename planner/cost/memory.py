@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from planner.cost.compression import reduce_dtype_bytes
 from planner.cost.context_parallel import cp_mask_bytes
+from planner.cost.optimizer_step import step_temporary_elements
 from planner.cost.options import CostOptions
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES
 from planner.graph import OpGraph, OpKind
@@ -73,11 +74,13 @@ PIPELINED_FSDP_NOTE = (
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes per GPU for ``params`` parameters (already split by TP and PP)."""
+    """Bytes per GPU for ``params`` parameters (already split by TP and PP); ``updated``:
+    the elements the optimizer step updates on the GPU (its shard under ZeRO)."""
 
     weights: float
     gradients: float
     optimizer: float
+    updated: float = 0.0
 
     @property
     def total(self) -> float:
@@ -115,13 +118,14 @@ def model_state_bytes(
     kept, moments = training.state_bytes, training.moment_bytes
     if zero >= 3:
         return ModelStateBytes(
-            kept * params / shard, gradient_bytes * params / shard, moments * params / shard
-        )
+            kept * params / shard, gradient_bytes * params / shard, moments * params / shard,
+            params / shard,
+        )  # fmt: skip
     master = FP32_BYTES if training.master_copy else 0
-    optimizer_bytes = (master + moments) * params / (shard if zero >= 1 else 1)
+    updated = params / (shard if zero >= 1 else 1)
     gradient_total = gradient_bytes * params / (shard if zero >= 2 else 1)
     weight = training.dtype.activation_bytes if weight_bytes is None else weight_bytes
-    return ModelStateBytes(weight * params, gradient_total, optimizer_bytes)
+    return ModelStateBytes(weight * params, gradient_total, (master + moments) * updated, updated)
 
 
 def in_flight_microbatches(
@@ -186,6 +190,7 @@ class MemoryModel:
             dense.weights + experts.weights,
             dense.gradients + experts.gradients,
             dense.optimizer + experts.optimizer,
+            dense.updated + experts.updated,
         )
 
     def _sharded_states(
@@ -206,6 +211,7 @@ class MemoryModel:
             states.weights + weight * params,
             states.gradients + accumulated * params,
             states.optimizer,
+            states.updated,
         )
 
     def peak(
@@ -258,10 +264,41 @@ class MemoryModel:
                 self.training, self.options, strategy.compression.kind
             )
             parts["gradients"] = transient or computed * sum(rank.largest_params)
-            if sum(held.values()) > sum(parts.values()):  # the optimizer step's, then
-                parts = {**held, "activations": 0.0, "logits": 0.0}
+        stepping = {  # the optimizer step's: no activations, the update's temporaries
+            **held,
+            "optimizer": held["optimizer"] + self._step_temporary_bytes(strategy, rank, states),
+            "activations": 0.0, "logits": 0.0,
+        }  # fmt: skip
+        if sum(stepping.values()) > sum(parts.values()):
+            parts = stepping
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
         return parts
+
+    def _step_temporary_bytes(
+        self, strategy: Strategy, rank: RankSums, states: ModelStateBytes
+    ) -> float:
+        """Bytes the optimizer step allocates beside the states
+        (:func:`~planner.cost.optimizer_step.step_temporary_elements`); the largest tensor
+        is the graph's largest weight, split by TP and held in the share of the rank's
+        parameters its optimizer updates (ZeRO's shard)."""
+        held = rank.params + rank.expert_params
+        share = states.updated / held if held else 0.0
+        largest = self._largest_weight / strategy.tp * share
+        elements = step_temporary_elements(
+            self.options.optimizer_impl, self.training.optimizer, states.updated, largest
+        )
+        return elements * self.training.state_bytes
+
+    @cached_property
+    def _largest_weight(self) -> float:
+        """Elements of the graph's largest weight tensor."""
+        return max(
+            (
+                float(node.param_count - node.bias_count)
+                for seg_type in self.graph.types.values() for node in seg_type.nodes
+            ),
+            default=0.0,
+        )  # fmt: skip
 
     def _backward_starts_without_grads(self, strategy: Strategy, dims: ParallelDims) -> bool:
         """Whether the step's backward starts holding no gradients: the optimizer frees
