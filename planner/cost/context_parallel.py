@@ -67,9 +67,9 @@ def cp_kernels(
         return CpKernels(whole, causal, 1)
     e, f = element_bytes, FP32_BYTES
     if impl is CpAttention.ALL_GATHER:
-        gathered = cp * kv_elements * e
         if not causal:
             return CpKernels(1.0, False, 1, eager_ops=2)
+        gathered = cp * kv_elements * e
         # sequence order: one copy of the gathered keys and values; the chunks' outputs
         # joined (one copy); backward the same traffic twice
         forward = 2 * gathered + 2 * q_elements * e

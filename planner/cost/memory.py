@@ -31,18 +31,18 @@ and workspaces, compression buffers and the caching allocator's margin.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from planner.cost.compression import reduce_dtype_bytes
+from planner.cost.compute import attention_elements
 from planner.cost.context_parallel import cp_mask_bytes
 from planner.cost.optimizer_step import step_temporary_elements
 from planner.cost.options import CostOptions
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES
-from planner.graph import OpGraph, OpKind
+from planner.graph import OpGraph, OpKind, OpNode
 from planner.parallel_dims import ParallelDims
 from planner.spec import CompressionKind, DType, Schedule, Strategy, Training
 
@@ -337,17 +337,17 @@ class MemoryModel:
         return gathered + masks
 
     @cached_property
+    def _attentions(self) -> list[OpNode]:
+        """The graph's attentions whose queries, keys and values were traced."""
+        return [
+            node for seg_type in self.graph.types.values() for node in seg_type.nodes
+            if node.kind is OpKind.ATTENTION and len(node.input_shapes) >= 3
+        ]  # fmt: skip
+
+    @cached_property
     def _attention_tokens(self) -> int:
         """The longest sequence an attention reads, in tokens (0 without attention)."""
-        return max(
-            (
-                node.input_shapes[0][-2]
-                for seg_type in self.graph.types.values() for node in seg_type.nodes
-                if node.kind is OpKind.ATTENTION and node.input_shapes
-                and len(node.input_shapes[0]) >= 2
-            ),
-            default=0,
-        )  # fmt: skip
+        return max((node.input_shapes[0][-2] for node in self._attentions), default=0)
 
     @cached_property
     def _boundary_bytes(self) -> float:
@@ -356,10 +356,5 @@ class MemoryModel:
     @cached_property
     def _largest_kv_bytes(self) -> float:
         """The largest attention's K and V per sequence (bytes)."""
-        largest = 0.0
-        for seg_type in self.graph.types.values():
-            for node in seg_type.nodes:
-                if node.kind is OpKind.ATTENTION and len(node.input_shapes) >= 3:
-                    kv = sum(math.prod(shape) for shape in node.input_shapes[1:3])
-                    largest = max(largest, kv * self.training.dtype.activation_bytes)
-        return largest
+        largest = max((attention_elements(node)[1] for node in self._attentions), default=0.0)
+        return largest * self.training.dtype.activation_bytes
