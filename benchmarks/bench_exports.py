@@ -213,11 +213,7 @@ def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome
     with tempfile.TemporaryDirectory(prefix="export-check-") as folder:
         path = Path(folder) / "export"
         path.write_text(text)
-        environment = os.environ | {
-            "PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1",
-            # DeepSpeed JIT-builds its shm_comm extension per release: one cache per venv
-            "TORCH_EXTENSIONS_DIR": str(Path(parser.python).parent.parent / "torch_extensions"),
-        }  # fmt: skip
+        environment = os.environ | {"PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1"}
         script, *options = checker_args(target, plan)
         command = [parser.python, script, str(path), *options]
         done = subprocess.run(

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from planner.cost import CostModel
 from planner.errors import PlannerError
+from planner.graph import OpGraph
 from planner.layouts import FIXED_STYLE_PRICER, plan_layout
 from planner.models import ModelHandle, resolve_model
 from planner.modules import shares_parameters
@@ -124,10 +125,16 @@ def _plan(model: str, root: Path, dp: int, tp: int, sp: bool) -> Plan:
     return make_plan(handle, cluster, TRAINING, pins=pins)
 
 
+@functools.cache
+def _traced(model: str, root: Path) -> tuple[ModelHandle, OpGraph]:
+    """The model on meta and its training graph, traced once for every plan of it."""
+    handle = build(model, root)
+    return handle, trace_for_training(handle, TRAINING)
+
+
 def _case(model: str, root: Path, dp: int, tp: int, sp: bool) -> Case:
     plan = _plan(model, root, dp, tp, sp)
-    handle = build(model, root)
-    graph = trace_for_training(handle, TRAINING)
+    handle, graph = _traced(model, root)
     layout = plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
     priced = CostModel(graph, plan.cluster, TRAINING, tp_layouts=lambda t, s: layout.assignment)
     counted = priced.tp_comm_bytes(plan.strategy)

@@ -18,6 +18,7 @@ either way (1 only if this script itself breaks).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import logging
@@ -37,6 +38,11 @@ def main() -> int:
     )
     import deepspeed
     from deepspeed.runtime.config import DeepSpeedConfig
+
+    # A CPU launch JIT-builds a shared-memory all-reduce kernel (C++, ~30 s) that serves
+    # collectives only: the config parse never calls it. (``deepspeed.comm.torch`` the
+    # attribute is torch itself: the package star-imports it over its submodule.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     deepspeed.init_distributed()
