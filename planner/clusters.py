@@ -12,6 +12,7 @@ from pathlib import Path
 
 from planner.errors import SpecError, UnknownNameError
 from planner.hardware import list_profiles, profile_dir
+from planner.io import read_json
 from planner.spec import Cluster, load_document
 
 __all__ = ["list_clusters", "load_cluster", "resolve_cluster"]
@@ -38,12 +39,14 @@ def resolve_cluster(
     name_or_path: str, *, num_gpus: int | None = None, gpus_per_node: int = 8
 ) -> Cluster:
     """A cluster from a Cluster JSON file, a shipped cluster profile, or a GPU profile
-    name with ``num_gpus`` GPUs, ``gpus_per_node`` to a node."""
-    if name_or_path.endswith(".json") or Path(name_or_path).is_file():
+    (a name, or a hardware-profile JSON file) with ``num_gpus`` GPUs, ``gpus_per_node``
+    to a node."""
+    is_file = name_or_path.endswith(".json") or Path(name_or_path).is_file()
+    if is_file and not _is_gpu_profile(Path(name_or_path)):
         return _fixed(load_document(Cluster, Path(name_or_path)), name_or_path, num_gpus)
     if name_or_path in list_clusters():
         return _fixed(load_cluster(name_or_path), name_or_path, num_gpus)
-    if name_or_path not in list_profiles():
+    if not is_file and name_or_path not in list_profiles():
         raise UnknownNameError("cluster or GPU profile", name_or_path, _names())
     if num_gpus is None:
         raise SpecError(
@@ -52,6 +55,16 @@ def resolve_cluster(
         )
     fields = {"gpu": name_or_path, "num_gpus": num_gpus, "gpus_per_node": gpus_per_node}
     return load_document(Cluster, fields, "command line")
+
+
+def _is_gpu_profile(path: Path) -> bool:
+    """Whether ``path`` holds a hardware profile (what ``plan calibrate`` writes), not a
+    cluster: its peak FLOP rates say so."""
+    try:
+        document = read_json(path, what="cluster file")
+    except SpecError:
+        return False  # load_document says what is wrong with it
+    return isinstance(document, dict) and "peak_tflops" in document
 
 
 def _fixed(cluster: Cluster, source: str, num_gpus: int | None) -> Cluster:

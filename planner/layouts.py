@@ -196,7 +196,11 @@ class ModelLayouts:
             except ShardingInfeasibleError as exc:
                 if not sp or self.megatron:
                     raise
-                self._why_not[(tp, sp)] = f"no layout keeps the residual stream sharded ({exc})"
+                self._why_not[(tp, sp)] = (
+                    f"no layout keeps the residual stream sharded through every module ({exc}); "
+                    "run without sequence parallelism (--no-sequence-parallel; "
+                    "Pins(sequence_parallel=False))"
+                )
                 return None
             failure = rehearse(self.handle, self.graph, layout.modules, tp=tp)
             if failure is None:

@@ -28,6 +28,7 @@ __all__ = [
     "shares_parameters",
     "pipeline_blocker",
     "context_parallel_blocker",
+    "sdpa_blocker",
     "expand_layout",
     "check_model_against_plan",
     "module_experts",
@@ -193,14 +194,17 @@ def _check_context_parallel_model(plan: Plan, module: nn.Module) -> None:
         )
 
 
-def context_parallel_blocker(module: nn.Module) -> str | None:
+def context_parallel_blocker(module: nn.Module, sdpa_calls: int | None = None) -> str | None:
     """Why the runtime cannot shard ``module``'s sequences over cp ranks, or ``None``.
 
     Context parallel (:mod:`strategies.context_parallel`) gathers keys and values at
-    ``F.scaled_dot_product_attention`` calls and calls the model with ``position_ids``,
-    the global positions of the local tokens; a Hugging Face model must use its
-    ``sdpa`` attention and no binding sliding window.
+    ``F.scaled_dot_product_attention`` calls (``sdpa_calls`` per forward, when a trace
+    counted them: :func:`sdpa_blocker`) and calls the model with ``position_ids``, the
+    global positions of the local tokens; a Hugging Face model must use its ``sdpa``
+    attention, without an ALiBi bias or a binding sliding window.
     """
+    if sdpa_calls is not None and (problem := sdpa_blocker(sdpa_calls)) is not None:
+        return problem
     parameters = _forward_parameters(module)
     if "position_ids" not in parameters:
         return (
@@ -217,6 +221,11 @@ def context_parallel_blocker(module: nn.Module) -> str | None:
             f"its attention implementation is {attention!r}; context parallel gathers keys "
             "at scaled_dot_product_attention: load it with attn_implementation='sdpa' or use cp = 1"
         )
+    if getattr(config, "alibi", False):
+        return (
+            "its attention adds an ALiBi bias (config.alibi) as an explicit mask, and "
+            "context parallel masks causally only; use cp = 1"
+        )
     window = getattr(config, "sliding_window", None)
     longest = getattr(config, "max_position_embeddings", None)
     layer_types = getattr(config, "layer_types", None)
@@ -227,6 +236,20 @@ def context_parallel_blocker(module: nn.Module) -> str | None:
             f"{longest} positions, and context parallel masks causally only; use cp = 1"
         )
     return None
+
+
+def sdpa_blocker(sdpa_calls: int) -> str | None:
+    """Why context parallel cannot run a forward that calls
+    ``F.scaled_dot_product_attention`` ``sdpa_calls`` times (traced, or counted at run
+    time), or ``None``."""
+    if sdpa_calls > 0:
+        return None
+    return (
+        "its forward makes no scaled_dot_product_attention call: context parallel gathers "
+        "keys and values only there, and attention written otherwise (nn.MultiheadAttention, "
+        "a softmax of q @ k^T) would see this rank's shard alone; use "
+        "F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa') or cp = 1"
+    )
 
 
 def _forward_parameters(module: nn.Module) -> list[str]:

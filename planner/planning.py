@@ -29,7 +29,7 @@ from planner.frameworks import (
     strategy_refusal,
     training_refusal,
 )
-from planner.graph import OpGraph
+from planner.graph import OpGraph, OpKind
 from planner.hardware import load_profile
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts
 from planner.models import ModelHandle
@@ -253,11 +253,19 @@ def model_limits(
         num_kv_heads=kv_heads,
         vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
         pipeline_problem=_pipeline_problem(handle, graph.seq_len),
-        context_parallel_problem=context_parallel_blocker(handle.module),
+        context_parallel_problem=context_parallel_blocker(handle.module, _sdpa_calls(graph)),
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
         num_experts=graph.num_experts,
+    )
+
+
+def _sdpa_calls(graph: OpGraph) -> int:
+    """The ``F.scaled_dot_product_attention`` calls of one traced forward."""
+    return sum(
+        sum(node.kind is OpKind.ATTENTION for node in graph.segment_type(segment).nodes)
+        for segment in graph.segments
     )
 
 

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from planner.errors import SpecError
 from planner.models import is_hf_model
-from planner.modules import context_parallel_blocker, find_blocks
+from planner.modules import context_parallel_blocker, find_blocks, sdpa_blocker
 from planner.parallel_dims import ParallelDims
 from planner.spec import Axis, Plan
 from strategies.mesh import axis_rank
@@ -330,13 +330,9 @@ def _model_forward(
     mode.calls = 0
     with mode.entered():
         output = forward(*args, **kwargs)
-    if not mode.calls:
-        raise SpecError(
-            f"under cp({cp}) the model's forward made no scaled_dot_product_attention call: "
-            "context parallel gathers keys and values only there, and attention written "
-            "otherwise would see this rank's shard alone; use F.scaled_dot_product_attention "
-            "(Hugging Face: attn_implementation='sdpa') or cp = 1"
-        )
+    problem = sdpa_blocker(mode.calls)
+    if problem is not None:
+        raise SpecError(f"under cp({cp}) {problem}")
     return output
 
 

@@ -37,7 +37,7 @@ from strategies import expert_parallel
 from strategies.int8_reduce_scatter import use_int8_reduce_scatter
 from strategies.mesh import shard_mesh
 
-__all__ = ["apply", "uses_fsdp", "mixed_precision"]
+__all__ = ["apply", "uses_fsdp", "mixed_precision", "shard_units"]
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,51 @@ def _shard(model: nn.Module, dp_mesh: DeviceMesh, plan: Plan, ignored: set[nn.Pa
     options: dict[str, Any] = {"reshard_after_forward": reshard, "mp_policy": policy}
     if ignored:
         options["ignored_params"] = ignored
-    for _, block in blocks:
-        fully_shard(block, mesh=dp_mesh, **options)
+    units = shard_units(model, blocks)
+    for unit in units:
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **options)
     if plan.strategy.compression.kind is CompressionKind.INT8:
         use_int8_reduce_scatter(model)
     log.info(
-        "fsdp (zero=%d): %d blocks + root over %s, reshard_after_forward=%s, param %s, reduce %s",
+        "fsdp (zero=%d): %d units of %d blocks + root over %s, reshard_after_forward=%s, "
+        "param %s, reduce %s",
         plan.strategy.zero,
+        len(units),
         len(blocks),
         dp_mesh.mesh_dim_names,
         reshard,
         policy.param_dtype,
         policy.reduce_dtype,
     )
+
+
+def shard_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[list[nn.Module]]:
+    """The FSDP units of ``model``'s blocks: one per block, but blocks that share a
+    parameter (ALBERT-style weight sharing) form one unit, as FSDP2 manages a parameter
+    in one group only; a block sharing one with a module outside the blocks is left to
+    the root's unit."""
+    owner: dict[int, int] = {}  # parameter id -> the first block (index) that holds it
+    group = list(range(len(blocks)))  # union-find over block indices
+
+    def find(index: int) -> int:
+        while group[index] != index:
+            index = group[index] = group[group[index]]
+        return index
+
+    for index, (_, block) in enumerate(blocks):
+        for param in block.parameters():
+            first = owner.setdefault(id(param), index)
+            group[find(index)] = find(first)
+    inside = {f"{name}." for name, _ in blocks}
+    outside = {
+        id(param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if not any(name.startswith(prefix) for prefix in inside)
+    }
+    with_root = {find(owner[key]) for key in outside if key in owner}
+    units: dict[int, list[nn.Module]] = {}
+    for index, (_, block) in enumerate(blocks):
+        if find(index) not in with_root:
+            units.setdefault(find(index), []).append(block)
+    return list(units.values())

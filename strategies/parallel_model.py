@@ -44,6 +44,7 @@ from strategies.compression import after_step_callback, carried_state, restore_c
 from strategies.context_parallel import sequence_slice
 from strategies.mesh import coordinates, device_type, dp_rank_of
 from strategies.pipeline import LossFn, PipelineRunner, full_value
+from strategies.random_state import check_same_random_state, has_dropout
 
 __all__ = ["ParallelModel", "local_slice", "sequence_shards", "loss_context"]
 
@@ -95,6 +96,11 @@ class ParallelModel:
             (name, param) for m in self.modules for name, param in _unwrapped(m).named_parameters()
         ]
         strategy = plan.strategy
+        self._dropout_group = (
+            mesh.get_group(Axis.TP.value)
+            if mesh is not None and strategy.tp > 1 and any(map(has_dropout, self.modules))
+            else None
+        )
         problem = clipping.stock_clipping_problem(strategy.pp, strategy.tp, strategy.ep)
         if problem is not None:
             clipping.guard_stock_clipping(self.parameters(), problem)
@@ -282,6 +288,7 @@ class ParallelModel:
         module = self.module  # raises for pipelines
         if args and isinstance(args[0], torch.Tensor):
             self._check_local(args[0], "parallel(inputs)", whole=False)
+        self._check_dropout()
         with self._autocast():
             return module(*args, **kwargs)
 
@@ -298,6 +305,7 @@ class ParallelModel:
         pipeline schedule when ``pp > 1``), in the plan's precision; returns the mean loss
         of the global batch (a detached float32 scalar, equal on every rank)."""
         self._check_local(inputs, "parallel.step(inputs, targets)", whole=True)
+        self._check_dropout()
         device = torch.device(device_type())
         inputs, targets = inputs.to(device), targets.to(device)
         with self._autocast():
@@ -314,6 +322,13 @@ class ParallelModel:
         runner = self.runner
         groups = (runner.group,) if runner is not None else ()
         return clipping.clip_grad_norm_(self.parameters(), max_norm, extra_groups=groups)
+
+    def _check_dropout(self) -> None:
+        """Before a training forward of a model with dropout under tp: the tp ranks'
+        random states agree (:mod:`strategies.random_state`)."""
+        if self._dropout_group is not None and self.training:
+            device = torch.device(device_type())
+            check_same_random_state(self._dropout_group, device, self.plan.strategy.tp)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """The plan's autocast on this rank's device (none for fp32 plans)."""

@@ -9,6 +9,7 @@ any collective, and at runtime (on a fake process group, which communicates noth
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,6 +142,32 @@ def test_a_module_with_position_ids_gets_a_context_parallel_plan() -> None:
     assert plan.strategy.cp == 2
 
 
+NO_SDPA = r"its forward makes no scaled_dot_product_attention call"
+
+
+def test_attention_written_by_hand_gets_no_context_parallel_plan() -> None:
+    """Its trace has no SDPA call for context parallel to gather keys at: the search
+    does not offer cp (the run would be refused at the first step)."""
+    handle = handle_for_module(_Model("by hand"))
+    with pytest.raises(SpecError, match=rf"cp\(2\): {NO_SDPA}"):
+        make_plan(handle, CLUSTER, TRAINING, pins=Pins(cp=2))
+    costed = search_plan(handle, CLUSTER, TRAINING).costed
+    assert costed and all(scored.strategy.cp == 1 for scored in costed)
+
+
+def test_an_alibi_model_gets_no_context_parallel_plan(tmp_path: Path) -> None:
+    """Falcon with ALiBi adds its bias as an explicit mask, which context parallel refuses."""
+    pytest.importorskip("transformers")
+    from planner.hf import resolve_hf_config
+
+    config = {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": 256, "alibi": True}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    handle = resolve_hf_config(tmp_path)
+    with pytest.raises(SpecError, match=r"cp\(2\): its attention adds an ALiBi bias"):
+        make_plan(handle, CLUSTER, TRAINING, pins=Pins(cp=2))
+
+
 # --- refusals at runtime ----------------------------------------------------------------
 
 
@@ -220,7 +247,7 @@ class _Model(nn.Module):
     ("model", "error"),
     [
         (_Model("padding"), r"explicit attn_mask of shape \(8, 8\) that is not the causal mask"),
-        (_Model("by hand"), "the model's forward made no scaled_dot_product_attention call"),
+        (_Model("by hand"), "its forward makes no scaled_dot_product_attention call"),
     ],
     ids=["custom mask", "attention by hand"],
 )

@@ -8,7 +8,7 @@ from planner.clusters import list_clusters, load_cluster, resolve_cluster
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.communication import link_for_axis
 from planner.errors import SpecError, UnknownNameError
-from planner.hardware import load_profile
+from planner.hardware import load_profile, profile_dir
 from planner.models import ModelHandle, build, get_preset, resolve_model
 from planner.modules import check_model_against_plan
 from planner.parallel_dims import ParallelDims
@@ -218,6 +218,16 @@ def test_cluster_profiles_load_and_refuse_a_different_size():
     with pytest.raises(UnknownNameError, match="h100-2site-100g"):
         resolve_cluster("h100-2site")
     assert resolve_cluster("h100-sxm-80gb", num_gpus=16).num_gpus == 16
+
+
+def test_a_hardware_profile_file_is_a_gpu_profile(tmp_path):
+    """What ``plan calibrate`` writes names the GPU (with --gpus), as a profile name does."""
+    profile = tmp_path / "my-gpu.json"
+    profile.write_text((profile_dir() / "h100-sxm-80gb.json").read_text())
+    cluster = resolve_cluster(str(profile), num_gpus=4)
+    assert (cluster.gpu, cluster.num_gpus) == (str(profile), 4)
+    with pytest.raises(SpecError, match="is a GPU profile: give --gpus"):
+        resolve_cluster(str(profile))
 
 
 @pytest.mark.slow  # dozens of searches

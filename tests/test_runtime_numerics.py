@@ -112,8 +112,10 @@ def build_handle(model: str) -> ModelHandle:
     if model.removeprefix("hf-") in HF_FAMILIES:
         return ModelHandle(model, f"tests:{model}", _hf_family(model[3:]), lambda b, s: ())
     if model.startswith("user-gpt"):  # nanoGPT's shape (ModuleList blocks, fused qkv)
-        from tests.user_models import GPT, PositionGPT
+        from tests.user_models import GPT, PositionGPT, SharedGPT
 
+        if model == "user-gpt-shared":  # the blocks share a weight (FSDP: one unit)
+            return ModelHandle(model, f"tests:{model}", SharedGPT(), lambda b, s: ())
         kind = PositionGPT if model == "user-gpt-positions" else GPT  # forward(idx, position_ids)
         tied = model == "user-gpt-tied"  # nanoGPT's default: wte.weight is lm_head.weight
         return ModelHandle(model, f"tests:{model}", kind(n_layer=4, tied=tied), lambda b, s: ())
@@ -333,6 +335,8 @@ WORLD2 = [
     Case("tiny-lm (user module) ddp", "tiny-lm", _per_rank(2)),
     Case("tiny-lm (user module) fsdp", "tiny-lm", _per_rank(2, zero=3)),
     Case("tiny-lm (user module) tp", "tiny-lm", _per_rank(1, tp=2), layout="ilp"),
+    Case("user-gpt-shared fsdp", "user-gpt-shared", _per_rank(2, zero=3)),
+    _sgd("user-gpt-shared zero2", "user-gpt-shared", _per_rank(2, zero=2)),
     Case("hf-llama ddp", "hf-llama", _per_rank(2)),
     Case("hf-llama fsdp", "hf-llama", _per_rank(2, zero=3)),
     Case("hf-llama tp", "hf-llama", _per_rank(1, tp=2), layout="ilp"),

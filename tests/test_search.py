@@ -342,3 +342,14 @@ def test_tied_gpt2_large_at_tp2_plans_with_the_vocabulary_parallel_tie():
     )  # fmt: skip
     assert plan.strategy.tp == 2
     assert plan.tp_layout["tok_embeddings"].params == {"weight": "Shard(0)"}
+
+
+def test_a_micro_batch_that_divides_no_ranks_share_is_named_with_the_sizes_that_do():
+    training = Training(global_batch_size=8, seq_len=16, micro_batch_size=3)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    with pytest.raises(SpecError) as refused:
+        make_plan(resolve_model("tiny-llama"), cluster, training)
+    assert (
+        "micro_batch_size(3) divides no data-parallel rank's share of global_batch_size(8) "
+        "(samples per rank: 4, 8); use a micro-batch size of 1, 2, 4, 8" in str(refused.value)
+    )

@@ -9,6 +9,8 @@ Load them as ``--model tests.user_models:gpt``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +102,16 @@ class PositionGPT(GPT):
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+class SharedGPT(GPT):
+    """``GPT`` whose blocks share one MLP input projection (ALBERT-style weight sharing)."""
+
+    def __init__(self, n_layer: int = 3, **kwargs: Any) -> None:
+        super().__init__(n_layer=n_layer, **kwargs)
+        first, *others = self.transformer.h
+        for block in others:
+            block.mlp.c_fc.weight = first.mlp.c_fc.weight
 
 
 def gpt() -> GPT:

@@ -94,6 +94,7 @@ from planner.spec import (
     Schedule,
     SolverStats,
     Strategy,
+    Training,
 )
 
 __all__ = ["Headroom", "ModelLimits", "Pins", "Scored", "SearchResult", "in_search_space", "search"]
@@ -881,7 +882,10 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         blockers = {sp: limits.layout_blocker(pins.tp, sp) for sp in options}
         if options and all(blockers.values()):
             what = "sequence parallelism" if options == [True] else "tensor parallelism"
-            reasons.append(f"{what} at tp({pins.tp}): {blockers[options[-1]]}")
+            why = blockers[options[-1]]
+            if len(options) == 2 and blockers[False] != blockers[True]:
+                why = f"without sequence parallelism, {blockers[False]}; with it, {why}"
+            reasons.append(f"{what} at tp({pins.tp}): {why}")
     if pins.pp is not None and pins.pp > 1 and limits.pipeline_problem:
         reasons.append(f"pp({pins.pp}): {limits.pipeline_problem}")
     elif pins.pp is not None and pins.pp * (pins.virtual_stages or 1) > space.max_chunks:
@@ -932,6 +936,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         reasons.append(f"etp({pins.etp}) > 1 needs ep > 1")
     if space.compression_blocked is not None:
         reasons.append(space.compression_blocked)
+    if not reasons:
+        reasons.extend(_micro_batch_reason(model.training, pins, space))
     detail = "; ".join(reasons) or (
         "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
         "with the other pins"
@@ -939,6 +945,22 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
     return SpecError(
         f"no strategy for {gpus} GPUs with pins ({pins.describe()}): {detail}; change the pins"
     )
+
+
+def _micro_batch_reason(training: Training, pins: Pins, space: _Space) -> list[str]:
+    """Why a given micro-batch size leaves no mesh: it divides no data-parallel rank's
+    share of the global batch (``[]`` when none is given, or it is not the reason)."""
+    micro = training.micro_batch_size or pins.micro_batch_size
+    dps = sorted({dp for dp, *_ in space.meshes()})
+    if micro is None or not dps or any(space.micro_batches(dp) for dp in dps):
+        return []
+    shares = sorted({training.global_batch_size // dp for dp in dps})
+    fits = sorted({m for share in shares for m in range(1, share + 1) if share % m == 0})
+    return [
+        f"micro_batch_size({micro}) divides no data-parallel rank's share of "
+        f"global_batch_size({training.global_batch_size}) (samples per rank: "
+        f"{', '.join(map(str, shares))}); use a micro-batch size of {', '.join(map(str, fits))}"
+    ]
 
 
 def _floor(model: CostModel, point: _Point) -> float:
