@@ -23,6 +23,7 @@ from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.frameworks import (
     PLANNER,
     Target,
+    blockless_chunk_refusal,
     framework_options,
     model_refusal,
     parse_target,
@@ -156,7 +157,9 @@ def search_plan(
     without_target = None
     if not target.is_planner:
         without_target = _without_target(model, limits, pins, lossy, headroom_gib, target, best)
-    chunks, prediction = _refine_stages(model, best)
+    chunks, prediction = _refine_stages(
+        model, best, blocks_only=blockless_chunk_refusal(target) is not None
+    )
     strategy = best.strategy
     # A plan only another framework runs (experts beside sequence parallelism on
     # Megatron-LM) keeps no layout of this runtime's: the target lays its layers out.
@@ -292,8 +295,11 @@ def _heads(handle: ModelHandle) -> tuple[int | None, int | None]:
     )
 
 
-def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Prediction]:
-    """Stage split by the DP when it beats the even split (pp > 1, one chunk per rank)."""
+def _refine_stages(
+    model: CostModel, best: Scored, *, blocks_only: bool
+) -> tuple[list[list[int]], Prediction]:
+    """Stage split by the DP when it beats the even split (pp > 1, one chunk per rank);
+    with ``blocks_only`` every stage holds a block (the target runs no stage without one)."""
     strategy = best.strategy
     even = model.default_stages(strategy)
     if strategy.pp == 1 or strategy.virtual_stages > 1:
@@ -317,6 +323,9 @@ def _refine_stages(model: CostModel, best: Scored) -> tuple[list[list[int]], Pre
             cap,
             activation=[c.activation_bytes for c in costs],
             activation_multiplier=in_flight,
+            required=[s in model.graph.blocks for s in model.graph.segments]
+            if blocks_only
+            else None,
         )
     except InfeasibleError as exc:
         log.info("stage DP found no split under the cap (%s); keeping the even split", exc)

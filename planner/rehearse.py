@@ -70,6 +70,12 @@ def rehearse(
             return RehearsalFailure(exc.module, tuple(stack), str(exc))
         except Exception as exc:  # the model's own code failed on its shards
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if _LocalView.__name__ in message:
+                message = (
+                    "it modifies in place a tensor the layout moved between ranks, which "
+                    "the runtime hands on as DTensor.to_local(): a view autograd does not "
+                    "let it modify"
+                )
             return RehearsalFailure(stack[-1] if stack else "", tuple(stack), message)
     return None
 
@@ -175,7 +181,10 @@ def _enter(fqn: str, stack: list[str], module_layout: ModuleTP | None, tp: int) 
         src, dst = module_layout.input
         if not args or not isinstance(args[0], torch.Tensor):
             raise _Mismatch(fqn, "its first argument is not a tensor: the layout converts it")
-        return (_convert(args[0], src, dst, tp), *args[1:])
+        converted = _convert(args[0], src, dst, tp)
+        if src != dst and not module_layout.params:
+            converted = _LocalView.apply(converted)
+        return (converted, *args[1:])
 
     return hook
 
@@ -203,6 +212,22 @@ def _leave(
                 raise _Mismatch(
                     fqn, f"output has local shape {got}, the layout promises {want} ({dst})"
                 )
+        if (src != dst or module_layout.params) and not module_layout.output_dtensor:
+            converted = _LocalView.apply(converted)
         return converted
 
     return hook
+
+
+class _LocalView(torch.autograd.Function):
+    """What the runtime hands the model's code after moving a tensor: ``DTensor.to_local()``,
+    which autograd counts as a view made inside a custom Function, so the model's own
+    in-place ops on it (Falcon's ``mlp_output += attention_output``) fail here as there."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad

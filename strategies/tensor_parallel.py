@@ -136,6 +136,8 @@ def _convert_boundaries(module: nn.Module, layout: ModuleTP, mesh: DeviceMesh) -
                     f"{type(_module).__name__}: the layout redistributes the first argument, "
                     "which is not a tensor"
                 )
+            if not isinstance(args[0], DTensor) and arrives == runs and not computes_on_dtensor:
+                return args  # nothing to move: no DTensor round trip (its to_local is a view)
             x = _as_dtensor(args[0], mesh, arrives)
             if tuple(x.placements) != (runs,):
                 x = x.redistribute(placements=[runs])
@@ -154,6 +156,14 @@ def _convert_boundaries(module: nn.Module, layout: ModuleTP, mesh: DeviceMesh) -
                 f"{type(_module).__name__}: the layout redistributes the output, which is not "
                 "a tensor"
             )
+        if (
+            not isinstance(output, DTensor)
+            and not keep
+            and (handed is None or _same(produced or Replicate(), handed))
+        ):
+            # nothing to move: handed on as it is, since to_local() of a round trip is a
+            # view the model's own in-place ops (Falcon's ``mlp_output += ...``) may not touch
+            return output
         y = _as_dtensor(output, mesh, produced or Replicate())
         if handed is not None and not _same(y.placements[0], handed):
             y = y.redistribute(placements=[handed])

@@ -137,3 +137,13 @@ def test_fqns_need_one_module_list_per_segment():
     part = partition_stages(np.ones(3), np.zeros(3), 2, math.inf)
     with pytest.raises(SpecError, match="segment_modules has 2 entries"):
         to_fqns(part, [("a",), ("b",)])
+
+
+def test_every_stage_holds_a_required_segment():
+    """A heavy embedding would be a stage of its own; a runtime that starts each stage
+    at a block (``required``: the blocks) gets it beside the first block instead."""
+    times = np.array([4.0, 1.0, 1.0, 0.5])  # embedding, two blocks, head
+    assert partition_stages(times, np.zeros(4), 2, math.inf).stage_sizes == (1, 3)
+    blocks = [False, True, True, False]
+    part = partition_stages(times, np.zeros(4), 2, math.inf, required=blocks)
+    assert part.stage_sizes == (2, 2)

@@ -209,6 +209,18 @@ def test_sequence_parallelism_is_not_offered_where_no_module_can_reshard(tmp_pat
     assert "residual stream sharded" in (layouts.why_not(2, True) or "")
 
 
+def test_sequence_parallelism_is_not_offered_where_the_model_modifies_a_moved_tensor(tmp_path):
+    """Falcon adds attention to its MLP's output in place: a boundary that moves that
+    output hands it on as a view of DTensor.to_local(), which autograd will not let it
+    modify; the rehearsal meets the same error and sequence parallelism is refused."""
+    fields = {"num_kv_heads": 2, "new_decoder_architecture": True, "bias": False}
+    handle = resolve_hf_config(_hf(tmp_path, "falcon", **fields))
+    layouts = ModelLayouts(handle, trace_for_training(handle, TRAINING), SLOW)
+    assert layouts.layout(2, True) is None
+    assert "modifies in place a tensor the layout moved" in (layouts.why_not(2, True) or "")
+    assert layouts.layout(2, False) is not None
+
+
 def test_plan_carries_each_modules_placements_and_explain_shows_them(capsys):
     from rich.console import Console
 

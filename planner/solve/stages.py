@@ -117,14 +117,16 @@ def partition_stages(
     *,
     activation: Sequence[float] | np.ndarray | None = None,
     activation_multiplier: float | Sequence[float] | np.ndarray = 1.0,
+    required: Sequence[bool] | None = None,
 ) -> StagePartition:
     """Split consecutive segments into ``num_stages`` stages minimising the slowest one.
 
     ``times`` (s) and ``memory`` (bytes) hold one entry per segment; ``memory_cap``
     (bytes) and ``activation_multiplier`` are one number or one per stage;
-    ``activation`` (bytes per micro-batch, per segment) is scaled by the multiplier.
-    Raises :class:`InfeasibleError` saying the least memory a stage needs when no
-    split fits.
+    ``activation`` (bytes per micro-batch, per segment) is scaled by the multiplier;
+    every stage holds at least one of the ``required`` segments (a runtime that starts
+    and ends each stage at a transformer block: the blocks). Raises
+    :class:`InfeasibleError` saying the least memory a stage needs when no split fits.
     """
     t = _vector(times, "times")
     n = t.shape[0]
@@ -138,8 +140,11 @@ def partition_stages(
     multipliers = _per_stage(activation_multiplier, "activation_multiplier", num_stages)
     time_spans, static_spans, act_spans = _span_sums(t), _span_sums(m), _span_sums(a)
     stage_memory = [static_spans + mult * act_spans for mult in multipliers]
+    holds = np.ones((n + 1, n + 1), dtype=bool)
+    if required is not None:
+        holds = _span_sums(_vector([float(r) for r in required], "required", n)) > 0
     allowed = [
-        np.where(mem <= cap, time_spans, np.inf)
+        np.where((mem <= cap) & holds, time_spans, np.inf)
         for mem, cap in zip(stage_memory, caps, strict=True)
     ]
     _, boundaries = _min_max_split(allowed, n)
