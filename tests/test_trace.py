@@ -314,3 +314,24 @@ def test_ops_without_a_pricing_rule_are_reported(caplog):
     graph = trace(_user_handle(_Einsum(), 8), batch_size=2)
     assert "no pricing rule for einsum" in caplog.text
     assert graph.flops_fwd == 2 * 2 * 8 * 8  # the linear layer only
+
+
+def test_a_sequence_longer_than_a_learned_position_table_is_refused(tmp_path):
+    """On meta tensors an out-of-range lookup cannot fail, on the cluster it would: a
+    position embedding indexed by an arange (nanoGPT's wpe, Hugging Face GPT-2's through
+    its cache positions) refuses a longer sequence, naming the table."""
+    import json
+
+    from planner.hf import resolve_hf_config
+
+    nanogpt = resolve_model("tests.user_models:gpt")  # block_size 64
+    assert trace(nanogpt, seq_len=64).seq_len == 64
+    with pytest.raises(
+        SpecError, match=r"seq_len 100 looks up positions 0..99 in 'transformer.wpe'"
+    ):
+        trace(nanogpt, seq_len=100)
+    config = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256,
+              "n_positions": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError, match=r"a table of 64 positions: use seq_len <= 64"):
+        trace(resolve_hf_config(tmp_path), seq_len=100)

@@ -25,6 +25,7 @@ import copy
 import hashlib
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ from planner.tracing.fx import (
     trace_export,
     trace_fx,
 )
-from planner.tracing.ops import OpCost, RawOp, cost_of, is_known
+from planner.tracing.ops import VIEW_OPS, OpCost, RawOp, cost_of, is_known
 from planner.tracing.roles import MoEFacts, module_roles, moe_facts, role_of
 
 __all__ = [
@@ -170,6 +171,35 @@ def _run_front_ends(
             "torch.where; return tensors), check that the example inputs match forward()'s "
             "arguments, or describe the model as a ModelSpec JSON file."
         ) from None
+
+
+# Ops between an arange and a position embedding that keep one position per token: views,
+# casts and a scalar offset (Hugging Face's ``arange(...) + past_seen_tokens``)
+_POSITION_KEEPING = VIEW_OPS | {"add", "to", "long", "_to_copy"}
+
+
+def _check_position_tables(traced: Traced, seq_len: int, prefix: str) -> None:
+    """Refuse a sequence longer than a learned position table: an embedding looked up at
+    indices an ``arange`` made (through views, casts, a scalar offset), with more
+    positions than rows (on meta tensors the lookup cannot fail; on the cluster it would)."""
+    ops = {op.name: op for op in traced.items if isinstance(op, RawOp)}
+    for op in ops.values():
+        if op.op != "embedding" or not op.params or not op.activations:
+            continue
+        source = ops.get(op.activations[0].producer or "")
+        while (
+            source is not None and source.op in _POSITION_KEEPING and len(source.activations) == 1
+        ):
+            source = ops.get(source.activations[0].producer or "")
+        rows = op.params[0].shape[0]
+        if source is None or source.op != "arange" or math.prod(source.out.shape) <= rows:
+            continue
+        module = op.module.removeprefix(prefix) or op.module
+        raise SpecError(
+            f"seq_len {seq_len} looks up positions 0..{math.prod(source.out.shape) - 1} in "
+            f"{module!r} ({op.module_class or op.target}), a table of {rows} positions: use seq_len <= "
+            f"{rows}, or give the model a longer position table"
+        )
 
 
 def _top_module(fqn: str, blocks: frozenset[str]) -> str | None:
@@ -376,6 +406,7 @@ def trace(
     root, inputs, prefix = prepare_traced_module(handle, batch_size, seq, DTYPES[dtype])
     blocks = dict(find_blocks(root))
     traced = _run_front_ends(root, inputs, blocks, handle.name)
+    _check_position_tables(traced, seq, prefix)
     block_fqns = frozenset(fqn.removeprefix(prefix) for fqn in blocks)
     moe = {fqn: moe_facts(block, fqn.removeprefix(prefix)) for fqn, block in blocks.items()}
     builder = _GraphBuilder(block_fqns, prefix, module_roles(root), moe)
