@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from planner.errors import SpecError, TraceError
 from planner.graph import OpKind
-from planner.models import PRESETS, ModelHandle, build, resolve_model
+from planner.models import PRESETS, ModelHandle, build, handle_for_module, resolve_model
 from planner.models.small import MLPStack
 from planner.modules import find_blocks
 from planner.spec import Family, ModelSpec
@@ -335,3 +335,16 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecError, match=r"a table of 64 positions: use seq_len <= 64"):
         trace(resolve_hf_config(tmp_path), seq_len=100)
+
+
+def test_a_weight_shared_by_blocks_counts_once():
+    """ALBERT-style sharing: the blocks after the first are a segment type of their own,
+    priced without the weight the first already holds."""
+    from tests.user_models import SharedGPT
+
+    model = SharedGPT(n_layer=3)
+    graph = trace(handle_for_module(model), seq_len=16)
+    assert graph.param_count == sum(p.numel() for p in model.parameters())
+    first, second, third = (graph.segment_type(s) for s in graph.blocks)
+    shared = model.transformer.h[0].mlp.c_fc.weight.numel()
+    assert first.param_count - second.param_count == shared and second == third

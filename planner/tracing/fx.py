@@ -356,6 +356,16 @@ def _block_key(block: nn.Module, args: tuple[TensorRef, ...]) -> str:
     return hashlib.sha256(f"{structural_hash(block)}|{signature}".encode()).hexdigest()[:16]
 
 
+def _sharing_key(key: str, block: nn.Module, held: set[int]) -> str:
+    """``key`` marked with the names of ``block``'s parameters that earlier operators or
+    blocks already use (``held``, their ids; updated with this block's): a block sharing
+    a weight with an earlier one (ALBERT-style) is a segment type of its own, priced
+    without that weight, so every parameter counts once."""
+    shared = sorted(name for name, param in block.named_parameters() if id(param) in held)
+    held.update(id(param) for param in block.parameters())
+    return f"{key}|shares:{','.join(shared)}" if shared else key
+
+
 def trace_fx(
     root: nn.Module, inputs: tuple[torch.Tensor, ...], blocks: dict[str, nn.Module]
 ) -> Traced:
@@ -369,12 +379,14 @@ def trace_fx(
     reader = _GraphReader(root, [t.requires_grad for t in inputs], _fx_param_of(root))
     items: list[RawOp | BlockCall] = []
     seen: set[str] = set()
+    held: set[int] = set()  # parameters used so far (ids)
     for node, op in reader.read(gm.graph):
         block = blocks.get(op.module) if node.op == "call_module" else None
         if block is None:
             items.append(op)
+            held.update(a.param for a in op.params if a.param is not None)
             continue
-        key = _block_key(block, op.activations)
+        key = _sharing_key(_block_key(block, op.activations), block, held)
         ops = None
         if key not in seen:
             seen.add(key)
@@ -461,15 +473,18 @@ def _group_blocks(
         else:
             runs.append((fqn, [op]))
     seen: set[str] = set()
+    held: set[int] = set()  # parameters used so far (ids)
     for fqn, ops in runs:
         if fqn is None:
             items.extend(ops)
+            held.update(a.param for op in ops for a in op.params if a.param is not None)
             continue
         relative = tuple(_relative(op, fqn) for op in ops)
         signature = ";".join(f"{o.op}{o.module}{[a.shape for a in o.args]}" for o in relative)
         key = hashlib.sha256(f"{structural_hash(blocks[fqn])}|{signature}".encode()).hexdigest()[
             :16
         ]
+        key = _sharing_key(key, blocks[fqn], held)
         items.append(BlockCall(fqn, key, None if key in seen else relative))
         seen.add(key)
     return items
