@@ -257,11 +257,49 @@ def model_limits(
         vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
         pipeline_problem=_pipeline_problem(handle, graph.seq_len),
         context_parallel_problem=context_parallel_blocker(handle.module, _sdpa_calls(graph)),
+        selective_problem=selective_recompute_blocker(graph),
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
         num_experts=graph.num_experts,
     )
+
+
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv"})  # x += y, ... (fx)
+
+
+def _in_place(target: str) -> bool:
+    """Whether an operator (``aten.clamp_.default``, ``Tensor.add_``, ``iadd``) writes into
+    its first input."""
+    return any(
+        (part.endswith("_") and not part.startswith("_")) or part in _IN_PLACE_OPERATORS
+        for part in target.split(".")
+    )
+
+
+def selective_recompute_blocker(graph: OpGraph) -> str | None:
+    """Why this runtime's selective recompute, which keeps every matmul output for
+    backward (:mod:`strategies.checkpointing`), would train ``graph``'s model wrong: an
+    operator writes into a matmul's output (or a view of it) in place, as OLMo's
+    ``clip_qkv`` clamps its q/k/v projections, so the kept tensor is not the one
+    backward needs. ``None`` when none does."""
+    for segment in graph.segments:
+        nodes = {node.name: node for node in graph.segment_type(segment).nodes}
+        for node in nodes.values():
+            if not _in_place(node.target) or not node.inputs:
+                continue
+            source = nodes.get(node.inputs[0])
+            while source is not None and source.kind is OpKind.VIEW and source.inputs:
+                source = nodes.get(source.inputs[0])
+            if source is not None and source.kind is OpKind.MATMUL:
+                where = ".".join(p for p in (graph.module_root(segment), node.module) if p)
+                return (
+                    f"{where!r} writes into the output of {source.module or source.name!r} in "
+                    f"place ({node.target}), which selective recompute keeps for backward: "
+                    "the gradients would be computed from the modified tensor; use recompute "
+                    "'full' or 'none'"
+                )
+    return None
 
 
 def _sdpa_calls(graph: OpGraph) -> int:

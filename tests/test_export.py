@@ -342,7 +342,8 @@ def test_deepspeed_batch_sizes_multiply_to_the_global_batch() -> None:
         config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 8
         == config["train_batch_size"]
     )
-    assert config["zero_optimization"] == {"stage": 2}
+    # the reduction overlaps backward as priced (DeepSpeed's default: stage 3 only)
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["communication_data_type"] == "fp32"
     assert config["gradient_clipping"] == 1.0
@@ -354,7 +355,7 @@ def test_deepspeed_maps_compression_dtype_and_hybrid_zero3() -> None:
         dp=16, zero=3, dp_shard=8, compression=compression, training={"dtype": DType.FP16}
     )
     config = deepspeed_json(export_plan(plan, "deepspeed==0.19.6"))
-    assert config["zero_optimization"] == {"stage": 3, "mics_shard_size": 8}
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "mics_shard_size": 8}
     with pytest.raises(
         ExportError, match=re.escape("MiCS, which sharded in groups, was removed in 0.19.7")
     ):

@@ -105,6 +105,8 @@ def check_round_trip(plan: Plan, target: str) -> None:
     )
     if plan.strategy.pp > 1:
         assert run.stages == plan.stages
+    if plan.strategy.zero >= 1:  # the reduction overlaps backward, as the plan was priced
+        assert run.options.overlap_grad_reduce, f"{target}: the export runs it exposed"
 
 
 SEARCHED = [("tiny-llama", 8, 16), ("tiny-gpt", 8, 16), ("gpt2", 16, 32)]

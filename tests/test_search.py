@@ -4,15 +4,17 @@ import json
 from dataclasses import fields
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from planner.cli import main
 from planner.cost import CostModel, estimate_run, graph_from_spec
 from planner.errors import InfeasibleError, PlannerError, SpecError
 from planner.graph import OpKind
-from planner.models import PRESETS, get_preset, resolve_model
-from planner.planning import make_plan
+from planner.models import PRESETS, get_preset, handle_for_module, resolve_model
+from planner.planning import make_plan, search_plan
 from planner.solve.lossy import LossyCompression
 from planner.solve.search import (
     _GROUP_ORDER,
@@ -353,3 +355,33 @@ def test_a_micro_batch_that_divides_no_ranks_share_is_named_with_the_sizes_that_
         "micro_batch_size(3) divides no data-parallel rank's share of global_batch_size(8) "
         "(samples per rank: 4, 8); use a micro-batch size of 1, 2, 4, 8" in str(refused.value)
     )
+
+
+class _ClampedMLP(nn.Module):
+    """An MLP that clips its input projection in place (as OLMo's ``clip_qkv`` does)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.c_fc(x)
+        hidden.clamp_(min=-0.5, max=0.5)
+        return self.c_proj(torch.relu(hidden))
+
+
+def test_selective_recompute_is_not_offered_where_a_kept_matmul_output_is_modified_in_place():
+    """Selective recompute keeps every matmul output for backward: one the model then
+    clamps in place would give wrong gradients, so only none or full recompute is searched."""
+    from tests.user_models import GPT
+
+    model = GPT()
+    for block in model.transformer.h:
+        block.mlp = _ClampedMLP(64)
+    handle, cluster = handle_for_module(model), Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    training = Training(global_batch_size=8, seq_len=16, dtype="fp32")
+    with pytest.raises(SpecError, match=r"recompute selective: 'transformer.h.0.mlp' writes "
+                                          r"into the output of 'mlp.c_fc' in place"):  # fmt: skip
+        make_plan(handle, cluster, training, pins=Pins(recompute=RecomputeMode.SELECTIVE))
+    costed = search_plan(handle, cluster, training).costed
+    assert costed and all(s.strategy.recompute is not RecomputeMode.SELECTIVE for s in costed)

@@ -61,9 +61,14 @@ def to_deepspeed(plan: Plan, target: Target | None = None) -> str:
     return "\n".join(lines) + "\n" + dumps_json(config, what="DeepSpeed config") + "\n"
 
 
-def _zero(plan: Plan) -> dict[str, int]:
+def _zero(plan: Plan) -> dict[str, int | bool]:
+    """The ``zero_optimization`` section; ZeRO >= 1 overlaps the gradient reduction with
+    backward, as the plan was priced (``overlap_comm``: DeepSpeed's default is on for
+    stage 3 only)."""
     strategy = plan.strategy
-    section: dict[str, int] = {"stage": strategy.zero}
+    section: dict[str, int | bool] = {"stage": strategy.zero}
+    if strategy.zero >= 1:
+        section["overlap_comm"] = True
     if not ParallelDims.of(strategy).hybrid_sharding:
         return section
     return section | {"mics_shard_size": strategy.shard_degree}

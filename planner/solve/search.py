@@ -201,6 +201,7 @@ class ModelLimits:
     vocab_size: int | None = None  # split by Megatron's layout: tp must divide it
     pipeline_problem: str | None = None  # why the runtime cannot split it into stages
     context_parallel_problem: str | None = None  # why the runtime cannot shard its sequences
+    selective_problem: str | None = None  # why selective recompute would train it wrong
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
     max_tp: int | None = None
     layout_problem: Callable[[int, bool], str | None] | None = None
@@ -583,6 +584,8 @@ class _Space:
         for rank, mode in enumerate(_RECOMPUTE_ORDER):
             if not self.pins.allows("recompute", mode):
                 continue
+            if mode is RecomputeMode.SELECTIVE and self.limits.selective_problem:
+                continue
             work = self.work(tp, cp, sp, mbs, rank, (ep, etp))
             experts = work.expert_param_count / pp
             params = work.param_count / pp - experts
@@ -904,6 +907,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             f"schedule {pins.schedule or Schedule.INTERLEAVED_1F1B} with virtual_stages "
             f"{pins.virtual_stages or 1} needs a pipeline (pp > 1), but {why}"
         )
+    if pins.recompute == RecomputeMode.SELECTIVE and limits.selective_problem:
+        reasons.append(f"recompute selective: {limits.selective_problem}")
     if pins.schedule is not None and pins.recompute is RecomputeMode.SELECTIVE:
         blocker = ParallelDims(pp=2).schedule_blocker(pins.schedule, 2, selective=True)
         if blocker is not None:  # the schedule itself, whatever the pipeline's depth
