@@ -13,6 +13,7 @@ from planner.solve.sharding import (
     ShardingInfeasibleError,
     ShardingNode,
     ShardingProblem,
+    ShardingTimeoutError,
     format_bytes,
     solve_sharding,
 )
@@ -144,7 +145,14 @@ def test_memory_budget_changes_the_choice():
 def test_time_limit_returns_the_incumbent_and_says_so():
     # Dense random tables on a loopy graph: CBC does not prove optimality in 0.5 s.
     problem = random_problem(0, nodes=40, strategies=5, edges=120, illegal=0.0, budget=18e6)
-    solution = solve_sharding(problem, time_limit_s=0.5)
+    for limit in (0.5, 1.0, 2.0):  # a loaded machine may have no incumbent at 0.5 s yet
+        try:
+            solution = solve_sharding(problem, time_limit_s=limit)
+            break
+        except ShardingTimeoutError:
+            continue
+    else:
+        pytest.fail("CBC found no incumbent within 2 s")
     assert solution.status == "time_limit_incumbent"
     assert "time limit" in solution.note and "not proven optimal" in solution.note
     assert math.isfinite(solution.objective_s)
