@@ -614,6 +614,25 @@ def test_cli_estimate_from_prints_what_it_read_and_the_table(tmp_path, capsys) -
     assert json.loads(capsys.readouterr().out)["fits"] is True
 
 
+def test_cli_estimate_from_takes_the_sequence_a_config_does_not_state(tmp_path, capsys) -> None:
+    """A DeepSpeed config has no sequence length: --seq gives it; a TOML that states one
+    refuses a different --seq."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(export_plan(plan_for(dp=8, zero=2), "deepspeed"))
+    seconds = {}
+    for seq in (32, 64):
+        argv = ["estimate", "--from", str(path), "--model", "tiny-llama", "--seq", str(seq)]
+        assert main([*argv, "--json"]) == 0
+        seconds[seq] = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert seconds[64] > seconds[32]
+    toml = tmp_path / "job.toml"
+    toml.write_text(export_plan(plan_for(dp=8, zero=2), "torchtitan"))
+    stated = import_config(toml, model="tiny-llama", cluster=GPU).run.training.seq_len
+    argv = ["estimate", "--from", str(toml), "--model", "tiny-llama", "--seq", str(stated + 8)]
+    assert main(argv) == 2
+    assert f"states seq_len = {stated}: drop --seq" in capsys.readouterr().err
+
+
 def test_cli_refusals_and_misplaced_options_exit_2(tmp_path, capsys) -> None:
     path = tmp_path / "megatron.args"
     path.write_text("--moe-expert-capacity-factor 1.0\n")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.cli.common import add_cluster_args, count
+from planner.cli.common import MAX_SEQ, add_cluster_args, count
 from planner.errors import SpecError
 from planner.frameworks import Framework
 from planner.io import read_json
@@ -55,6 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model", metavar="NAME|spec.json",
         help="the model, for a config that does not describe it: a preset (see 'plan models') "
         "or a ModelSpec JSON file",
+    )  # fmt: skip
+    imported.add_argument(
+        "--seq", type=count(MAX_SEQ), metavar="N",
+        help="the sequence length, for a config that does not state it (DeepSpeed's; "
+        "default: the model's)",
     )  # fmt: skip
     cluster = add_cluster_args(parser)
     cluster.add_argument(
@@ -123,7 +128,17 @@ def _imported_run(args: argparse.Namespace) -> RunConfig:
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
     print("\n".join(imported.describe()), file=sys.stderr)
-    return imported.run
+    run = imported.run
+    if args.seq is None:
+        return run
+    stated = run.training.seq_len
+    if stated is not None and stated != args.seq:
+        raise SpecError(
+            f"--seq {args.seq}, but {args.from_config} states seq_len = {stated}: drop --seq"
+        )
+    return run.model_copy(
+        update={"training": run.training.model_copy(update={"seq_len": args.seq})}
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     stored: Prediction | None = None
     if args.from_config is not None:
         configs, is_list = [_imported_run(args)], False
-    elif given := [f"--{name}" for name in ("format", "model", "gpus") if getattr(args, name)]:
+    elif given := [f"--{n}" for n in ("format", "model", "gpus", "seq") if getattr(args, n)]:
         raise SpecError(f"{', '.join(given)} only apply with --from")
     elif args.plan is not None:
         plan = _read_plan(args.plan)
