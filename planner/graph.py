@@ -116,6 +116,11 @@ class SegmentType:
         return sum(n.saved_bytes for n in self.nodes)
 
     @property
+    def attention_count(self) -> int:
+        """Fused attention calls (``F.scaled_dot_product_attention``) per forward."""
+        return sum(n.kind is OpKind.ATTENTION for n in self.nodes)
+
+    @property
     def param_tensor_count(self) -> int:
         """Parameter tensors: each operator's weight, and its bias."""
         return sum(1 + (n.bias_count > 0) for n in self.nodes if n.param_count)

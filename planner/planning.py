@@ -53,6 +53,7 @@ from planner.spec import (
 )
 from planner.staging import stage_problem
 from planner.tracing import trace_for_training
+from planner.tracing.ops import writes_in_place
 from planner.validate import validate_plan_for_world
 
 __all__ = [
@@ -256,24 +257,14 @@ def model_limits(
         num_kv_heads=kv_heads,
         vocab_size=handle.spec.vocab_size if handle.spec is not None else None,
         pipeline_problem=_pipeline_problem(handle, graph.seq_len),
-        context_parallel_problem=context_parallel_blocker(handle.module, _sdpa_calls(graph)),
+        context_parallel_problem=context_parallel_blocker(
+            handle.module, int(graph.total("attention_count"))
+        ),
         selective_problem=selective_recompute_blocker(graph),
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
         num_experts=graph.num_experts,
-    )
-
-
-_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv"})  # x += y, ... (fx)
-
-
-def _in_place(target: str) -> bool:
-    """Whether an operator (``aten.clamp_.default``, ``Tensor.add_``, ``iadd``) writes into
-    its first input."""
-    return any(
-        (part.endswith("_") and not part.startswith("_")) or part in _IN_PLACE_OPERATORS
-        for part in target.split(".")
     )
 
 
@@ -286,7 +277,7 @@ def selective_recompute_blocker(graph: OpGraph) -> str | None:
     for segment in graph.segments:
         nodes = {node.name: node for node in graph.segment_type(segment).nodes}
         for node in nodes.values():
-            if not _in_place(node.target) or not node.inputs:
+            if not writes_in_place(node.target) or not node.inputs:
                 continue
             source = nodes.get(node.inputs[0])
             while source is not None and source.kind is OpKind.VIEW and source.inputs:
@@ -300,14 +291,6 @@ def selective_recompute_blocker(graph: OpGraph) -> str | None:
                     "'full' or 'none'"
                 )
     return None
-
-
-def _sdpa_calls(graph: OpGraph) -> int:
-    """The ``F.scaled_dot_product_attention`` calls of one traced forward."""
-    return sum(
-        sum(node.kind is OpKind.ATTENTION for node in graph.segment_type(segment).nodes)
-        for segment in graph.segments
-    )
 
 
 def _pipeline_problem(handle: ModelHandle, seq_len: int) -> str | None:

@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 
 from planner.graph import OpKind
 
-__all__ = ["TensorRef", "RawOp", "OpCost", "VIEW_OPS", "classify", "cost_of", "is_known"]
+__all__ = [
+    "TensorRef", "RawOp", "OpCost", "VIEW_OPS", "CAST_OPS", "classify", "cost_of", "is_known",
+    "writes_in_place",
+]  # fmt: skip
 
 _MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"})
 _CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d"})
@@ -62,7 +65,8 @@ VIEW_OPS = frozenset(
      "chunk", "unbind", "t", "alias", "slice", "select", "narrow", "detach", "view_as",
      "identity", "dropout_p0", "movedim", "as_strided", "split_with_sizes"}
 )  # fmt: skip
-_CAST_OPS = frozenset({"float", "half", "bfloat16", "to", "type_as", "type", "_to_copy"})
+CAST_OPS = frozenset({"float", "half", "bfloat16", "to", "type_as", "type", "_to_copy"})
+_IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv"})  # x += y, ... (fx)
 _EMBEDDING_OPS = frozenset({"embedding"})
 # Ops whose backward needs their output (y = f(x), dy/dx from y).
 _SAVES_OUTPUT = frozenset(
@@ -189,7 +193,7 @@ def _is_view(op: RawOp) -> bool:
     if op.op in VIEW_OPS or (op.op == "dropout" and op.scalars.get("p", 0.0) == 0.0):
         return True
     inputs = op.activations
-    return op.op in _CAST_OPS and bool(inputs) and inputs[0].dtype == op.out.dtype
+    return op.op in CAST_OPS and bool(inputs) and inputs[0].dtype == op.out.dtype
 
 
 def _any_grad(refs: tuple[TensorRef, ...]) -> bool:
@@ -309,11 +313,20 @@ def _saved_by_elementwise(op: RawOp) -> tuple[tuple[TensorRef, ...], float]:
     return (), 0.0
 
 
+def writes_in_place(target: str) -> bool:
+    """Whether an operator target (``aten.clamp_.default``, ``Tensor.add_``, ``iadd``) writes
+    into its first input."""
+    return any(
+        (part.endswith("_") and not part.startswith("_")) or part in _IN_PLACE_OPERATORS
+        for part in target.split(".")
+    )
+
+
 def is_known(op: RawOp) -> bool:
     """Whether ``op`` is priced by a rule made for it (else as a plain element-wise op)."""
     known = (
         _MATMUL_OPS | _CONV_OPS | _ATTENTION_OPS | _SOFTMAX_OPS | _NORM_OPS | _LOSS_OPS
-        | _REDUCTION_OPS | VIEW_OPS | _CAST_OPS | _EMBEDDING_OPS | _SAVES_OUTPUT
+        | _REDUCTION_OPS | VIEW_OPS | CAST_OPS | _EMBEDDING_OPS | _SAVES_OUTPUT
         | _SAVES_INPUTS | _PLAIN_ELEMENTWISE | {"mul", "div", "truediv", "dropout"}
     )  # fmt: skip
     return op.op in known or "norm" in op.module_class.lower()

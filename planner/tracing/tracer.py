@@ -48,7 +48,7 @@ from planner.tracing.fx import (
     trace_export,
     trace_fx,
 )
-from planner.tracing.ops import VIEW_OPS, OpCost, RawOp, cost_of, is_known
+from planner.tracing.ops import CAST_OPS, VIEW_OPS, OpCost, RawOp, cost_of, is_known
 from planner.tracing.roles import MoEFacts, module_roles, moe_facts, role_of
 
 __all__ = [
@@ -175,7 +175,7 @@ def _run_front_ends(
 
 # Ops between an arange and a position embedding that keep one position per token: views,
 # casts and a scalar offset (Hugging Face's ``arange(...) + past_seen_tokens``)
-_POSITION_KEEPING = VIEW_OPS | {"add", "to", "long", "_to_copy"}
+_POSITION_KEEPING = VIEW_OPS | CAST_OPS | {"add", "long"}
 
 
 def _check_position_tables(traced: Traced, seq_len: int, prefix: str) -> None:
