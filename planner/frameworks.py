@@ -15,6 +15,7 @@ listed in :data:`RELEASES`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -559,6 +560,23 @@ def _torchtitan_optimizer(target: Target, strategy: Strategy, training: Training
 
 
 # Megatron-LM (megatron/training/arguments.py).
+
+MEGATRON_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by's default
+
+
+def megatron_padded_vocab(size: int, divisible_by: int, tp: int) -> int:
+    """The vocabulary Megatron-LM builds for ``--vocab-size size``: padded to a multiple of
+    ``--make-vocab-size-divisible-by x tp`` (``_vocab_size_with_padding``)."""
+    multiple = divisible_by * tp
+    return -(-size // multiple) * multiple
+
+
+def megatron_vocab_multiple(size: int, tp: int) -> int:
+    """The largest ``--make-vocab-size-divisible-by`` up to the default under which
+    Megatron-LM builds ``size`` tokens unpadded at ``tp`` (``tp`` divides ``size``, as the
+    search requires): the vocabulary the plan priced."""
+    return math.gcd(size // tp, MEGATRON_VOCAB_MULTIPLE)
+
 
 MEGATRON_HALF_REDUCTION = {  # the 2-byte gradient reduction Megatron-LM offers under each dtype
     DType.BF16: CompressionKind.BF16,

@@ -127,6 +127,7 @@ MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--num-query-groups": (1, None),
     "--max-position-embeddings": (1, None),
     "--vocab-size": (1, None),
+    "--make-vocab-size-divisible-by": (1, None),
     "--norm-epsilon": (1, None),
     "--attention-dropout": (1, None),
     "--hidden-dropout": (1, None),

@@ -105,6 +105,8 @@ def check_round_trip(plan: Plan, target: str) -> None:
     )
     if plan.strategy.pp > 1:
         assert run.stages == plan.stages
+    if framework == "megatron":  # the arguments describe the model priced (vocabulary unpadded)
+        import_config(export_plan(plan, target), model=plan.model, cluster=plan.cluster)
     if plan.strategy.zero >= 1:  # the reduction overlaps backward, as the plan was priced
         assert run.options.overlap_grad_reduce, f"{target}: the export runs it exposed"
 
@@ -136,6 +138,7 @@ def test_a_searched_llama_with_every_dimension_comes_back(target) -> None:
     training = Training(global_batch_size=64)
     plan = make_plan(_handle("llama3-8b"), cluster, training, pins=pins, target=target)
     check_round_trip(plan, target)
+    assert estimate_run(round_trip(plan, target).run) == plan.prediction
 
 
 STAGES_UNEVEN = [

@@ -26,7 +26,9 @@ interleaving is ``--num-layers-per-virtual-pipeline-stage`` when every chunk has
 layers, an uneven split ``--decoder-first/last-pipeline-num-layers`` or, with virtual
 stages, ``--pipeline-model-parallel-layout``; full recompute of the first ``k`` blocks
 per chunk is ``--recompute-method block --recompute-num-layers k``; bf16 gradient
-reduction ``--grad-reduce-in-bf16``. What Megatron-LM cannot run is refused by
+reduction ``--grad-reduce-in-bf16``; the vocabulary stays the size priced
+(``--make-vocab-size-divisible-by`` lowered where 128 x tp does not divide it, which
+Megatron-LM would pad to). What Megatron-LM cannot run is refused by
 :mod:`planner.frameworks`; here, a non-Megatron tensor-parallel layout and stage splits
 Megatron cannot place.
 """
@@ -40,7 +42,12 @@ from planner.export.common import (
     seq_len,
     zoo_layers_per_chunk,
 )
-from planner.frameworks import Target, parse_target
+from planner.frameworks import (
+    MEGATRON_VOCAB_MULTIPLE,
+    Target,
+    megatron_vocab_multiple,
+    parse_target,
+)
 from planner.parallel_dims import ParallelDims
 from planner.spec import (
     Activation,
@@ -81,7 +88,11 @@ def to_megatron(plan: Plan, target: Target | None = None) -> str:
         *_parallel_args(plan),
         *_pipeline_args(plan),
         *_batch_args(plan),
-        *(_model_args(plan.model, seq_len(plan)) if plan.model is not None else []),
+        *(
+            _model_args(plan.model, seq_len(plan), plan.strategy.tp)
+            if plan.model is not None
+            else []
+        ),
         *_recompute_args(plan),
         *_data_parallel_args(plan),
         *_precision_args(plan),
@@ -163,9 +174,9 @@ def _batch_args(plan: Plan) -> list[Arg]:
     return args
 
 
-def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
+def _model_args(spec: ModelSpec, tokens: int | None, tp: int) -> list[Arg]:
     """Network-size arguments for Megatron's GPT model built like the zoo transformer
-    (position table at least ``tokens`` long)."""
+    (position table at least ``tokens`` long, vocabulary unpadded at ``tp``)."""
     args: list[Arg] = [
         ("--num-layers", str(spec.num_layers)),
         ("--hidden-size", str(spec.hidden_size)),
@@ -183,6 +194,7 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
     args += [
         ("--max-position-embeddings", str(max(spec.seq_len, tokens or 0))),
         ("--vocab-size", str(spec.vocab_size)),
+        *_vocab_multiple_args(spec.vocab_size, tp),
         ("--norm-epsilon", repr(spec.norm_eps)),
         ("--attention-dropout", "0.0"),
         ("--hidden-dropout", "0.0"),
@@ -204,6 +216,15 @@ def _model_args(spec: ModelSpec, tokens: int | None) -> list[Arg]:
     if not spec.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights",))
     return args + (_moe_args(spec) if spec.moe else [])
+
+
+def _vocab_multiple_args(size: int, tp: int) -> list[Arg]:
+    """``--make-vocab-size-divisible-by`` where Megatron-LM's default would pad the
+    vocabulary past the ``size`` the plan priced."""
+    multiple = megatron_vocab_multiple(size, tp)
+    if multiple == MEGATRON_VOCAB_MULTIPLE:
+        return []
+    return [("--make-vocab-size-divisible-by", str(multiple))]
 
 
 def _latent_attention_args(spec: ModelSpec) -> list[Arg]:

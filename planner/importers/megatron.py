@@ -32,14 +32,19 @@ other than all-to-all).
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from planner.cost.options import RecomputeModule, SelectivePolicy
 from planner.errors import SpecError
 from planner.export.megatron import DTYPE_ARGS, SHARDING
-from planner.frameworks import KERNELS, MEGATRON_HALF_REDUCTION, Framework
+from planner.frameworks import (
+    KERNELS,
+    MEGATRON_HALF_REDUCTION,
+    MEGATRON_VOCAB_MULTIPLE,
+    Framework,
+    megatron_padded_vocab,
+)
 from planner.importers.common import (
     ImportedRun,
     Options,
@@ -104,7 +109,6 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "dynamic"}
 _LAYER_FREQ = re.compile(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?")  # "([0]*3+[1]*58)", as exported
 _DEFAULT_DROPOUT = 0.1  # Megatron-LM's --attention-dropout and --hidden-dropout
-_DEFAULT_VOCAB_MULTIPLE = 128  # --make-vocab-size-divisible-by
 _FAMILIES = {("RMSNorm", "rope"): Family.LLAMA, ("LayerNorm", "learned_absolute"): Family.GPT}
 _OPTIMIZERS = {"adam": Optimizer.ADAMW, "sgd": Optimizer.SGD}  # Megatron's adam is AdamW
 
@@ -398,12 +402,12 @@ def _padded_vocabulary(settings: Settings, tp: int, notes: list[str]) -> int:
             "instead of the network-size arguments"
         )
     size = settings.integer("--vocab-size", 1)
-    multiple = settings.integer("--make-vocab-size-divisible-by", _DEFAULT_VOCAB_MULTIPLE) * tp
-    padded = math.ceil(size / multiple) * multiple
+    divisible_by = settings.integer("--make-vocab-size-divisible-by", MEGATRON_VOCAB_MULTIPLE)
+    padded = megatron_padded_vocab(size, divisible_by, tp)
     if padded != size:
         notes.append(
             f"vocabulary {size} padded to {padded} (a multiple of --make-vocab-size-divisible-by "
-            f"x tp = {multiple}), as Megatron-LM pads it"
+            f"x tp = {divisible_by * tp}), as Megatron-LM pads it"
         )
     return padded
 
