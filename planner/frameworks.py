@@ -463,6 +463,15 @@ def _torchtitan_data_parallel(
             "so replicated weights cannot be expressed",
             "re-plan with --zero 1, 2 or 3",
         )
+    if strategy.zero == 1 and torchtitan_shards(strategy):
+        return Refusal(
+            "strategy.zero",
+            1,
+            "torchtitan has no ZeRO-1: FSDP without resharding (fsdp_reshard_after_forward = "
+            "'never') still reduce-scatters the gradients every micro-batch and keeps them "
+            "sharded, which is ZeRO-2 (less gradient memory, a reduction per micro-batch)",
+            "re-plan with --zero 2 (what torchtitan runs) or 3",
+        )
     others = strategy.tp * strategy.pp * strategy.cp
     if strategy.zero == 0 and strategy.dp > 1 and others > 1:
         return Refusal(

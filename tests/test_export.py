@@ -497,6 +497,7 @@ REFUSALS = [
     ("torchtitan==0.2", {"dp": 2, "zero": 3, "tp": 2}, {}, "strategy.sequence_parallel = False"),
     ("torchtitan", {"dp": 2, "tp": 2, "sequence_parallel": True}, {}, "strategy.zero = 0"),
     ("torchtitan", {"cp": 2}, {}, "strategy.zero = 0"),
+    ("torchtitan", {"dp": 2, "zero": 1}, {}, "strategy.zero = 1"),  # it runs ZeRO-2
     ("torchtitan", {"tp": 2, "sequence_parallel": True, "zero": 1}, {}, "training.dtype = 'bf16'"),
     ("torchtitan", {"dp": 2}, {"optimizer": Optimizer.SGD}, "training.optimizer = 'sgd'"),
     ("torchtitan", {"dp": 2, "recompute": RecomputeMode.FULL, "recompute_blocks": 1}, {},
@@ -550,7 +551,7 @@ def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
 
 
 def test_colwise_embedding_is_exported_with_a_note() -> None:
-    plan = plan_for(tp=2, sequence_parallel=True, zero=1, dp=2)
+    plan = plan_for(tp=2, sequence_parallel=True, zero=2, dp=2)
     embedding = ModuleTP(style="colwise", params={"weight": "Shard(1)"})
     layout = plan.tp_layout | {"tok_embeddings": embedding}
     text = to_torchtitan(plan.model_copy(update={"tp_layout": layout}))
@@ -721,11 +722,11 @@ def test_megatron_writes_latent_attention_and_every_block_moe() -> None:
 def test_dense_exports_carry_no_expert_settings() -> None:
     args = megatron_args(plan_for(dp=2, tp=2, zero=1, sequence_parallel=True))
     assert not {key for key in args if "expert" in key or key.startswith("--moe")}
-    assert "expert_parallel_degree" not in torchtitan_tables(plan_for(dp=2, zero=1))["parallelism"]
+    assert "expert_parallel_degree" not in torchtitan_tables(plan_for(dp=2, zero=2))["parallelism"]
 
 
 def test_torchtitan_writes_expert_parallelism_and_names_its_moe_model() -> None:
-    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=1)
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=2)
     tables = torchtitan_tables(plan)
     assert tables["parallelism"]["expert_parallel_degree"] == 8
     assert tables["parallelism"]["expert_tensor_parallel_degree"] == 1
@@ -745,7 +746,7 @@ MOE_REFUSALS = [
      "plan.model.top_k = 1"),
     ("megatron", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1},
      "strategy.sequence_parallel = False"),
-    ("torchtitan", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 1, "sequence_parallel": True},
+    ("torchtitan", TINY_MIXTRAL, {"dp": 2, "tp": 2, "ep": 4, "zero": 2, "sequence_parallel": True},
      "strategy.sequence_parallel = True"),
 ]  # fmt: skip
 
@@ -759,7 +760,7 @@ def test_refuses_experts_the_target_cannot_run(target, model, strategy, field) -
 def test_expert_parallelism_the_mesh_cannot_split_is_refused_before_any_export() -> None:
     """ep must divide dp_shard x cp x tp (torchtitan's efsdp = dp_shard * cp * tp / ep,
     Megatron's expert data-parallel groups per distributed-optimizer instance)."""
-    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=4, zero=1)
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=4, zero=2)
     hybrid = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"dp_shard": 2})})
     for target in ("torchtitan", "megatron"):
         assert export_plan(plan, target)

@@ -226,6 +226,14 @@ def test_a_plan_for_a_framework_exports_to_it(text):
     assert export_plan(plan, target.framework.value)  # the plan's own release
 
 
+def test_a_pin_the_target_refuses_names_the_refusal_and_its_fix():
+    """torchtitan has no ZeRO-1 (its "never" reshard is ZeRO-2): the search says so and
+    what to pin instead."""
+    with pytest.raises(SpecError, match=r"strategy\.zero = 1: torchtitan has no ZeRO-1.*"
+                       r"For the first: re-plan with --zero 2"):  # fmt: skip
+        _plan("llama3-8b", 16, 64, pins=Pins(zero=1), target="torchtitan")
+
+
 def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():
     pins = Pins(pp=4, tp=2, cp=1)
     free = _plan("llama3-8b", 64, 256, pins=pins)

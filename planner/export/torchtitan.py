@@ -27,8 +27,9 @@ meta device (``benchmarks/bench_exports.py``; torchtitan 0.2.2 and 0.3.0 from Py
 
 Mapping: ``dp_replicate``/``dp_shard``/``tp``/``pp``/``cp`` degrees one to one (the
 same mesh order, FSDP over ``dp_shard x cp`` as our runtime); ZeRO-3 is FSDP with
-``fsdp_reshard_after_forward = "always"``, ZeRO-1/2 without resharding (``"never"``,
-as :mod:`strategies.fsdp` runs them); ``plan.stages`` is
+``fsdp_reshard_after_forward = "always"``, ZeRO-2 without resharding (``"never"``,
+as :mod:`strategies.fsdp` runs it; torchtitan has no ZeRO-1, which
+:mod:`planner.frameworks` refuses); ``plan.stages`` is
 ``module_fqns_per_model_part``; our zero-bubble schedule runs
 ``ScheduleInterleavedZeroBubble`` over the plan's chunks in loop order, torchtitan's
 ``InterleavedZeroBubble`` (``ZBVZeroBubble`` places chunks in a V). What torchtitan

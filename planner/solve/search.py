@@ -70,6 +70,7 @@ from planner.cost.pipeline import schedule_rounds
 from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
     PLANNER,
+    Refusal,
     Target,
     blockless_chunk_refusal,
     compressed_experts_refusal,
@@ -792,13 +793,13 @@ def search(
 
 class _Restriction:
     """The target framework the search keeps to, and what it refused on the way: per
-    refused field, how many candidates and the first refusal's words."""
+    refused field, how many candidates and the first refusal (its words and fix)."""
 
     def __init__(self, target: Target | None, model: CostModel) -> None:
         self.target = target if target is not None and not target.is_planner else None
         self.training = model.training
         self.refused: Counter[str] = Counter()
-        self.example: dict[str, str] = {}
+        self.example: dict[str, Refusal] = {}
 
     def allows(self, strategy: Strategy) -> bool:
         if self.target is None:
@@ -806,12 +807,14 @@ class _Restriction:
         refusal = strategy_refusal(self.target, strategy, self.training)
         if refusal is not None:
             self.refused[refusal.field] += 1
-            self.example.setdefault(refusal.field, refusal.describe())
+            self.example.setdefault(refusal.field, refusal)
         return refusal is None
 
     def _reasons(self) -> str:
         common = self.refused.most_common(3)
-        return "; ".join(f"{self.example[field]} ({count:,} candidates)" for field, count in common)
+        return "; ".join(
+            f"{self.example[field].describe()} ({count:,} candidates)" for field, count in common
+        )
 
     def note(self) -> str:
         if self.target is None:
@@ -824,10 +827,12 @@ class _Restriction:
         )
 
     def nothing_runs(self) -> SpecError:
+        (field, _), *_ = self.refused.most_common(1)
         return SpecError(
             f"--for {self.target}: no candidate runs there; first refusals: {self._reasons()}. "
-            "Change the pins or the global batch (pure data parallelism needs one that "
-            "divides over all the GPUs), or target another framework"
+            f"For the first: {self.example[field].fix}; otherwise change the pins or the "
+            "global batch (pure data parallelism needs one that divides over all the GPUs), "
+            "or target another framework"
         )
 
 
