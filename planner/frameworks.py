@@ -88,7 +88,8 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
 # across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist);
-# DeepSpeed reduces them through buckets of its own (separate_grad_buckets). Optimizer
+# DeepSpeed reduces them through buckets of its own (separate_grad_buckets), and without
+# ZeRO its engine all-reduces them after backward (ddp_overlap off). Optimizer
 # steps: this runtime's torch.optim for-loop (strategies.runner, foreach=False),
 # torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam. Context
 # parallel attention: this runtime gathers keys and values whole
@@ -106,6 +107,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",
+        "ddp_overlap": False,
     },
 }  # fmt: skip
 

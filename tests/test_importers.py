@@ -209,6 +209,20 @@ def test_pricing_an_export_reproduces_the_plan() -> None:
     assert estimate_run(round_trip(plan, "deepspeed").run) == plan.prediction
 
 
+def test_deepspeed_without_zero_is_planned_with_its_reduction_after_backward() -> None:
+    """DeepSpeed's engine all-reduces after backward when ZeRO is off: the search prices
+    that (its config cannot ask otherwise), so the export prices as the plan did."""
+    cluster, training, pins = (
+        Cluster(gpu=GPU, num_gpus=16),
+        Training(global_batch_size=32),
+        Pins(zero=0),
+    )
+    kept = make_plan(_handle("gpt2"), cluster, training, pins=pins, target="deepspeed")
+    free = make_plan(_handle("gpt2"), cluster, training, pins=pins)
+    assert kept.prediction.breakdown_s["comm_dp"] > 3 * free.prediction.breakdown_s["comm_dp"]
+    assert estimate_run(round_trip(kept, "deepspeed").run) == kept.prediction
+
+
 # ----- formats --------------------------------------------------------------------------
 
 TOML = """

@@ -247,13 +247,15 @@ class DataParallelCost:
     def _all_reduce(
         self, nbytes: float, ranks: int, dims: ParallelDims, window: float, also_s: float = 0.0
     ) -> float:
-        """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``,
-        with ``also_s`` of other reductions sharing it."""
+        """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``
+        (none of it hidden without ``ddp_overlap``), with ``also_s`` of other reductions
+        sharing it."""
         link = self._data_link(ranks, dims)
         reduce = also_s + collective_time(Collective.ALL_REDUCE, nbytes, ranks, link)
         bucket = min(nbytes, self.options.dp_bucket_bytes)
         last = collective_time(Collective.ALL_REDUCE, bucket, ranks, link)
-        return exposed(reduce, window, last, self.options.overlap_grad_reduce)
+        overlap = self.options.overlap_grad_reduce and self.options.ddp_overlap
+        return exposed(reduce, window, last, overlap)
 
     def _reduction_times(
         self,
