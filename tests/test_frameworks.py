@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cli import main
-from planner.errors import ExportError, SpecError
+from planner.errors import ExportError, InfeasibleError, SpecError
 from planner.export import export_plan
 from planner.frameworks import (
     Framework,
@@ -232,6 +232,18 @@ def test_a_pin_the_target_refuses_names_the_refusal_and_its_fix():
     with pytest.raises(SpecError, match=r"strategy\.zero = 1: torchtitan has no ZeRO-1.*"
                        r"For the first: re-plan with --zero 2"):  # fmt: skip
         _plan("llama3-8b", 16, 64, pins=Pins(zero=1), target="torchtitan")
+
+
+def test_a_target_whose_candidates_do_not_fit_is_told_so_with_fixes_it_runs():
+    """DeepSpeed runs only data parallelism here: the search names the closest candidate
+    it runs (not a cp one), memory as the cause (not its refusals), and no fix it refuses."""
+    with pytest.raises(InfeasibleError) as info:
+        _plan("llama3-8b", 2, 4, target="deepspeed")
+    message = str(info.value)
+    assert "the closest, dp2(zero3)" in message and "no candidate runs there" not in message
+    assert (
+        "To fit: about" in message and "full recompute (which deepspeed==0.19.8 refuses)" in message
+    )
 
 
 def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():

@@ -599,7 +599,7 @@ class _Space:
                 activations = kept * in_flight
                 fitting: list[_Sharding] = []
                 floors: list[float] = []
-                lean: _Sharding | None = None
+                over: list[tuple[float, _Sharding]] = []  # (bytes needed, variant)
                 for variant in variants:
                     needed = (
                         params * variant.state_bytes_per_param
@@ -611,20 +611,30 @@ class _Space:
                         floors.append(needed)
                         continue
                     self.over_memory += 1
-                    if needed < self._leanest_bytes:
-                        lean, self._leanest_bytes = variant, needed
-                if not fitting and lean is None:
+                    over.append((needed, variant))
+                if not fitting and not over:
                     continue
                 group = _Group(
                     bound_s=work.time_s / pp * (microbatches + fill), dp=dp, tp=tp, pp=pp,
                     cp=cp, ep=ep, etp=etp, sp=sp, mbs=mbs, recompute_rank=rank, schedule=schedule,
                     virtual=virtual, shardings=tuple(fitting), floors=tuple(floors),
                 )  # fmt: skip
-                if lean is not None:
-                    self.leanest = group.point(lean)
+                self._note_leanest(group, over)
                 if fitting:
                     self.enumerated += len(fitting)
                     yield group
+
+    def _note_leanest(self, group: _Group, over: list[tuple[float, _Sharding]]) -> None:
+        """Keep the leanest of ``group``'s variants the memory bound dropped, among those
+        the target runs (what the no-fit message names)."""
+        batch = self.training.global_batch_size
+        for needed, variant in sorted(over, key=lambda item: item[0]):
+            if needed >= self._leanest_bytes:
+                return
+            point = group.point(variant)
+            if strategy_refusal(self.target, point.strategy(batch), self.training) is None:
+                self.leanest, self._leanest_bytes = point, needed
+                return
 
     def compressions(
         self, dp: int, tp: int, pp: int, cp: int, zero: int, shard: int, ep: int
@@ -773,8 +783,8 @@ def search(
     if progress is not None:
         progress(len(groups), len(groups))
     if not best:
-        if restriction.refused and not costed:
-            raise restriction.nothing_runs()
+        if restriction.refused and not costed and space.leanest is None:
+            raise restriction.nothing_runs()  # else the target runs some: memory is the cause
         raise _nothing_fits(model, space, closest)
     ranked = tuple(entry[2] for entry in sorted(best, key=lambda e: (-e[0], -e[1])))
     stats = SolverStats(
@@ -1008,13 +1018,50 @@ def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> In
             f"({limit:.0f} GiB each); use more GPUs or a GPU with more memory"
         )
     prediction = closest.prediction
-    need = prediction.peak_memory_gib
     parts = sorted(prediction.memory_gib.items(), key=lambda item: -item[1])
     dominant = ", ".join(f"{name} {gib:.1f}" for name, gib in parts[:3])
-    gpus = model.cluster.num_gpus * math.ceil(need / limit)
-    return InfeasibleError(
-        f"no strategy fits: the closest, {closest.strategy.describe()}, needs {need:.1f} GiB "
-        f"per GPU (largest terms, GiB: {dominant}) but a {model.cluster.gpu} has {limit:.0f} "
-        f"GiB. To fit: about {gpus} GPUs instead of {model.cluster.num_gpus}, or full "
-        "recompute, micro-batch 1 and ZeRO-3 if pinned otherwise, or a shorter sequence"
+    advice, rest = _fit_advice(model, closest, space.target)
+    kept = (
+        f" ({rest:.1f} GiB per GPU besides the sharded states, which more data-parallel GPUs "
+        "do not shrink)"
+        if rest >= limit
+        else ""
     )
+    return InfeasibleError(
+        f"no strategy fits: the closest, {closest.strategy.describe()}, needs "
+        f"{prediction.peak_memory_gib:.1f} GiB per GPU (largest terms, GiB: {dominant}) but a "
+        f"{model.cluster.gpu} has {limit:.0f} GiB{kept}. To fit: " + ", or ".join(advice)
+    )
+
+
+_STATE_TERMS = ("weights", "gradients", "optimizer")  # what ZeRO-3 shards over more ranks
+
+
+def _fit_advice(model: CostModel, closest: Scored, target: Target) -> tuple[list[str], float]:
+    """What would make ``closest`` fit, each a change it lacks and ``target`` runs: more
+    GPUs where sharding its states wider is enough, recompute, a smaller micro-batch,
+    ZeRO-3, model parallelism, a shorter sequence; and the GiB per GPU besides the states."""
+    prediction, strategy = closest.prediction, closest.strategy
+    limit, gpus = model.profile.memory_capacity_gib, model.cluster.num_gpus
+    need = prediction.peak_memory_gib
+    margin = need / (need - prediction.memory_gib.get("allocator_margin", 0.0))
+    states = margin * sum(prediction.memory_gib.get(term, 0.0) for term in _STATE_TERMS)
+    rest = need - states
+
+    def runs(**change: object) -> bool:
+        changed = strategy.model_copy(update=change)
+        return strategy_refusal(target, changed, model.training) is None
+
+    advice = []
+    if rest < limit:
+        advice.append(f"about {gpus * math.ceil(states / (limit - rest))} GPUs instead of {gpus}")
+    if strategy.recompute is not RecomputeMode.FULL:
+        full = runs(recompute=RecomputeMode.FULL)
+        advice.append("full recompute" if full else f"full recompute (which {target} refuses)")
+    if strategy.micro_batch_size > 1:
+        advice.append("micro-batch 1")
+    if strategy.zero < 3 and runs(zero=3):
+        advice.append("ZeRO-3")
+    if rest >= limit and runs(tp=2 * strategy.tp, sequence_parallel=True):
+        advice.append("more GPUs for tensor or pipeline parallelism")
+    return [*advice, "a shorter sequence"], rest
