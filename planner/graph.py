@@ -13,7 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["OpKind", "OpRole", "OpNode", "SegmentType", "Segment", "OpGraph"]
+from planner.dtypes import FP32_BYTES
+
+__all__ = [
+    "CROSS_ENTROPY_BYTES", "OpKind", "OpRole", "OpNode", "SegmentType", "Segment", "OpGraph",
+]  # fmt: skip
+
+# Eager F.cross_entropy of fp32 logits, (read, written) bytes per logit in the forward:
+# log_softmax reads them and writes its fp32 output (kept for backward), nll_loss reads
+# that back. Traced and formula graphs alike price the loss with it (the cast of
+# lower-precision logits to fp32 is an operator of its own).
+CROSS_ENTROPY_BYTES = (2 * FP32_BYTES, FP32_BYTES)
 
 
 class OpKind(StrEnum):

@@ -348,3 +348,32 @@ def test_a_weight_shared_by_blocks_counts_once():
     first, second, third = (graph.segment_type(s) for s in graph.blocks)
     shared = model.transformer.h[0].mlp.c_fc.weight.numel()
     assert first.param_count - second.param_count == shared and second == third
+
+
+def test_a_token_model_of_ones_own_is_priced_with_the_loss_its_step_computes(caplog):
+    """``ParallelModel.step`` computes token cross-entropy on any model's logits: a module
+    of one's own that takes token ids is traced with it (the bytes the formula graph's
+    loss moves), one that returns the last position's logits only is warned about."""
+    from planner.graph import CROSS_ENTROPY_BYTES
+    from tests.user_models import GPT, VOCAB
+
+    graph = trace(resolve_model("tests.user_models:gpt"), seq_len=16)
+    head = graph.segment_type(graph.segments[-1])
+    [loss] = [node for node in head.nodes if node.kind is OpKind.LOSS]
+    assert loss.bytes_read == 16 * VOCAB * CROSS_ENTROPY_BYTES[0]
+
+    class LastPosition(GPT):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return super().forward(idx)[:, [-1], :]
+
+    graph = trace(handle_for_module(LastPosition()), seq_len=16)
+    assert "the training loss is not priced" in caplog.text
+    assert all(n.kind is not OpKind.LOSS for s in graph.types.values() for n in s.nodes)
+
+
+def test_fp32_tables_beside_half_precision_trace_as_autocast_runs_them():
+    """fp32 rotary tables make fp32 queries beside bf16 values; autocast casts them for
+    attention at run time, and the trace does the same (meta tensors skip autocast)."""
+    graph = trace(resolve_model("tests.user_models:gpt_rotary"), seq_len=16, dtype="bf16")
+    block = graph.segment_type(graph.segments[1])
+    assert any(node.kind is OpKind.ATTENTION for node in block.nodes)

@@ -3,7 +3,9 @@
 ``gpt`` is nanoGPT's shape: one fused ``c_attn`` projection split by the full width
 (``split(n_embd)``), views with the full head count, blocks in an ``nn.ModuleList``
 inside an ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head;
-``gpt_positions`` takes ``position_ids`` (so it can run context parallel).
+``gpt_positions`` takes ``position_ids`` (so it can run context parallel); ``gpt_rotary``
+rotates queries and keys by fp32 tables made in forward, not cast back (fp32 queries
+beside half-precision values: autocast casts them for attention).
 Load them as ``--model tests.user_models:gpt``.
 """
 
@@ -114,6 +116,35 @@ class SharedGPT(GPT):
             block.mlp.c_fc.weight = first.mlp.c_fc.weight
 
 
+class RotaryAttention(CausalSelfAttention):
+    """Queries and keys times fp32 ``cos`` tables from an ``inv_freq`` buffer (a rotary
+    embedding's dtype habits; the rotation itself does not matter here)."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__(n_embd, n_head)
+        head = n_embd // n_head
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(head) / head))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        positions = torch.arange(T, device=x.device, dtype=torch.float32)
+        cos = torch.outer(positions, self.inv_freq.float()).cos()
+        y = F.scaled_dot_product_attention(q * cos, k * cos, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class RotaryGPT(GPT):
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.transformer.h:
+            block.attn = RotaryAttention(64, 4)
+
+
 def gpt() -> GPT:
     return GPT()
 
@@ -124,3 +155,7 @@ def gpt_positions() -> PositionGPT:
 
 def gpt_tied() -> GPT:
     return GPT(tied=True)
+
+
+def gpt_rotary() -> RotaryGPT:
+    return RotaryGPT()

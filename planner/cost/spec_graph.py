@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, replace
 
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
-from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
+from planner.graph import CROSS_ENTROPY_BYTES, OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.spec import Activation, DType, Family, ModelSpec
 
 __all__ = ["EAGER", "Kernels", "graph_from_spec"]
@@ -379,8 +379,11 @@ def _head(spec: ModelSpec, seq: int, e: int, kernels: Kernels) -> SegmentType:
     if spec.tied_embeddings:  # the weight belongs to tok_embeddings
         last = b.nodes[-1]
         b.nodes[-1] = OpNode(**{**last.__dict__, "param_count": 0, "param_bytes": 0.0})
-    # logits.float(), log_softmax (its fp32 output kept for backward), nll_loss
-    steps = (("cross_entropy", e + 2 * FP32_BYTES, 2 * FP32_BYTES),)
+    # logits.float() (a copy below fp32), then log_softmax (its fp32 output kept for
+    # backward) and nll_loss
+    read, written = CROSS_ENTROPY_BYTES
+    cast = (e, FP32_BYTES) if e != FP32_BYTES else (0, 0)
+    steps = (("cross_entropy", cast[0] + read, cast[1] + written),)
     b.chain("loss", OpKind.LOSS, v, steps, saved_per_element=float(FP32_BYTES))
     return SegmentType(type_id="head", kind="head", nodes=tuple(b.nodes))
 

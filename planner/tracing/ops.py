@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from planner.graph import OpKind
+from planner.graph import CROSS_ENTROPY_BYTES, OpKind
 
 __all__ = [
     "TensorRef", "RawOp", "OpCost", "VIEW_OPS", "CAST_OPS", "classify", "cost_of", "is_known",
@@ -340,4 +340,8 @@ def cost_of(op: RawOp) -> OpCost:
     if kind is OpKind.VIEW:
         return OpCost(kind, 0.0, 0.0, 0.0, 0.0, (), 0.0, None)
     saved, extra = _saved_by_elementwise(op)
+    if kind is OpKind.LOSS:  # the chain F.cross_entropy runs over the logits
+        logits = op.activations[0].numel
+        read, written = (logits * size for size in CROSS_ENTROPY_BYTES)
+        return OpCost(kind, 0.0, 0.0, float(read), float(written), saved, extra, None)
     return OpCost(kind, 0.0, 0.0, _bytes_read(op), float(op.out.nbytes), saved, extra, None)

@@ -4,9 +4,10 @@
 memory, no compute), finds the repeated blocks (:func:`planner.modules.find_blocks`), traces it with
 torch.fx (falling back to torch.export for models whose control flow defeats fx; the
 graph's ``tracer`` says which ran) and prices every operator with
-:mod:`planner.tracing.ops`. Token models (zoo transformers, Hugging Face causal LMs)
-are traced with their training loss: ``cross_entropy(logits.float(), targets)``, as
-torchtitan computes it.
+:mod:`planner.tracing.ops`. Token models (zoo transformers, Hugging Face causal LMs, and
+a module of one's own that takes only token ids) are traced with their training loss:
+``cross_entropy(logits.float(), targets)``, as torchtitan computes it and
+``ParallelModel.step`` does by default.
 
 The graph is a sequence of segments: the ops before the first block (kind
 ``embedding`` when they embed tokens), one segment per block (kind ``block``;
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
 
 from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
@@ -40,6 +43,7 @@ from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.modules import find_blocks
 from planner.spec import DType, Family, Training
+from planner.staging import logits_problem, output_logits
 from planner.torch_dtypes import TORCH_DTYPES
 from planner.tracing.fx import (
     BlockCall,
@@ -70,7 +74,9 @@ _WRAPPED = "model."  # FQN prefix of the traced model inside the loss wrapper
 
 
 class _WithLoss(nn.Module):
-    """Runs a token model and its cross-entropy loss, so the loss is traced too."""
+    """Runs a token model and its cross-entropy loss, so the loss is traced too; a
+    tuple's first item is the logits (nanoGPT's ``(logits, loss)``), as at run time
+    (:func:`planner.staging.output_logits`)."""
 
     def __init__(self, model: nn.Module, hf: bool) -> None:
         super().__init__()
@@ -82,7 +88,9 @@ class _WithLoss(nn.Module):
             logits = self.model(input_ids=tokens, use_cache=False).logits
         else:
             logits = self.model(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if isinstance(logits, tuple | list):
+            logits = logits[0]
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -145,17 +153,67 @@ def prepare_traced_module(
     # experts at their expected load, whichever device the model was built on
     kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     expected_load_experts(model, model_type=str(kind))
-    if handle.spec is None and not hf:
+    if handle.spec is None and not hf and not _trains_on_tokens(model, inputs):
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
     return _WithLoss(model, hf), (inputs[0], targets), _WRAPPED
+
+
+def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a module of one's own is a token model ``ParallelModel.step`` trains with
+    its default loss: one input, token ids (batch, seq), and logits per token out (else
+    that step refuses, :func:`planner.staging.logits_problem`, and a loss of one's own
+    goes unpriced: said in a warning)."""
+    if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
+        return False
+    with torch.no_grad(), _MetaAutocast(_parameter_dtype(model)):
+        logits = output_logits(model(*inputs))
+    problem = logits_problem(logits.shape, inputs[0].shape)
+    if problem is not None:
+        logger.warning("the training loss is not priced: %s", problem)
+    return problem is None
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """``torch.autocast``'s lower-precision casts on meta tensors, which autocast skips:
+    matmuls, attention and convolutions get their floating inputs in ``dtype``, as the
+    runtime's autocast runs them (a model mixing fp32 rotary tables into half-precision
+    queries traces as it trains). Nothing is cast for fp32."""
+
+    _LOWER = frozenset({
+        F.linear, F.scaled_dot_product_attention, F.conv1d, F.conv2d, F.conv3d, torch.matmul,
+        torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+    })  # fmt: skip
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.dtype != torch.float32 and func in self._LOWER:
+            args, kwargs = tree_map_only(torch.Tensor, self._cast, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the meta copy's floating parameters are in (the training dtype)."""
+    floating = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return next(floating, torch.float32)
 
 
 def _run_front_ends(
     root: nn.Module, inputs: tuple[torch.Tensor, ...], blocks: dict[str, nn.Module], name: str
 ) -> Traced:
     try:
-        return trace_fx(root, inputs, blocks)
+        with _MetaAutocast(_parameter_dtype(root)):
+            return trace_fx(root, inputs, blocks)
     except Exception as fx_error:  # fx fails on Python control flow: try the next tracer
         fx_reason = error_summary(fx_error)
     logger.warning(
