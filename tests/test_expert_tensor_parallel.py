@@ -133,7 +133,7 @@ def test_megatron_export_and_import_carry_etp() -> None:
     assert (read.strategy.ep, read.strategy.etp) == (2, 2)
     with pytest.raises(ExportError, match=r"strategy\.etp = 2"):
         export_plan(plan.model_copy(update={
-            "strategy": plan.strategy.model_copy(update={"sequence_parallel": False, "tp": 2})
+            "strategy": plan.strategy.model_copy(update={"sequence_parallel": False, "zero": 2})
         }), "torchtitan==0.3")  # fmt: skip
 
 

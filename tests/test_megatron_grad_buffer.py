@@ -96,7 +96,7 @@ def test_an_ep_plan_reduced_in_bf16_comes_back_from_megatron():
 def test_torchtitan_export_refuses_the_bf16_reduction():
     from tests.test_importers import TINY_MIXTRAL
 
-    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=1, compression=BF16)
+    plan = moe_plan(TINY_MIXTRAL, dp=8, ep=8, zero=2, compression=BF16)
     with pytest.raises(ExportError, match=r"strategy\.compression\.kind"):
         export_plan(plan, "torchtitan")
 
