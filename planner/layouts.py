@@ -168,7 +168,9 @@ class ModelLayouts:
         if layout is not None and not layout.shards_parameters:
             return (
                 f"the best layout at tp {tp} shards no parameter (on this cluster sharding "
-                "does not pay for this model): every rank would repeat the same work"
+                "does not pay for this model): every rank would repeat the same work; leave tp "
+                "to the search, or describe the cluster's compute and links as they are "
+                "(plan calibrate) if tp should pay"
             )
         return self._why_not.get((tp, sequence_parallel))
 

@@ -108,6 +108,7 @@ def parallelize(
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
     check_plan_layout(plan, model)
+    _check_auxiliary_loss(model, loss_fn)
     pipeline.check_split(model, plan)
     materialize.check_deferrable(model)
     source = state.weight_source(weights, model) if weights is not None else None
@@ -119,6 +120,24 @@ def parallelize(
     if source is not None:
         state.load_weights(parallel.model_state, source)
     return parallel
+
+
+def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn) -> None:
+    """Refuse the default loss for a model set to add an auxiliary load-balancing loss
+    (a Hugging Face MoE config's ``output_router_logits``): token cross-entropy alone
+    would train without it, silently."""
+    config = getattr(model, "config", None)
+    if loss_fn is not token_cross_entropy or not getattr(config, "output_router_logits", False):
+        return
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    raise SpecError(
+        "model.config.output_router_logits = True: the model adds a load-balancing loss "
+        f"(router_aux_loss_coef = {coefficient}), which the default loss (token "
+        "cross-entropy of the logits) leaves out; set config.output_router_logits = False "
+        "to train without it, or give planner.parallelize(model, plan, loss_fn=...) a loss "
+        "that adds output.aux_loss times the coefficient (pp = 1: a pipeline's last stage "
+        "sees only its own routers)"
+    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import tomllib
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -244,6 +245,19 @@ def test_a_target_whose_candidates_do_not_fit_is_told_so_with_fixes_it_runs():
     assert (
         "To fit: about" in message and "full recompute (which deepspeed==0.19.8 refuses)" in message
     )
+
+
+def test_this_runtime_never_plans_zero_bubble_over_resharded_stages():
+    """Zero-bubble over ZeRO-3 stages trained wrong here (2.5e-2 off one process in loss
+    on tiny-llama at pp 2 x dp 2; ZeRO-2 matched): refused, and the search plans around it."""
+    zero3 = Strategy(dp=2, pp=2, zero=3, schedule=Schedule.ZERO_BUBBLE, num_microbatches=4)
+    refusal = strategy_refusal(parse_target("planner"), zero3, Training(global_batch_size=8))
+    assert refusal is not None and refusal.field == "strategy.zero" and "--zero 2" in refusal.fix
+    pins = Pins(pp=2, dp=2, zero=3)
+    plan = _plan("tiny-llama", 4, 8, 16, pins=pins)
+    assert plan.strategy.schedule is not Schedule.ZERO_BUBBLE
+    with pytest.raises(SpecError, match=r"this runtime: no candidate runs there.*--zero 2"):
+        _plan("tiny-llama", 4, 8, 16, pins=replace(pins, schedule=Schedule.ZERO_BUBBLE))
 
 
 def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():

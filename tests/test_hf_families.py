@@ -157,6 +157,18 @@ def test_mixtral_experts_are_priced_at_their_real_flops(config_dirs):
     assert sum(n.kind.value == "matmul" and n.module == "mlp.experts" for n in block.nodes) == 2
 
 
+def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dirs):
+    """A config that adds the routers' auxiliary loss (output_router_logits) would train
+    without it under token cross-entropy: parallelize says so unless given a loss."""
+    handle = resolve_hf_config(config_dirs["mixtral"], device="cpu")
+    cluster = Cluster(gpu="cpu", num_gpus=1, gpus_per_node=1)
+    plan = assemble_plan(handle, cluster, TRAINING, Strategy(micro_batch_size=BATCH))
+    handle.module.config.output_router_logits = True
+    with pytest.raises(SpecError, match=r"output_router_logits = True.*loss_fn="):
+        parallelize(handle.module, plan)
+    assert parallelize(handle.module, plan, loss_fn=lambda output, targets: output.logits.sum())
+
+
 def test_meta_dispatch_leaves_models_on_other_devices_alone(config_dirs):
     meta = resolve_hf_config(config_dirs["mixtral"]).module
     cpu = resolve_hf_config(config_dirs["mixtral"], device="cpu").module

@@ -806,14 +806,12 @@ class _Restriction:
     refused field, how many candidates and the first refusal (its words and fix)."""
 
     def __init__(self, target: Target | None, model: CostModel) -> None:
-        self.target = target if target is not None and not target.is_planner else None
+        self.target = target or PLANNER
         self.training = model.training
         self.refused: Counter[str] = Counter()
         self.example: dict[str, Refusal] = {}
 
     def allows(self, strategy: Strategy) -> bool:
-        if self.target is None:
-            return True
         refusal = strategy_refusal(self.target, strategy, self.training)
         if refusal is not None:
             self.refused[refusal.field] += 1
@@ -827,7 +825,7 @@ class _Restriction:
         )
 
     def note(self) -> str:
-        if self.target is None:
+        if self.target.is_planner and not self.refused:
             return ""
         if not self.refused:
             return f"kept to {self.target}: it runs every candidate priced"
@@ -838,8 +836,9 @@ class _Restriction:
 
     def nothing_runs(self) -> SpecError:
         (field, _), *_ = self.refused.most_common(1)
+        where = "this runtime" if self.target.is_planner else f"--for {self.target}"
         return SpecError(
-            f"--for {self.target}: no candidate runs there; first refusals: {self._reasons()}. "
+            f"{where}: no candidate runs there; first refusals: {self._reasons()}. "
             f"For the first: {self.example[field].fix}; otherwise change the pins or the "
             "global batch (pure data parallelism needs one that divides over all the GPUs), "
             "or target another framework"
