@@ -29,14 +29,17 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd = n_head, n_embd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(x.size()))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -126,16 +129,11 @@ class RotaryAttention(CausalSelfAttention):
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(head) / head))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        positions = torch.arange(T, device=x.device, dtype=torch.float32)
+        q, k, v = self.heads(x)
+        positions = torch.arange(x.size(1), device=x.device, dtype=torch.float32)
         cos = torch.outer(positions, self.inv_freq.float()).cos()
         y = F.scaled_dot_product_attention(q * cos, k * cos, v, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(x.size()))
 
 
 class RotaryGPT(GPT):
