@@ -145,7 +145,7 @@ CASES = (
               recompute=SELECTIVE)),
     # 128 chunks of 126 layers: the embedding and the head each a chunk of their own
     Case("405b embedding, head alone", "llama3.1-405b", H100, 256, 512,
-         Pins(tp=8, pp=16, cp=1, zero=1, sequence_parallel=True, virtual_stages=8,
+         Pins(tp=8, pp=16, cp=1, zero=2, sequence_parallel=True, virtual_stages=8,
               schedule=Schedule.INTERLEAVED_1F1B, recompute=FULL), target="torchtitan"),
     FixedCase("mixtral ep8 fsdp", "mixtral-8x7b", H100,
               Strategy(dp=16, zero=3, ep=8, recompute=FULL)),
