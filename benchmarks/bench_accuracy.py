@@ -30,7 +30,8 @@ Per-source conventions and software facts (from each row's ``notes``):
 MoE rows (``benchmarks/data/moe_runs.csv``, described in ``benchmarks/data/README.md``)
 are reported apart: per row the predicted against the measured step time, and the
 search on the row's GPUs, global batch and sequence length, kept to Megatron-LM for
-Megatron-Core rows and to this runtime for the others (whether its plan is
+Megatron-Core rows, to torchtitan for pure-bf16 FSDP2 rows (this runtime keeps fp32
+parameters) and to this runtime for the others (whether its plan is
 predicted at least as fast as the published configuration, and whether that
 configuration lies in the search space), and how many published configurations are
 predicted to fit. Each row is priced with its framework's kernels (Megatron-Core's:
@@ -538,8 +539,16 @@ def moe_case(row: dict[str, str]) -> MoeCase:
     if skipped is not None:
         return MoeCase(label, _precision(row), None, None, skipped)
     measured = moe_measured_step(row, PRESETS[row["preset"]])
-    target = "megatron" if row["framework"].startswith(MEGATRON_FRAMEWORKS) else "planner"
-    return MoeCase(label, _precision(row), moe_config(row), measured, target=target)
+    return MoeCase(label, _precision(row), moe_config(row), measured, target=_moe_target(row))
+
+
+def _moe_target(row: dict[str, str]) -> str:
+    """The framework the row's search keeps to: Megatron-LM for Megatron-Core rows,
+    torchtitan (the torch-native stack that trains pure bf16 parameters) for pure-bf16
+    FSDP2 rows such as NeMo AutoModel's, else this runtime."""
+    if row["framework"].startswith(MEGATRON_FRAMEWORKS):
+        return "megatron"
+    return "torchtitan" if row["param_dtype"] == "bf16" else "planner"
 
 
 def load_moe_cases(path: Path) -> list[MoeCase]:
