@@ -125,9 +125,7 @@ class CostOptions(BaseModel):
     dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
     cp_attention: CpAttention = CpAttention.RING  # torch's context_parallel
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
-    ddp_overlap: bool = (
-        True  # ...ZeRO-0's all-reduce too (DeepSpeed's engine runs it after backward)
-    )
+    ddp_overlap: bool = True  # ZeRO-0's all-reduce too (DeepSpeed: after backward)
     overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute
     overlap_powersgd: bool = True  # PowerSGD's bucket reductions run during backward (not when the hook waits, as on gloo)
     tp_comm_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs
