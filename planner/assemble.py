@@ -28,7 +28,7 @@ from planner.spec import (
     Training,
 )
 from planner.staging import modules_around
-from planner.tracing import trace_for_training
+from planner.tracing import trace_for_training, traced_inputs
 from planner.validate import check_batch
 from planner.version import __version__
 
@@ -67,6 +67,7 @@ def assemble_plan(
         model_fingerprint=fingerprint(handle.module),
         model=handle.spec,
         model_source=handle.source,
+        inputs=traced_inputs(handle, training),
         cluster=cluster,
         training=training,
         strategy=strategy,

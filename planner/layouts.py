@@ -336,7 +336,7 @@ def check_plan_layout(plan: Plan, module: nn.Module) -> TPLayout | None:
     (``None`` without tensor parallelism); raises :class:`SpecError` naming the module."""
     if plan.strategy.tp == 1:
         return None
-    handle = handle_for_module(module, name=plan.model_name)
+    handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
     graph = trace_for_training(handle, plan.training)
     return plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
 

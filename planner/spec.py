@@ -56,6 +56,7 @@ __all__ = [
     "Prediction",
     "Candidate",
     "SolverStats",
+    "TracedInput",
     "Plan",
     "load_document",
     "format_validation_error",
@@ -911,6 +912,15 @@ class SolverStats(_Doc):
     notes: tuple[str, ...] = ()
 
 
+class TracedInput(_Doc):
+    """A tensor argument of a module's forward as its plan traced it (batch 1, the plan's
+    sequence length): what ``planner.parallelize`` traces the module with again when it
+    has no ``example_inputs`` of its own."""
+
+    dtype: str  # torch's name without its prefix: "int64", "float32"
+    shape: tuple[int, ...]
+
+
 class Plan(_Doc):
     """The planner's answer: a runnable strategy, where it applies, and why."""
 
@@ -920,6 +930,7 @@ class Plan(_Doc):
     model_fingerprint: str  # see planner.models.fingerprint
     model: ModelSpec | None = None  # set for zoo and spec-file models
     model_source: str = ""  # how to rebuild the model: preset name, spec path or module:function
+    inputs: tuple[TracedInput, ...] = ()  # a module of your own's traced forward arguments
     cluster: Cluster
     training: Training
     strategy: Strategy

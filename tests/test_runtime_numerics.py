@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
 
 from planner.assemble import assemble_plan
-from planner.layouts import ModelLayouts
+from planner.layouts import ModelLayouts, module_info
 from planner.models import ModelHandle, build, get_preset, handle_for_module, resolve_model
-from planner.solve.layout import Roofline
+from planner.solve.layout import LayoutConstraints, Roofline
+from planner.solve.program import solve_tp_layout
 from planner.spec import Cluster, ModuleTP, Plan, Strategy, Training
 from planner.tracing import trace_for_training
 from strategies.apply import parallelize
@@ -86,15 +87,23 @@ def _hf_llama() -> nn.Module:
 
 
 def ilp_layout(
-    model: str, *, sequence_parallel: bool = False, solved: bool = False
+    model: str, *, sequence_parallel: bool = False, solved: bool = False, whole: str = ""
 ) -> dict[str, ModuleTP]:
     """The layout ILP's answer at tp=2 on a roofline slow enough that sharding pays,
-    rehearsed on the model; ``solved`` solves a zoo model too (not Megatron's pins)."""
+    rehearsed on the model; ``solved`` solves a zoo model too (not Megatron's pins);
+    ``whole`` names a region kept whole (as the search keeps one whose code cannot run
+    on shards)."""
     handle = build_handle(model)
     tokens = handle_for_module(handle.module, name=model)
     if solved:  # the ILP's own layout, not Megatron's: a handle without the spec
         tokens = ModelHandle(model, model, tokens.module, tokens.make_inputs)
     graph = trace_for_training(tokens, Training(global_batch_size=BATCH, seq_len=SEQ))
+    if whole:
+        kept = LayoutConstraints(replicated=frozenset({whole}))
+        return solve_tp_layout(
+            graph, tp=2, pricer=SLOW, sequence_parallel=sequence_parallel,
+            info=module_info(tokens.module), constraints=kept,
+        ).modules  # fmt: skip
     layout = ModelLayouts(tokens, graph, SLOW).layout(2, sequence_parallel)
     assert layout is not None and layout.shards_anything, model
     return layout.modules
@@ -172,6 +181,7 @@ class Case:
     layout: dict[str, ModuleTP] | str | None = field(default=None, hash=False)  # "ilp[ sp]"
     optimizer: str = "adamw"
     apply_to: str | None = None  # build this model instead of the planned one
+    whole: str = ""  # a region the "ilp" layout keeps whole (ilp_layout)
     expect_error: str | None = None  # every rank must raise this before any collective
 
     def plan(self, world_size: int) -> Plan:
@@ -183,7 +193,9 @@ class Case:
         cluster = Cluster(gpu="cpu", num_gpus=world_size, gpus_per_node=world_size)
         layout = self.layout
         if isinstance(layout, str):  # solved when the case runs, not when tests are collected
-            layout = ilp_layout(self.model, sequence_parallel="sp" in layout, solved=True)
+            layout = ilp_layout(
+                self.model, sequence_parallel="sp" in layout, solved=True, whole=self.whole
+            )
         return assemble_plan(
             build_handle(self.model), cluster, training, strategy, tp_layout=layout
         )
@@ -479,6 +491,13 @@ def test_layouts_from_the_search(tmp_path: Path) -> None:
             "tiny-lm",
             _per_rank(1, tp=2),
             layout="ilp",
+        ),
+        Case(  # its last module a dropout: the region's own boundary slices the output
+            "user-gpt tp+sp, attention kept whole (ILP layout)",
+            "user-gpt",
+            _per_rank(1, tp=2, sequence_parallel=True),
+            layout="ilp sp",
+            whole="transformer.h.*.attn",
         ),
     ]
     failures = _compare(cases, run_cases(2, cases, tmp_path))

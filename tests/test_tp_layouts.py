@@ -11,20 +11,24 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from planner.assemble import assemble_plan
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.tp import megatron_assignment
 from planner.errors import PlannerError, SpecError
 from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind
-from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout
+from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout, module_info
 from planner.models import get_preset, resolve_model
 from planner.planning import make_plan
-from planner.solve.layout import Roofline
+from planner.solve.layout import LayoutConstraints, Roofline
+from planner.solve.program import solve_tp_layout
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training
 from planner.tracing import trace_for_training
 from tests.devices import write_tp_pays
+from tests.user_models import GPT
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config
@@ -164,6 +168,43 @@ def test_fused_qkv_is_gathered_before_its_split_or_replicated():
             assert layout is not None
             c_attn = layout.modules["transformer.h.*.attn.c_attn"]
             assert c_attn.style is TPStyle.REPLICATE or c_attn.output[1] == "Replicate()"
+
+
+def test_a_module_kept_whole_is_entered_whole_and_hands_on_a_sequence_shard():
+    """nanoGPT's attention ends in an ``nn.Dropout``, which holds no parameter. Kept whole
+    (its code cannot run on head shards), the region's own boundary gathers its input
+    and slices its output to the sequence shard, so sequence parallelism still runs (it
+    trains as one process: tests/test_runtime_numerics.py), and the plan's layout
+    re-derives from the plan alone at parallelize time."""
+    handle = resolve_model("tests.user_models:gpt")
+    graph = trace_for_training(handle, TRAINING)
+    kept = LayoutConstraints(replicated=frozenset({"transformer.h.*.attn"}))
+    layout = solve_tp_layout(
+        graph, tp=2, pricer=SLOW, sequence_parallel=True, info=module_info(handle.module),
+        constraints=kept,
+    )  # fmt: skip
+    attn = layout.modules["transformer.h.*.attn"]
+    assert attn.style is TPStyle.REPLICATE and attn.output == ("Replicate()", "Shard(1)")
+    strategy = Strategy(tp=2, sequence_parallel=True, micro_batch_size=8)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    plan = assemble_plan(handle, cluster, TRAINING, strategy, tp_layout=layout.modules)
+    check_plan_layout(plan, resolve_model("tests.user_models:gpt", device="cpu", seed=0).module)
+
+
+def test_a_module_without_example_inputs_is_checked_with_the_inputs_its_plan_traced(tmp_path):
+    """``planner.parallelize`` re-traces the model to check a tensor-parallel plan: a module
+    of your own that took its example inputs from its factory (no ``example_inputs``
+    method) is traced with the inputs its plan recorded."""
+    handle = resolve_model("tests.user_models:gpt")
+    cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
+    plan = make_plan(handle, cluster, TRAINING, pins=Pins(tp=2))
+    assert [(i.dtype, i.shape) for i in plan.inputs] == [("int64", (1, 16))]
+    torch.manual_seed(0)
+    bare = GPT()
+    bare.example_inputs = None  # type: ignore[assignment,method-assign]
+    check_plan_layout(plan, bare)
+    with pytest.raises(SpecError, match="without example inputs"):
+        check_plan_layout(plan.model_copy(update={"inputs": ()}), bare)
 
 
 def test_tied_hugging_face_llama_is_planned_at_tp_2(tmp_path):

@@ -1,8 +1,9 @@
 """Models the project did not write, as users bring them.
 
 ``gpt`` is nanoGPT's shape: one fused ``c_attn`` projection split by the full width
-(``split(n_embd)``), views with the full head count, blocks in an ``nn.ModuleList``
-inside an ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head;
+(``split(n_embd)``), views with the full head count, ``nn.Dropout(0.0)`` after each
+output projection (nanoGPT's default), blocks in an ``nn.ModuleList`` inside an
+``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head;
 ``gpt_positions`` takes ``position_ids`` (so it can run context parallel); ``gpt_rotary``
 rotates queries and keys by fp32 tables made in forward, not cast back (fp32 queries
 beside half-precision values: autocast casts them for attention).
@@ -26,12 +27,13 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
+        self.resid_dropout = nn.Dropout(0.0)  # nanoGPT's default dropout
         self.n_head, self.n_embd = n_head, n_embd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.heads(x)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(x.size()))
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(x.size())))
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, C = x.size()
@@ -48,9 +50,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -133,7 +136,7 @@ class RotaryAttention(CausalSelfAttention):
         positions = torch.arange(x.size(1), device=x.device, dtype=torch.float32)
         cos = torch.outer(positions, self.inv_freq.float()).cos()
         y = F.scaled_dot_product_attention(q * cos, k * cos, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(x.size()))
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(x.size())))
 
 
 class RotaryGPT(GPT):

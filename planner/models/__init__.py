@@ -13,7 +13,7 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -25,7 +25,7 @@ from planner.errors import SpecError, UnknownNameError, one_line
 from planner.models.small import MLPMixer, MLPStack, SmallCNN
 from planner.models.transformer import Block, Transformer
 from planner.presets import ALIASES, PRESETS, get_preset
-from planner.spec import ModelSpec, load_document
+from planner.spec import ModelSpec, TracedInput, load_document
 
 __all__ = [
     "ALIASES",
@@ -182,17 +182,26 @@ def is_hf_model(module: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
-def handle_for_module(module: nn.Module, *, name: str | None = None) -> ModelHandle:
+def handle_for_module(
+    module: nn.Module, *, name: str | None = None, inputs: Sequence[TracedInput] = ()
+) -> ModelHandle:
     """A handle for a module built by the caller: zoo transformers and Hugging Face causal
-    LMs take token ids, other modules need an ``example_inputs(batch_size)`` method."""
+    LMs take token ids, other modules their ``example_inputs(batch_size)`` method, else
+    the ``inputs`` their plan traced (:func:`planner.tracing.traced_inputs`)."""
     if isinstance(module, Transformer):
-        inputs = _token_inputs(module.spec.vocab_size, next(module.parameters()).device)
-        return ModelHandle(name or module.spec.name, "module", module, inputs, module.spec)
+        tokens = _token_inputs(module.spec.vocab_size, next(module.parameters()).device)
+        return ModelHandle(name or module.spec.name, "module", module, tokens, module.spec)
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
     if is_hf_model(module) and isinstance(vocab, int):
-        inputs = _token_inputs(vocab, next(module.parameters()).device)
-        return ModelHandle(name or type(module).__name__, "module", module, inputs)
-    return _from_module(name or type(module).__name__, "module", module, None)
+        tokens = _token_inputs(vocab, next(module.parameters()).device)
+        return ModelHandle(name or type(module).__name__, "module", module, tokens)
+    example = None
+    if inputs and not callable(getattr(module, "example_inputs", None)):
+        device = next(module.parameters()).device
+        example = tuple(
+            torch.zeros(i.shape, dtype=getattr(torch, i.dtype), device=device) for i in inputs
+        )
+    return _from_module(name or type(module).__name__, "module", module, example)
 
 
 def _import_function(path: str) -> Callable[[], object]:

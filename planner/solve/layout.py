@@ -261,17 +261,30 @@ def _within(module: str, region: str) -> bool:
 
 
 class _TypeModules:
-    """Per segment type: its roots and the module paths (relative) of its ports and weights."""
+    """Per segment type: its roots and the module paths (relative) of its ports and weights.
 
-    def __init__(self, graph: OpGraph, type_id: str, info: ModuleInfo | None) -> None:
+    Ports are the modules holding parameters directly, and the roots of ``replicated``
+    regions: a region kept whole is entered whole and may hand its output on sharded
+    (a slice; under sequence parallelism the residual stream after it is sharded).
+    """
+
+    def __init__(
+        self, graph: OpGraph, type_id: str, info: ModuleInfo | None, replicated: frozenset[str]
+    ) -> None:
         self.roots = [graph.module_root(s) for s in graph.segments if s.type_id == type_id]
         nodes = graph.types[type_id].nodes
+        regions = {
+            path
+            for node in nodes
+            for path in _ancestors(node.module) if node.module
+            if any(fqn_matches(r, fqn) for r in replicated for fqn in self.fqns(path))
+        }  # fmt: skip
         if info is None:
             self.weights: set[str] | None = None
-            self.ports = {n.module for n in nodes if n.param_count and n.module}
+            self.ports = {n.module for n in nodes if n.param_count and n.module} | regions
             return
         self.weights = set().union(*(_relative(info.weight_modules, r) for r in self.roots))
-        self.ports = set().union(*(_relative(info.port_modules, r) for r in self.roots))
+        self.ports = set().union(*(_relative(info.port_modules, r) for r in self.roots)) | regions
 
     def fqns(self, module: str) -> list[str]:
         return [".".join(p for p in (root, module) if p) for root in self.roots]
@@ -386,7 +399,9 @@ class _Builder:
 
     def _modules(self, type_id: str) -> _TypeModules:
         if type_id not in self._type_modules:
-            self._type_modules[type_id] = _TypeModules(self.graph, type_id, self.info)
+            self._type_modules[type_id] = _TypeModules(
+                self.graph, type_id, self.info, self.constraints.replicated
+            )
         return self._type_modules[type_id]
 
     def _ensure(self, name: str, wiring: _Wiring, type_id: str, count: int) -> None:

@@ -276,9 +276,12 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
 
     Boundary entries (blocks) need no pin: the residual stream's placement follows from
     the strategy's sequence parallelism. A ``Shard(-1)`` handed on as a DTensor to the
-    loss is the loss-parallel ``V``.
+    loss is the loss-parallel ``V``. A replicated entry for a module holding no parameter
+    directly is a region kept whole (``LayoutConstraints.replicated``).
     """
     ndims = _tensor_ndims(graph)
+    holders = {n.module for t in graph.types.values() for n in t.nodes if n.param_count}
+    replicated: set[str] = set()
     styles: dict[str, TPStyle] = {}
     inputs: dict[str, tuple[str, str]] = {}
     outputs: dict[str, tuple[str, str]] = {}
@@ -289,6 +292,8 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
             continue
         styles[fqn] = module.style
         relative = _relative_module(graph, fqn)
+        if module.style is TPStyle.REPLICATE and relative not in holders:
+            replicated.add(fqn)
         if module.input is not None:
             ndim = _ndim(ndims, relative, "input", fqn)
             arrives, runs = module.input
@@ -303,7 +308,7 @@ def constraints_from_modules(graph: OpGraph, modules: Mapping[str, ModuleTP]) ->
             handoff[fqn] = module.output_dtensor
     return LayoutConstraints(
         styles=styles, inputs=inputs, outputs=outputs, handoff=handoff,
-        loss_parallel=loss_parallel if modules else None,
+        replicated=frozenset(replicated), loss_parallel=loss_parallel if modules else None,
     )  # fmt: skip
 
 

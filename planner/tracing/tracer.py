@@ -42,7 +42,7 @@ from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.modules import find_blocks
-from planner.spec import DType, Family, Training
+from planner.spec import DType, Family, TracedInput, Training
 from planner.staging import logits_problem, output_logits
 from planner.torch_dtypes import TORCH_DTYPES
 from planner.tracing.fx import (
@@ -60,6 +60,7 @@ __all__ = [
     "trace",
     "trace_model",
     "trace_for_training",
+    "traced_inputs",
     "summarize",
     "prepare_traced_module",
 ]
@@ -486,6 +487,18 @@ def trace_for_training(handle: ModelHandle, training: Training) -> OpGraph:
     seq = training.seq_len or (handle.spec.seq_len if handle.spec else None)
     dtype = {DType.FP32: "fp32", DType.FP16: "fp16"}.get(training.dtype, "bf16")
     return trace(handle, batch_size=1, seq_len=seq, dtype=dtype)
+
+
+def traced_inputs(handle: ModelHandle, training: Training) -> tuple[TracedInput, ...]:
+    """The forward arguments :func:`trace_for_training` traces a module of the user's own
+    with, as its plan records them; none for zoo and Hugging Face models."""
+    if handle.spec is not None or is_hf_model(handle.module):
+        return ()
+    seq = training.seq_len or _default_seq_len(handle)
+    return tuple(
+        TracedInput(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+        for t in handle.make_inputs(1, seq)
+    )
 
 
 def trace_model(
