@@ -24,13 +24,14 @@ import zlib
 from collections.abc import Callable, Collection, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import SpecError
 from strategies.state import local_part
 
-__all__ = ["Init", "is_deferred", "check_deferrable", "apply", "module_seed"]
+__all__ = ["Init", "is_deferred", "check_deferrable", "check_same_weights", "apply", "module_seed"]
 
 Init = Callable[[nn.Module], None]  # sets a module's own parameters and buffers in place
 
@@ -50,6 +51,44 @@ def check_deferrable(model: nn.Module) -> None:
             f"{on_meta[0]!r} is on the meta device but {real!r} is not: build the whole model "
             "under torch.device('meta') for deferred initialisation, or on a real device"
         )
+
+
+def check_same_weights(model: nn.Module, loaded: Collection[str] = ()) -> None:
+    """Raise unless every rank built ``model`` (on a real device) with the same values.
+
+    Each rank's whole copy is what the plan cuts: a tensor replicated over ranks (a
+    module kept whole under tensor parallelism, a norm's weight) that started apart would
+    train apart without an error. Tensors named in ``loaded`` (a checkpoint sets them)
+    are not compared. One checksum per tensor is gathered from every rank.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    named = [
+        (name, t)
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if name not in loaded
+    ]
+    digests = [_checksum(t) for _, t in named]
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    for index, (name, _) in enumerate(named):
+        ranks = [
+            r for r, theirs in enumerate(gathered) if theirs and theirs[index] != digests[index]
+        ]
+        if ranks:
+            raise SpecError(
+                f"the ranks built different weights: {name!r} on rank {ranks[0]} differs from "
+                f"rank {dist.get_rank()}'s; seed every rank alike before building the model "
+                "(torch.manual_seed(seed), the same seed on every rank), or build it under "
+                "torch.device('meta') and let planner.parallelize(model, plan, seed=...) "
+                "initialise it"
+            )
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes."""
+    data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return zlib.crc32(data.numpy().data)
 
 
 def module_seed(seed: int, name: str) -> int:

@@ -38,6 +38,7 @@ from tests.test_runtime_numerics import (
     build_handle,
     parameter_digests,
 )
+from tests.user_models import GPT
 
 SEED = 7
 
@@ -249,3 +250,31 @@ def test_a_half_meta_model_is_refused() -> None:
         SpecError, match=r"'head\.weight' is on the meta device but 'embed\.weight'"
     ):
         parallelize(model, plan)
+
+
+def _built_on_the_cpu(plan_json: str, seed_per_rank: bool, rank: int) -> str:
+    """Build the user module on the CPU (seeded alike, or by rank) and parallelise it."""
+    torch.manual_seed(rank if seed_per_rank else 0)
+    model = GPT(n_layer=4)  # build_handle("user-gpt")'s model, without its seed
+    try:
+        parallelize(model, Plan.model_validate_json(plan_json))
+    except SpecError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.distributed
+def test_ranks_that_built_different_weights_are_refused(tmp_path: Path) -> None:
+    """A model built on a real device is what the plan cuts on every rank: ranks seeded
+    apart would hold different copies of what tensor parallelism keeps replicated (and
+    train them apart without an error), so they are refused, naming a tensor."""
+    strategy = Strategy(tp=2, sequence_parallel=False, micro_batch_size=BATCH)
+    plan = Case("user-gpt tp", "user-gpt", strategy.model_dump(), layout="ilp").plan(2)
+    tasks = {
+        name: functools.partial(_built_on_the_cpu, plan.to_json(), apart)
+        for name, apart in (("alike", False), ("apart", True))
+    }
+    results = run_on_ranks(2, tasks, tmp_path)
+    assert results["alike"] == ["ran", "ran"]
+    differ = "the ranks built different weights: 'transformer.wte.weight'"
+    assert all(differ in r for r in results["apart"])
