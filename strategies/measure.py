@@ -38,14 +38,13 @@ from torch.utils._pytree import tree_leaves
 
 from planner.errors import SpecError
 from planner.measured import MeasuredProfile, Provenance, plan_fingerprint, step_statistics
-from planner.models import build
 from planner.spec import Plan
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.compression import hook_states
 from strategies.mesh import device_type
 from strategies.parallel_model import ParallelModel, local_slice
-from strategies.runner import Trainer, synthetic_batch
+from strategies.runner import RunModel, Trainer, model_to_run, synthetic_batch
 
 __all__ = [
     "measure_plan",
@@ -130,17 +129,13 @@ def _forward_labels(parallel: ParallelModel) -> Iterator[None]:
 class _Batches:
     """This rank's share of the seeded synthetic global batch of each step."""
 
-    def __init__(self, plan: Plan, seed: int) -> None:
-        assert plan.model is not None
-        self.plan, self.seed = plan, seed
-        assert plan.seq_len is not None  # a plan with a model spec has one
-        self.seq_len = plan.seq_len
+    def __init__(self, plan: Plan, model: RunModel, seed: int) -> None:
+        self.plan, self.model, self.seed = plan, model, seed
         self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def __call__(self, step: int) -> tuple[torch.Tensor, ...]:
-        assert self.plan.model is not None
         tokens = synthetic_batch(
-            self.plan.model.vocab_size, self.plan.training.global_batch_size, self.seq_len,
+            self.model.vocab_size, self.plan.training.global_batch_size, self.model.seq_len,
             seed=self.seed, step=step,
         )  # fmt: skip
         return local_slice(self.plan, self.rank, *tokens)
@@ -290,10 +285,9 @@ def _run(
     plan: Plan, steps: int, warmup: int, seed: int, lr: float
 ) -> tuple[list[float], dict[str, float], float, float, str]:
     """Step times, profiled phases and their step's wall time, peak GiB and its method."""
-    assert plan.model is not None
-    model = build(plan.model, device="meta")  # each rank allocates only its shards
-    trainer = Trainer(parallelize(model, plan, seed=seed), lr=lr)
-    batches = _Batches(plan, seed)
+    model = model_to_run(plan, "plan measure")  # each rank allocates only its shards
+    trainer = Trainer(parallelize(model.module, plan, seed=seed), lr=lr)
+    batches = _Batches(plan, model, seed)
     for step in range(warmup):
         _timed_step(trainer, batches, step)
     times = [_timed_step(trainer, batches, warmup + i) for i in range(steps)]
@@ -309,11 +303,6 @@ def measure_plan(
 
     Every rank must call this; every rank returns the same profile.
     """
-    if plan.model is None:
-        raise SpecError(
-            f"plan for {plan.model_name!r} has no model spec: 'plan measure' runs zoo or "
-            "spec-file transformers"
-        )
     if steps < 1 or warmup < 0:
         raise SpecError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ __all__ = [
     "StepRecord",
     "synthetic_batch",
     "run_plan",
+    "RunModel",
+    "model_to_run",
     "process_group_from_env",
 ]
 
@@ -101,6 +104,40 @@ def _optimizer(kind: Optimizer, params: list[nn.Parameter], lr: float) -> torch.
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
 
 
+@dataclass(frozen=True)
+class RunModel:
+    """What ``plan run`` and ``plan measure`` train: the plan's model on the meta device,
+    its vocabulary and sequence length, and a Hugging Face model's ``config.json``."""
+
+    module: nn.Module
+    vocab_size: int
+    seq_len: int
+    hf_config: dict[str, Any] | None = None
+
+
+def model_to_run(plan: Plan, command: str) -> RunModel:
+    """The plan's model built again: its zoo or spec-file transformer, or the Hugging Face
+    config it was planned from (``plan.model_source``, as given to ``plan --hf-config``)."""
+    if plan.model is not None:
+        seq_len = plan.seq_len
+        assert seq_len is not None  # a plan with a model spec has one
+        return RunModel(build(plan.model, device="meta"), plan.model.vocab_size, seq_len)
+    source = plan.model_source
+    if not source or (":" in source and not Path(source).exists()):
+        raise SpecError(
+            f"plan for {plan.model_name!r} was made for a module of your own ({source!r}): "
+            f"'{command}' builds zoo and spec-file transformers and Hugging Face configs; "
+            "train it with planner.parallelize() in your own loop"
+        )
+    from planner.hf import resolve_hf_config  # transformers: only for such plans
+    from planner.tracing import default_seq_len
+
+    handle = resolve_hf_config(source, device="meta")
+    config: Any = handle.module.config
+    seq_len = plan.training.seq_len or default_seq_len(handle)
+    return RunModel(handle.module, int(config.vocab_size), seq_len, config.to_dict())
+
+
 def run_plan(
     plan: Plan,
     *,
@@ -118,16 +155,10 @@ def run_plan(
     and every ``save_every`` steps; ``resume`` first loads its latest checkpoint (saved
     under any plan) and goes on from its step, with the data the uninterrupted run sees.
     """
-    if plan.model is None:
-        raise SpecError(
-            f"plan for {plan.model_name!r} has no model spec: 'plan run' trains zoo or "
-            "spec-file transformers; call planner.parallelize() for other models"
-        )
     world = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world)  # before building a model that may not fit here
-    seq_len = plan.seq_len
-    assert seq_len is not None  # a plan with a model spec has one
-    parallel = parallelize(build(plan.model, device="meta"), plan, seed=seed)
+    model = model_to_run(plan, "plan run")
+    parallel = parallelize(model.module, plan, seed=seed)
     trainer = Trainer(parallel, lr=lr)
     start = 0
     if resume:
@@ -141,9 +172,9 @@ def run_plan(
     for step in range(start, steps):
         inputs, targets = parallel.local_batch(
             *synthetic_batch(
-                plan.model.vocab_size,
+                model.vocab_size,
                 plan.training.global_batch_size,
-                seq_len,
+                model.seq_len,
                 seed=seed,
                 step=step,
             )

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import planner
 from planner.assemble import assemble_plan
 from planner.cli import main
-from planner.errors import PlanMismatchError
+from planner.errors import PlanMismatchError, SpecError
 from planner.models import resolve_model
 from planner.spec import Cluster, Plan, RecomputeMode, Strategy, Training
 from strategies.checkpointing import recompute_block
@@ -146,3 +146,36 @@ def test_recompute_reruns_what_the_mode_says() -> None:
     assert none[attention] == 0
     assert selective[attention] == full[attention] == 4  # attention core rerun in every block
     assert none["mm"] == selective["mm"] < full["mm"]  # selective keeps the matmul outputs
+
+
+def test_plan_run_measure_and_export_a_hugging_face_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan made from a Hugging Face config trains (``plan run``), measures and exports
+    its model, built again on the meta device from ``plan.model_source``; a plan for a
+    module of your own is refused with where it trains instead."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from planner.hf import resolve_hf_config
+    from planner.planning import make_plan
+    from strategies.measure import measure_plan
+    from strategies.runner import model_to_run
+    from tests.test_hf import CONFIGS, _write
+
+    config = _write(tmp_path, "qwen2", **CONFIGS["qwen2"])
+    training = Training(global_batch_size=4, micro_batch_size=4, seq_len=16, dtype="fp32")
+    one = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    plan = make_plan(resolve_hf_config(config), one, training)
+    path, out = tmp_path / "plan.json", tmp_path / "hf-out"
+    path.write_text(plan.to_json())
+    assert main(["run", str(path), "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--export-hf", str(out)]) == 0  # fmt: skip
+    assert "exported to" in capsys.readouterr().out
+    exported, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(exported).__name__ == "Qwen2ForCausalLM" and not any(info.values())
+    measured = measure_plan(plan, steps=1, warmup=0)
+    assert measured.step_time_median_s > 0
+    user = make_plan(resolve_model("tests.user_models:gpt"), one, training)
+    with pytest.raises(SpecError, match=r"a module of your own \('tests.user_models:gpt'\)"):
+        model_to_run(user, "plan run")

@@ -4,12 +4,15 @@ Launch under torchrun for a multi-rank plan::
 
     torchrun --nproc-per-node 8 -m planner run plan.json --steps 20
 
-A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``.
+A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``. It trains
+zoo and spec-file transformers and Hugging Face configs (``plan --hf-config``, built
+again from ``plan.model_source``); a module of your own trains in your own loop.
 
 ``--checkpoint-dir D`` saves the model and optimizer to ``D`` after the last step (and
 every ``--save-every`` steps); ``--resume`` loads ``D``'s latest checkpoint first, saved
 under any plan, and trains on from its step to ``--steps``. ``--export-hf OUT`` writes
-the trained zoo Llama as a Hugging Face safetensors directory.
+the trained model as a Hugging Face safetensors directory (a zoo Llama or Mixtral under
+Hugging Face's names; a Hugging Face model as it is).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "from its step to --steps")  # fmt: skip
     parser.add_argument("--export-hf", type=Path, metavar="DIR",
                         help="after training, write the model as a Hugging Face safetensors "
-                        "directory (zoo llama models; needs --checkpoint-dir)")  # fmt: skip
+                        "directory (zoo Llama/Mixtral and Hugging Face models; needs --checkpoint-dir)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document at the end")
     parser.set_defaults(func=run)
 
@@ -100,12 +103,17 @@ def _check_checkpointing(args: argparse.Namespace, plan: Plan) -> None:
 def _export_hf(plan: Plan, checkpoint_dir: Path, out: Path, *, show: bool) -> None:
     """Write the latest checkpoint's model as a Hugging Face directory (this rank alone)."""
     from planner.models.hf_layout import hf_llama_config, hf_name
+    from strategies.runner import model_to_run
     from strategies.state import export_hf
 
-    assert plan.model is not None  # run_plan trains only plans with a model spec
-    export_hf(checkpoint_dir, out, rename=hf_name, config=hf_llama_config(plan.model))
-    if show:
+    if plan.model is None:  # a Hugging Face config's plan: saved under its own names
+        model = model_to_run(plan, "plan run --export-hf")
+        export_hf(checkpoint_dir, out, config=model.hf_config)
+        kind = type(model.module).__name__
+    else:
+        export_hf(checkpoint_dir, out, rename=hf_name, config=hf_llama_config(plan.model))
         kind = "MixtralForCausalLM" if plan.model.moe else "LlamaForCausalLM"
+    if show:
         print(f"exported to {out} (Hugging Face {kind} safetensors)")
 
 

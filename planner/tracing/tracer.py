@@ -61,6 +61,7 @@ __all__ = [
     "trace_model",
     "trace_for_training",
     "traced_inputs",
+    "default_seq_len",
     "summarize",
     "prepare_traced_module",
 ]
@@ -116,7 +117,9 @@ def _meta_inputs(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple
     )
 
 
-def _default_seq_len(handle: ModelHandle) -> int:
+def default_seq_len(handle: ModelHandle) -> int:
+    """The sequence length a model is traced at when none is given: its spec's, its
+    config's ``max_position_embeddings``, its example token ids', else 1."""
     if handle.spec is not None:
         return handle.spec.seq_len
     config = getattr(handle.module, "config", None)
@@ -460,7 +463,7 @@ def trace(
     model's own length by default); bytes are as if the model ran in ``dtype``
     ("bf16", "fp16" or "fp32"). Raises :class:`TraceError` when no tracer succeeds.
     """
-    seq = seq_len if seq_len is not None else _default_seq_len(handle)
+    seq = seq_len if seq_len is not None else default_seq_len(handle)
     _check_arguments(handle, batch_size, seq, dtype)
     root, inputs, prefix = prepare_traced_module(handle, batch_size, seq, DTYPES[dtype])
     blocks = dict(find_blocks(root))
@@ -494,7 +497,7 @@ def traced_inputs(handle: ModelHandle, training: Training) -> tuple[TracedInput,
     with, as its plan records them; none for zoo and Hugging Face models."""
     if handle.spec is not None or is_hf_model(handle.module):
         return ()
-    seq = training.seq_len or _default_seq_len(handle)
+    seq = training.seq_len or default_seq_len(handle)
     return tuple(
         TracedInput(dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
         for t in handle.make_inputs(1, seq)
