@@ -224,7 +224,7 @@ def titan_case(row: dict[str, str]) -> Case:
     }  # fmt: skip
     options = {
         "attention": "flash", "dropout": False, "fused_pointwise": "compile" in notes,
-        "tp_comm_overlap": "AsyncTP" in notes, "grad_reduce_bytes": 4, "selective": "op",
+        "tp_comm_overlap": "AsyncTP" in notes, "grad_reduce_bytes": 4,
         "sp_regather_input": False, **KERNELS[Framework.TORCHTITAN],
     }  # fmt: skip
     config = {

@@ -98,7 +98,11 @@ def megatron_layout(
         tokens, None, FIXED_STYLE_PRICER, trace=lambda: trace_for_training(tokens, training)
     )
     layout = layouts.layout(strategy.tp, strategy.sequence_parallel)
-    assert layout is not None  # Megatron's layout raises rather than give up
+    if layout is None:
+        raise SpecError(
+            f"strategy.sequence_parallel = true at tp {strategy.tp} does not run "
+            f"{handle.name!r} on this runtime: {layouts.why_not(strategy.tp, True)}"
+        )
     return layout.modules
 
 

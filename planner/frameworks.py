@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from planner.errors import SpecError
 from planner.parallel_dims import ParallelDims
 from planner.spec import (
+    Activation,
     CompressionKind,
     DType,
     Family,
@@ -89,7 +90,8 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
 # across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist);
 # DeepSpeed reduces them through buckets of its own (separate_grad_buckets), and without
-# ZeRO its engine all-reduces them after backward (ddp_overlap off). Optimizer
+# ZeRO its engine all-reduces them after backward (ddp_overlap off). torchtitan's
+# selective recompute is its per-op policy (selective_ac_option "op"). Optimizer
 # steps: this runtime's torch.optim for-loop (strategies.runner, foreach=False),
 # torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam. Context
 # parallel attention: this runtime gathers keys and values whole
@@ -99,7 +101,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.PLANNER: {
         "selective": "matmuls", "optimizer_impl": "for-loop", "cp_attention": "all-gather",
     },
-    Framework.TORCHTITAN: {"optimizer_impl": "fused"},
+    Framework.TORCHTITAN: {"selective": "op", "optimizer_impl": "fused"},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
@@ -343,7 +345,7 @@ def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
                 "plan.model.family",
                 spec.family,
                 "Megatron-LM's GPT arguments describe decoders",
-                "target torchtitan or deepspeed for an encoder",
+                "target deepspeed or planner for an encoder",
             )
         if not spec.rope_theta.is_integer():
             return Refusal(
@@ -357,14 +359,31 @@ def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
 
 def torchtitan_model(spec: ModelSpec) -> str:
     """torchtitan's model (its ``models/`` package, 0.2 and 0.3) built like ``spec``:
-    ``deepseek_v3`` for latent attention (with shared experts and leading dense blocks),
-    ``qwen3`` for grouped-query attention with routed experts only, else ``llama3``."""
+    ``deepseek_v3`` for latent attention (with shared experts and leading dense blocks);
+    ``qwen3`` for grouped-query attention with routed experts, per-head query/key norms,
+    a head dim other than hidden / heads or a head tied to the embedding (its
+    ``head_dim``, ``qk_norm`` and ``enable_weight_tying``); else ``llama3``."""
     if spec.latent_attention:
         return "deepseek_v3"
-    return "qwen3" if spec.moe else "llama3"
+    wide_heads = spec.head_dim is not None and spec.head_dim * spec.num_heads != spec.hidden_size
+    if spec.moe or spec.qk_norm or wide_heads or spec.tied_embeddings:
+        return "qwen3"
+    return "llama3"
 
 
 def _torchtitan_model(spec: ModelSpec) -> Refusal | None:
+    if spec.family is not Family.LLAMA or spec.act is not Activation.SWIGLU:
+        shape: tuple[str, object] = (
+            ("plan.model.family", spec.family)
+            if spec.family is not Family.LLAMA
+            else ("plan.model.activation", spec.act)
+        )
+        return Refusal(
+            *shape,
+            "torchtitan's models are Llama-style decoders (RMSNorm, SwiGLU, rotary positions, "
+            "no biases: llama3, qwen3, deepseek_v3)",
+            "target megatron (decoders), deepspeed or planner",
+        )
     if torchtitan_model(spec) != "qwen3":
         return None
     for field, value in (

@@ -161,9 +161,17 @@ class ModelLayouts:
 
     def why_not(self, tp: int, sequence_parallel: bool) -> str | None:
         """Why no layout at ``(tp, sequence_parallel)`` is worth running (``None``: one is):
-        none runs, or the best shards no parameter (every rank would do the same work)."""
-        if self.megatron or tp == 1:
+        none runs, or the best shards no parameter (every rank would do the same work).
+        A zoo transformer's Megatron layout runs but for sequence parallelism beside
+        routed experts, which this runtime's token dispatch cannot run on a shard."""
+        if tp == 1:
             return None
+        if self.megatron:
+            spec = self.handle.spec
+            if not (sequence_parallel and spec is not None and spec.moe):
+                return None
+            self.layout(tp, sequence_parallel)
+            return self._why_not.get((tp, sequence_parallel))
         layout = self.layout(tp, sequence_parallel)
         if layout is not None and not layout.shards_parameters:
             return (
@@ -196,7 +204,7 @@ class ModelLayouts:
             try:
                 layout = self._solve(tp, sp, constraints)
             except ShardingInfeasibleError as exc:
-                if not sp or self.megatron:
+                if not sp:
                     raise
                 self._why_not[(tp, sp)] = (
                     f"no layout keeps the residual stream sharded through every module ({exc}); "

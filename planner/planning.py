@@ -164,7 +164,9 @@ def search_plan(
     strategy = best.strategy
     # A plan only another framework runs (experts beside sequence parallelism on
     # Megatron-LM) keeps no layout of this runtime's: the target lays its layers out.
-    runs_here = strategy_refusal(PLANNER, strategy, training) is None
+    runs_here = strategy_refusal(PLANNER, strategy, training) is None and (
+        limits.layout_blocker(strategy.tp, strategy.sequence_parallel) is None
+    )
     layout = (
         layouts.layout(strategy.tp, strategy.sequence_parallel)
         if strategy.tp > 1 and runs_here

@@ -27,7 +27,7 @@ from planner.assemble import assemble_plan
 from planner.cli import main
 from planner.errors import ExportError, SpecError
 from planner.export import export_plan, to_deepspeed, to_megatron, to_torchtitan
-from planner.models import ModelHandle, resolve_model
+from planner.models import ModelHandle, get_preset, resolve_model
 from planner.planning import make_plan
 from planner.solve.search import Pins
 from planner.spec import (
@@ -548,6 +548,28 @@ def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
         to_megatron(plan.model_copy(update={"tp_layout": layout}))
     with pytest.raises(ExportError, match=r"plan\.model\.family = 'encoder'"):
         to_megatron(plan_for("bert-base", dp=2))
+
+
+def test_per_head_query_and_key_norms_export_beside_tensor_parallelism() -> None:
+    """Qwen3's q/k norms run on their heads' shard with replicated weights, as Megatron's
+    --qk-layernorm and torchtitan's qwen3 run them; a module that differs is refused
+    naming the style Megatron's layout gives it."""
+    spec = get_preset("tiny-llama").model_copy(update={"name": "tiny-qk", "qk_norm": True})
+    plan = make_plan(
+        resolve_model(spec),
+        Cluster(gpu="h100-sxm-80gb", num_gpus=2), Training(global_batch_size=8),
+        pins=Pins(tp=2), target="megatron",
+    )  # fmt: skip
+    assert plan.tp_layout["layers.*.attention.q_norm"].style in (
+        TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE,
+    )  # fmt: skip
+    assert "--qk-layernorm" in to_megatron(plan)
+    norm = plan.tp_layout["layers.*.attention.k_norm"].model_copy(update={"style": "colwise"})
+    edited = plan.model_copy(
+        update={"tp_layout": plan.tp_layout | {"layers.*.attention.k_norm": norm}}
+    )
+    with pytest.raises(ExportError, match=r"\(layers\.\*\.attention\.k_norm replicate\)"):
+        to_megatron(edited)
 
 
 def test_colwise_embedding_is_exported_with_a_note() -> None:

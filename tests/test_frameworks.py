@@ -24,7 +24,7 @@ from planner.frameworks import (
     strategy_refusal,
     torchtitan_model,
 )
-from planner.models import handle_for_module, resolve_model
+from planner.models import get_preset, handle_for_module, resolve_model
 from planner.modules import check_model_against_plan
 from planner.planning import make_plan, parallel_dimensions, preferred
 from planner.solve.search import Headroom, Pins, Scored
@@ -315,12 +315,34 @@ def test_cli_for_and_export_round(tmp_path, capsys):
     assert "--for = 'colossal': unknown framework" in capsys.readouterr().err
 
 
+def test_torchtitan_builds_llama_style_decoders_and_picks_the_one_like_the_model() -> None:
+    """torchtitan's models are llama3, qwen3 and deepseek_v3: an encoder or a GPT (LayerNorm,
+    GELU, learned positions, biases) is refused up front with the targets that build it;
+    per-head q/k norms, a head dim other than hidden / heads or a tied head make it qwen3,
+    whose flavor has them, not llama3, whose has none."""
+    for preset, family in (("bert-base", "encoder"), ("tiny-gpt", "gpt")):
+        refusal = model_refusal(parse_target("torchtitan"), get_preset(preset))
+        assert refusal is not None and (refusal.field, refusal.value) == (
+            "plan.model.family",
+            family,
+        )
+        assert "target megatron (decoders), deepspeed or planner" in refusal.fix
+    llama = get_preset("tiny-llama")
+    assert torchtitan_model(llama) == "llama3"
+    for change in ({"qk_norm": True}, {"head_dim": 32}, {"tied_embeddings": True}):
+        assert torchtitan_model(llama.model_copy(update=change)) == "qwen3", change
+    assert (
+        model_refusal(parse_target("torchtitan"), llama.model_copy(update={"qk_norm": True}))
+        is None
+    )
+
+
 @pytest.mark.slow  # the two flagship searches, about 6 s each
 @pytest.mark.parametrize(
     ("model", "gpu", "gpus", "batch", "text"),
     [
         ("gpt3-175b", "a100-sxm-80gb", 1024, 1536, "megatron"),
-        ("gpt3-175b", "a100-sxm-80gb", 1024, 1536, "torchtitan"),
+        ("llama3-70b", "a100-sxm-80gb", 1024, 1536, "torchtitan"),
         ("llama3.1-405b", "h100-sxm-80gb", 16384, 2048, "torchtitan"),
         ("llama3.1-405b", "h100-sxm-80gb", 16384, 2048, "megatron"),
     ],

@@ -360,3 +360,24 @@ def test_experts_backward_makes_one_gradient_per_grouped_weight():
     names = _backward_nodes(out)
     assert "UnbindBackward0" in names
     assert "SelectBackward0" not in names
+
+
+def test_tensor_parallel_experts_plan_without_sequence_parallelism_here() -> None:
+    """This runtime's token dispatch cannot run on a sequence shard: a zoo MoE pinned to
+    tp 2 is planned without sequence parallelism, and pinning it says why (not an ILP's
+    internal error); Megatron-LM, which routes each rank's shard, keeps it with its own
+    layout."""
+    from planner.planning import make_plan
+    from planner.solve.search import Pins
+    from planner.spec import Cluster, Training
+
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=8)
+    training = Training(global_batch_size=16, seq_len=256)
+    handle = resolve_model("tiny-moe")
+    plan = make_plan(handle, cluster, training, pins=Pins(tp=2))
+    assert plan.strategy.tp == 2 and not plan.strategy.sequence_parallel and plan.tp_layout
+    with pytest.raises(SpecError, match=r"sequence parallelism at tp\(2\): no layout keeps"):
+        make_plan(handle, cluster, training, pins=Pins(tp=2, sequence_parallel=True))
+    pins = Pins(tp=2, sequence_parallel=True, ep=1)
+    megatron = make_plan(handle, cluster, training, pins=pins, target="megatron")
+    assert megatron.strategy.sequence_parallel and not megatron.tp_layout

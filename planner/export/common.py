@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from planner.errors import ExportError
-from planner.frameworks import PLANNER, Target, model_refusal, strategy_refusal
+from planner.frameworks import Target, model_refusal, strategy_refusal
 from planner.spec import Plan, TPStyle
 
 __all__ = [
@@ -51,7 +51,12 @@ _MEGATRON_STYLES = {
     "layers.*.feed_forward.shared_experts.w2": TPStyle.ROWWISE,
     "output": TPStyle.COLWISE,
 }
-_NORMS = ("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+# norms run whole on every rank (their weights replicated), on a sequence shard or not;
+# per-head query/key norms (Qwen3's, Megatron's --qk-layernorm) on their heads' shard
+_NORMS = (
+    "layers.*.attention_norm", "layers.*.ffn_norm", "norm", "layers.*.attention.q_norm",
+    "layers.*.attention.k_norm", "layers.*.attention.kv_norm",
+)  # fmt: skip
 # Same parameter bytes per rank either way; only the collective after the lookup differs.
 _EMBEDDING_STYLES = (TPStyle.VOCAB_PARALLEL, TPStyle.COLWISE)
 
@@ -190,7 +195,7 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
     head column-parallel, norms sequence-parallel or replicated; the token embedding
     sharded on the vocabulary, or on the embedding dim (same memory, noted).
     """
-    if not plan.tp_layout and plan.model is not None and _not_for_this_runtime(plan):
+    if not plan.tp_layout and plan.model is not None:  # this runtime could not lay it out
         return [
             f"tensor-parallel layout: {target}'s own (the plan was made for {plan.target}, "
             "whose layout of the model's layers the cost model priced)"
@@ -222,11 +227,6 @@ def check_megatron_layout(plan: Plan, target: str) -> list[str]:
     return notes
 
 
-def _not_for_this_runtime(plan: Plan) -> bool:
-    """Whether this runtime refuses ``plan`` (so make_plan wrote no layout of its own)."""
-    return strategy_refusal(PLANNER, plan.strategy, plan.training) is not None
-
-
 def _required(plan: Plan) -> tuple[str, ...]:
     """Modules a Megatron layout of this model shards: the query and output projections
     and a feed-forward (dense, else the shared experts; routed experts are not split)."""
@@ -241,8 +241,9 @@ def _required(plan: Plan) -> tuple[str, ...]:
 
 
 def _layout_refusal(plan: Plan, target: str, key: str, style: TPStyle | None) -> ExportError:
+    pattern = re.sub(r"^layers\.\d+\.", "layers.*.", key)
     expected = _MEGATRON_STYLES.get(
-        re.sub(r"^layers\.\d+\.", "layers.*.", key), TPStyle.VOCAB_PARALLEL
+        pattern, TPStyle.VOCAB_PARALLEL if pattern == "tok_embeddings" else TPStyle.REPLICATE
     )
     return refuse(
         target,

@@ -51,6 +51,7 @@ from planner.export.common import (
 from planner.frameworks import (
     TORCHTITAN_OVERRIDES,
     TORCHTITAN_PARAM_DTYPES,
+    Framework,
     Target,
     parse_target,
     torchtitan_model,
@@ -85,10 +86,12 @@ def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
     mode = plan.strategy.recompute
     if mode is not RecomputeMode.NONE:
         check_recompute_blocks(plan, TARGET)
-    if mode is RecomputeMode.SELECTIVE:
+    planned = parse_target(plan.target, field="plan.target").framework
+    if mode is RecomputeMode.SELECTIVE and planned is not Framework.TORCHTITAN:
         notes.append(
-            "selective recompute: torchtitan's per-op policy keeps matmul and attention outputs "
-            "(recomputing every other matmul); the plan priced Korthikanti's selective recompute"
+            "selective recompute: torchtitan's per-op policy keeps every other matmul's "
+            f"output and attention's; the plan priced {planned.value}'s (plan --for "
+            "torchtitan prices torchtitan's)"
         )
     if plan.stages:
         notes.append(
@@ -96,10 +99,15 @@ def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
         )
     module = torchtitan_model(plan.model) if plan.model is not None else "llama3"
     if module != "llama3":
+        router = (
+            "; torchtitan takes the router's score function, normalisation and load "
+            "balancing from the flavor"
+            if plan.model is not None and plan.model.moe
+            else ""
+        )
         notes.append(
             f"model: torchtitan's {module} (0.2: [model] name; 0.3: --module {module}) with a "
-            "flavor of plan.model's sizes; torchtitan takes the router's score function, "
-            "normalisation and load balancing from the flavor"
+            f"flavor of plan.model's sizes{router}"
         )
     if target.at_least(TORCHTITAN_OVERRIDES):
         return _overrides(plan, target, notes)

@@ -544,7 +544,7 @@ class _Space:
             return False
         if sp and self.limits.sequence_blocker(tp, cp, sp) is not None:
             return False
-        return self.limits.layout_blocker(tp, sp) is None
+        return not self.target.is_planner or self.limits.layout_blocker(tp, sp) is None
 
     def variants(
         self, dp: int, tp: int, pp: int, cp: int, experts: _Experts
@@ -894,7 +894,7 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
     shape_blocker = limits.tp_blocker(pins.tp) if pins.tp is not None else None
     if shape_blocker is not None:
         reasons.append(shape_blocker)
-    elif pins.tp is not None and pins.tp > 1:
+    elif pins.tp is not None and pins.tp > 1 and space.target.is_planner:
         options = [sp for sp in (False, True) if pins.allows("sequence_parallel", sp)]
         blockers = {sp: limits.layout_blocker(pins.tp, sp) for sp in options}
         if options and all(blockers.values()):
