@@ -230,9 +230,21 @@ def test_a_plan_for_a_framework_exports_to_it(text):
 def test_a_pin_the_target_refuses_names_the_refusal_and_its_fix():
     """torchtitan has no ZeRO-1 (its "never" reshard is ZeRO-2): the search says so and
     what to pin instead."""
-    with pytest.raises(SpecError, match=r"strategy\.zero = 1: torchtitan has no ZeRO-1.*"
-                       r"For the first: re-plan with --zero 2"):  # fmt: skip
+    with pytest.raises(SpecError, match=r"the simplest is refused: strategy\.zero = 1: "
+                       r"torchtitan has no ZeRO-1.*; re-plan with --zero 2"):  # fmt: skip
         _plan("llama3-8b", 16, 64, pins=Pins(zero=1), target="torchtitan")
+
+
+def test_the_refusal_the_pins_cause_leads_however_many_others_there_are():
+    """DeepSpeed refuses tp, pp and cp in hundreds of candidates, but what leaves nothing
+    is the pinned MiCS shard group 0.19.8 no longer has: that refusal comes first."""
+    pins = Pins(zero=3, dp_shard=8)
+    with pytest.raises(
+        SpecError,
+        match=r"the simplest is refused: strategy\.dp_shard = 8: .*"
+        r"MiCS.*target deepspeed==0\.19\.6\. Refusals by count: strategy\.tp",
+    ):
+        _plan("llama3-8b", 64, 256, 2048, pins=pins, target="deepspeed==0.19.8")
 
 
 def test_a_target_whose_candidates_do_not_fit_is_told_so_with_fixes_it_runs():

@@ -371,6 +371,14 @@ def test_torchtitan_runs_each_gradient_accumulation_step_as_a_schedule() -> None
     assert bubbles[0] == pytest.approx(4 * bubbles[1])
 
 
+@pytest.mark.parametrize("release", ["torchtitan==0.2", "torchtitan==0.3"])
+def test_a_torchtitan_config_names_the_release_that_reads_it(release) -> None:
+    """0.2 reads a TOML job config, 0.3 command-line overrides: ``plan --from`` then plans
+    for the release the config was written for (and ``plan export`` writes its form)."""
+    plan = searched("tiny-llama", 8, 16, release)
+    assert round_trip(plan, release).release == release
+
+
 def test_torchtitan_03_keys_and_json_dump() -> None:
     text = TOML + "[compile]\nenable = true\n[parallelism.x]\n"
     text = text.replace(

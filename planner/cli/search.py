@@ -202,7 +202,7 @@ def _job(args: argparse.Namespace) -> _Job:
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
     run = imported.run
-    target = args.target or imported.format
+    target = args.target or imported.release or imported.format
     return _Job(resolve_model(run.model), run.cluster, run.training, run.options, target, imported)
 
 

@@ -66,6 +66,7 @@ class ImportedRun:
     used: tuple[str, ...]
     not_read: tuple[str, ...]
     notes: tuple[str, ...]
+    release: str = ""  # the release that reads this config (torchtitan==0.2 for TOML), if told
 
     def describe(self) -> list[str]:
         """The lines ``plan estimate --from`` prints before its table."""
@@ -446,6 +447,7 @@ def build_run(
     options: dict[str, Any],
     stages: Sequence[Sequence[str]] = (),
     notes: Sequence[str] = (),
+    release: str = "",
 ) -> ImportedRun:
     """The :class:`ImportedRun`, checked as ``plan estimate`` checks a run config."""
     data = {
@@ -460,6 +462,7 @@ def build_run(
     return ImportedRun(
         format=format, source=settings.source, detected=detected, run=run,
         used=tuple(k for k in settings.values if k in settings.used), not_read=tuple(settings.not_read()), notes=tuple(notes),
+        release=release,
     )  # fmt: skip
 
 

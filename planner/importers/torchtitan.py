@@ -157,9 +157,13 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     }  # fmt: skip
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
     cost |= _expert_dispatch(settings, strategy["ep"]) | rounds
+    # 0.2 reads a TOML job config; 0.3 its command-line overrides (or writes the JSON dump)
+    toml = not text.lstrip().startswith("{") and not looks_like_command(text)
+    release = f"{FORMAT}=={'0.2' if toml and not release_03 else '0.3'}"
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
         training=training, strategy=strategy, options=cost, stages=stages, notes=notes,
+        release=release,
     )  # fmt: skip
 
 

@@ -810,12 +810,16 @@ class _Restriction:
         self.training = model.training
         self.refused: Counter[str] = Counter()
         self.example: dict[str, Refusal] = {}
+        self.simplest: tuple[int, Refusal] | None = None  # (model-parallel axes, refusal)
 
     def allows(self, strategy: Strategy) -> bool:
         refusal = strategy_refusal(self.target, strategy, self.training)
         if refusal is not None:
             self.refused[refusal.field] += 1
             self.example.setdefault(refusal.field, refusal)
+            axes = sum(d > 1 for d in (strategy.tp, strategy.pp, strategy.cp, strategy.ep))
+            if self.simplest is None or axes < self.simplest[0]:
+                self.simplest = (axes, refusal)
         return refusal is None
 
     def _reasons(self) -> str:
@@ -835,13 +839,16 @@ class _Restriction:
         )
 
     def nothing_runs(self) -> SpecError:
-        (field, _), *_ = self.refused.most_common(1)
+        """No candidate runs: the refusal of the one with the fewest model-parallel axes
+        first (what the pins or the batch cause), then the most frequent."""
+        assert self.simplest is not None  # something was refused
+        simplest = self.simplest[1]
         where = "this runtime" if self.target.is_planner else f"--for {self.target}"
         return SpecError(
-            f"{where}: no candidate runs there; first refusals: {self._reasons()}. "
-            f"For the first: {self.example[field].fix}; otherwise change the pins or the "
-            "global batch (pure data parallelism needs one that divides over all the GPUs), "
-            "or target another framework"
+            f"{where}: no candidate runs there; the simplest is refused: "
+            f"{simplest.describe()}; {simplest.fix}. Refusals by count: {self._reasons()}; "
+            "otherwise change the pins or the global batch (pure data parallelism needs one "
+            "that divides over all the GPUs), or target another framework"
         )
 
 
