@@ -326,3 +326,20 @@ def test_documents_in_files_refuse_nan_and_bad_bytes(tmp_path: Path):
         load_document(ModelSpec, path)
     with pytest.raises(SpecError, match="it is a directory"):
         load_document(ModelSpec, tmp_path)
+
+
+def test_a_hugging_face_config_given_as_a_model_spec_names_the_option_that_takes_it(tmp_path):
+    """Not every ModelSpec field it lacks: it is a Hugging Face config, which --hf-config
+    takes (as --model of plan, plan estimate --from and planner.resolve_model)."""
+    from planner.importers import import_config
+    from planner.models import resolve_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    with pytest.raises(
+        SpecError, match=r"is a Hugging Face config \(model_type 'qwen2'\).*--hf-config"
+    ):
+        resolve_model(str(path))
+    toml = '[model]\nname = "llama3"\nflavor = "8B"\n'
+    with pytest.raises(SpecError, match=r"model_type 'qwen2'"):
+        import_config(toml, model=str(path), cluster="h100-sxm-80gb", gpus=8)

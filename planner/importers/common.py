@@ -23,7 +23,7 @@ from planner.cost.run import RunConfig
 from planner.cost.spec_graph import graph_from_spec
 from planner.errors import SpecError
 from planner.presets import PRESETS, get_preset
-from planner.spec import Cluster, Family, ModelSpec, Strategy, load_document
+from planner.spec import Cluster, Family, ModelSpec, Strategy, load_model_spec
 
 __all__ = [
     "ImportedRun",
@@ -112,7 +112,7 @@ def _model_option(model: str | Path | ModelSpec | None) -> ModelSpec | None:
         return model
     text = str(model)
     if isinstance(model, Path) or text.endswith(".json") or Path(text).is_file():
-        return load_document(ModelSpec, Path(text))
+        return load_model_spec(text)
     if ":" in text:
         raise SpecError(
             f"--model {text!r}: an imported config is priced on a model spec; a module:function "

@@ -25,7 +25,7 @@ from planner.errors import SpecError, UnknownNameError, one_line
 from planner.models.small import MLPMixer, MLPStack, SmallCNN
 from planner.models.transformer import Block, Transformer
 from planner.presets import ALIASES, PRESETS, get_preset
-from planner.spec import ModelSpec, TracedInput, load_document
+from planner.spec import ModelSpec, TracedInput, load_model_spec
 
 __all__ = [
     "ALIASES",
@@ -271,7 +271,7 @@ def resolve_model(
             )
         return _from_module(source.rpartition(":")[2], source, module, inputs)
     if source.endswith(".json"):
-        spec = load_document(ModelSpec, Path(source))
+        spec = load_model_spec(source)
     elif source in SMALL_MODELS:
         with torch.device(device):
             if seed is not None:
