@@ -207,9 +207,8 @@ class ModelLayouts:
                 if not sp:
                     raise
                 self._why_not[(tp, sp)] = (
-                    f"no layout keeps the residual stream sharded through every module ({exc}); "
-                    "run without sequence parallelism (--no-sequence-parallel; "
-                    "Pins(sequence_parallel=False))"
+                    "no layout keeps the residual stream sharded through every module "
+                    f"({exc}); {_WITHOUT_SP}"
                 )
                 return None
             failure = rehearse(self.handle, self.graph, layout.modules, tp=tp)
@@ -242,7 +241,9 @@ class ModelLayouts:
         """Sequence parallelism is not offered; without it, everything stays whole."""
         reason = failure.describe() if failure else f"{MAX_ATTEMPTS} regions failed on shards"
         if sp:
-            self._why_not[(tp, sp)] = f"the model's code does not run on sequence shards ({reason})"
+            self._why_not[(tp, sp)] = (
+                f"the model's code does not run on sequence shards ({reason}); {_WITHOUT_SP}"
+            )
             return None
         log.warning("tp %d: %s; every module stays whole (TP shards nothing)", tp, reason)
         whole = replace(constraints, replicated=frozenset({"*"}))  # "*": every top-level module
@@ -266,6 +267,11 @@ class ModelLayouts:
             if fqn and fqn not in blocks and not any(r.startswith(fqn + ".") for r in blocks):
                 return fqn
         return None
+
+
+_WITHOUT_SP = (
+    "run without sequence parallelism (--no-sequence-parallel; Pins(sequence_parallel=False))"
+)
 
 
 def _execution_order(graph: OpGraph) -> dict[str, int]:

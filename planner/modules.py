@@ -203,6 +203,8 @@ def context_parallel_blocker(module: nn.Module, sdpa_calls: int | None = None) -
     global positions of the local tokens; a Hugging Face model must use its ``sdpa``
     attention, without an ALiBi bias or a binding sliding window.
     """
+    if is_hf_model(module):
+        return _hf_attention_blocker(module, sdpa_calls)
     if sdpa_calls is not None and (problem := sdpa_blocker(sdpa_calls)) is not None:
         return problem
     parameters = _forward_parameters(module)
@@ -212,15 +214,26 @@ def context_parallel_blocker(module: nn.Module, sdpa_calls: int | None = None) -
             "would restart on every cp rank; add a position_ids argument (the global "
             "positions of the tokens, (batch, seq)) or use cp = 1"
         )
-    if not is_hf_model(module):
-        return None
+    return None
+
+
+def _hf_attention_blocker(module: nn.Module, sdpa_calls: int | None) -> str | None:
+    """Why context parallel cannot run a Hugging Face model's attention, or ``None``."""
     config = module.config
     attention = getattr(config, "_attn_implementation", None)
     if attention != "sdpa":
+        if not getattr(type(module), "_supports_sdpa", True):
+            return (
+                f"its attention implementation is {attention!r}: {config.model_type} has no "
+                "SDPA attention in this transformers release, and context parallel gathers "
+                "keys at scaled_dot_product_attention; use cp = 1"
+            )
         return (
             f"its attention implementation is {attention!r}; context parallel gathers keys "
             "at scaled_dot_product_attention: load it with attn_implementation='sdpa' or use cp = 1"
         )
+    if sdpa_calls is not None and (problem := sdpa_blocker(sdpa_calls)) is not None:
+        return problem
     if getattr(config, "alibi", False):
         return (
             "its attention adds an ALiBi bias (config.alibi) as an explicit mask, and "

@@ -168,6 +168,21 @@ def test_an_alibi_model_gets_no_context_parallel_plan(tmp_path: Path) -> None:
         make_plan(handle, CLUSTER, TRAINING, pins=Pins(cp=2))
 
 
+def test_a_model_without_sdpa_attention_is_told_to_use_cp_1(tmp_path: Path) -> None:
+    """Gemma2 has no SDPA attention in transformers (it is built eager): the refusal says
+    so, not to load it with attn_implementation='sdpa', which transformers refuses."""
+    pytest.importorskip("transformers")
+    from planner.hf import resolve_hf_config
+
+    config = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "vocab_size": 256}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    handle = resolve_hf_config(tmp_path)
+    with pytest.raises(SpecError, match=r"gemma2 has no SDPA attention .*; use cp = 1"):
+        make_plan(handle, CLUSTER, TRAINING, pins=Pins(cp=2))
+
+
 # --- refusals at runtime ----------------------------------------------------------------
 
 
