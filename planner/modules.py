@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 
@@ -219,7 +219,7 @@ def context_parallel_blocker(module: nn.Module, sdpa_calls: int | None = None) -
 
 def _hf_attention_blocker(module: nn.Module, sdpa_calls: int | None) -> str | None:
     """Why context parallel cannot run a Hugging Face model's attention, or ``None``."""
-    config = module.config
+    config: Any = module.config
     attention = getattr(config, "_attn_implementation", None)
     if attention != "sdpa":
         if not getattr(type(module), "_supports_sdpa", True):
