@@ -973,18 +973,15 @@ DocT = TypeVar("DocT", bound=BaseModel)
 def load_model_spec(path: str | Path) -> ModelSpec:
     """A ModelSpec JSON file; a Hugging Face ``config.json`` given instead is refused naming
     the option that takes it (not every ModelSpec field it lacks)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        data = None  # load_document names what is wrong with the file
+    data = read_json(path, what="ModelSpec file")
     if isinstance(data, dict) and "model_type" in data:
         raise SpecError(
-            f"model {path!r} is a Hugging Face config (model_type {data['model_type']!r}), "
-            "not a ModelSpec file: plan it with --hf-config (plan, plan trace; "
-            "planner.resolve_hf_config); --model takes a preset, a ModelSpec JSON or "
-            "module:function"
+            f"model {str(path)!r} is a Hugging Face config (model_type "
+            f"{data['model_type']!r}), not a ModelSpec file: plan it with --hf-config (plan, "
+            "plan trace; planner.resolve_hf_config); --model takes a preset, a ModelSpec JSON "
+            "or module:function"
         )
-    return load_document(ModelSpec, Path(path))
+    return load_document(ModelSpec, data, str(path))
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:
