@@ -4,7 +4,8 @@ Operators offer strategies (:mod:`planner.solve.placements`); they run on local
 tensors, so along an edge between two operators the placement never changes, forward
 or backward. Placements change only where the runtime can redistribute a DTensor: at
 the boundary of a module that holds parameters (an ``nn.Linear``, an embedding, a
-norm) and at a block's input or output. Each such boundary is a *conversion node*
+norm) or of a region kept whole (``LayoutConstraints.replicated``), and at a block's
+input or output. Each such boundary is a *conversion node*
 whose strategies are the redistributions DTensor performs there:
 
 - ``a>b``: the tensor arrives placed ``a`` and leaves placed ``b`` as a local tensor
@@ -273,12 +274,13 @@ class _TypeModules:
     ) -> None:
         self.roots = [graph.module_root(s) for s in graph.segments if s.type_id == type_id]
         nodes = graph.types[type_id].nodes
+        modules = {node.module for node in nodes if node.module}
         regions = {
             path
-            for node in nodes
-            for path in _ancestors(node.module) if node.module
-            if any(fqn_matches(r, fqn) for r in replicated for fqn in self.fqns(path))
-        }  # fmt: skip
+            for module in modules
+            for path in _ancestors(module)
+            if any(fqn_matches(region, fqn) for region in replicated for fqn in self.fqns(path))
+        }
         if info is None:
             self.weights: set[str] | None = None
             self.ports = {n.module for n in nodes if n.param_count and n.module} | regions
