@@ -365,25 +365,25 @@ def torchtitan_model(spec: ModelSpec) -> str:
     ``head_dim``, ``qk_norm`` and ``enable_weight_tying``); else ``llama3``."""
     if spec.latent_attention:
         return "deepseek_v3"
-    wide_heads = spec.head_dim is not None and spec.head_dim * spec.num_heads != spec.hidden_size
+    wide_heads = spec.head_size * spec.num_heads != spec.hidden_size
     if spec.moe or spec.qk_norm or wide_heads or spec.tied_embeddings:
         return "qwen3"
     return "llama3"
 
 
 def _torchtitan_model(spec: ModelSpec) -> Refusal | None:
-    if spec.family is not Family.LLAMA or spec.act is not Activation.SWIGLU:
-        shape: tuple[str, object] = (
-            ("plan.model.family", spec.family)
-            if spec.family is not Family.LLAMA
-            else ("plan.model.activation", spec.act)
-        )
-        return Refusal(
-            *shape,
-            "torchtitan's models are Llama-style decoders (RMSNorm, SwiGLU, rotary positions, "
-            "no biases: llama3, qwen3, deepseek_v3)",
-            "target megatron (decoders), deepspeed or planner",
-        )
+    for name, shown, llama_style in (
+        ("plan.model.family", spec.family, spec.family is Family.LLAMA),
+        ("plan.model.activation", spec.act, spec.act is Activation.SWIGLU),
+    ):
+        if not llama_style:
+            return Refusal(
+                name,
+                shown,
+                "torchtitan's models are Llama-style decoders (RMSNorm, SwiGLU, rotary "
+                "positions, no biases: llama3, qwen3, deepseek_v3)",
+                "target megatron (decoders), deepspeed or planner",
+            )
     if torchtitan_model(spec) != "qwen3":
         return None
     for field, value in (

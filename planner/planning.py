@@ -373,11 +373,6 @@ def _check_target(target: Target | str, handle: ModelHandle, training: Training)
     return target
 
 
-def parallel_dimensions(strategy: Strategy) -> int:
-    """How many of dp, tp, pp and cp are larger than 1."""
-    return sum(degree > 1 for degree in (strategy.dp, strategy.tp, strategy.pp, strategy.cp))
-
-
 def _free_gib(scored: Scored) -> float:
     return scored.prediction.memory_limit_gib - scored.prediction.peak_memory_gib
 
@@ -392,7 +387,7 @@ def preferred(ranked: Sequence[Scored], tolerance: float = TOLERANCE) -> Scored:
     ties = [scored for scored in ranked if scored.prediction.step_time_s <= limit]
     return min(
         ties,
-        key=lambda s: (parallel_dimensions(s.strategy), -_free_gib(s), s.prediction.step_time_s),
+        key=lambda s: (s.strategy.parallel_dimensions, -_free_gib(s), s.prediction.step_time_s),
     )
 
 
@@ -439,7 +434,7 @@ def _share(fraction: float) -> str:
 
 def _tie_break(other: Scored, best: Scored) -> str:
     """What :func:`preferred` held against ``other``, a near tie of ``best``."""
-    dims = parallel_dimensions(other.strategy), parallel_dimensions(best.strategy)
+    dims = other.strategy.parallel_dimensions, best.strategy.parallel_dimensions
     if dims[0] != dims[1]:
         return f"{dims[0]} parallel dimensions, not {dims[1]}"
     free = _free_gib(other), _free_gib(best)

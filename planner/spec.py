@@ -769,6 +769,11 @@ class Strategy(_Doc):
         return self.dp * self.tp * self.pp * self.cp
 
     @property
+    def parallel_dimensions(self) -> int:
+        """How many of dp, tp, pp and cp are larger than 1."""
+        return sum(degree > 1 for degree in (self.dp, self.tp, self.pp, self.cp))
+
+    @property
     def num_stages(self) -> int:
         """Pipeline model chunks in total (pp ranks times virtual stages)."""
         return self.pp * self.virtual_stages

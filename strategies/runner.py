@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import SpecError
-from planner.models import build
+from planner.models import build, is_import_path
 from planner.spec import Optimizer, Plan
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
@@ -123,7 +123,7 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
         assert seq_len is not None  # a plan with a model spec has one
         return RunModel(build(plan.model, device="meta"), plan.model.vocab_size, seq_len)
     source = plan.model_source
-    if not source or (":" in source and not Path(source).exists()):
+    if not source or is_import_path(source):
         raise SpecError(
             f"plan for {plan.model_name!r} was made for a module of your own ({source!r}): "
             f"'{command}' builds zoo and spec-file transformers and Hugging Face configs; "

@@ -26,7 +26,7 @@ from planner.frameworks import (
 )
 from planner.models import get_preset, handle_for_module, resolve_model
 from planner.modules import check_model_against_plan
-from planner.planning import make_plan, parallel_dimensions, preferred
+from planner.planning import make_plan, preferred
 from planner.solve.search import Headroom, Pins, Scored
 from planner.spec import (
     Cluster,
@@ -386,7 +386,7 @@ def test_near_ties_prefer_fewer_dimensions_then_free_memory():
     roomier = _scored(10.08, 40.0, dp=8, tp=2)
     far = _scored(10.5, 10.0, dp=16)
     ranked = [fastest, fewer_dims, roomier, far]
-    assert parallel_dimensions(fastest.strategy) == 3
+    assert fastest.strategy.parallel_dimensions == 3
     assert preferred(ranked, 0.01) is roomier  # 2 dims, most free memory within 1%
     assert preferred(ranked, 0.0) is fastest
     assert preferred(ranked, 0.06) is far  # one dimension

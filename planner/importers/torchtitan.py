@@ -124,7 +124,7 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
 def read_torchtitan(text: str, source: str, detected: str, options: Options) -> ImportedRun:
     """The run ``text`` (a torchtitan TOML job config, or 0.3's overrides or JSON dump)
     describes, completed by ``options``."""
-    settings, notes = _settings(text, source)
+    settings, notes, toml = _settings(text, source)
     settings.check_unpriced(_UNPRICED)
     release_03 = any(_RELEASE_03.match(key) for key in settings.values)
     if release_03:
@@ -158,7 +158,6 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     cost = _cost_options(settings, tp) | ({"selective": policy} if policy else {})
     cost |= _expert_dispatch(settings, strategy["ep"]) | rounds
     # 0.2 reads a TOML job config; 0.3 its command-line overrides (or writes the JSON dump)
-    toml = not text.lstrip().startswith("{") and not looks_like_command(text)
     release = f"{FORMAT}=={'0.2' if toml and not release_03 else '0.3'}"
     return build_run(
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
@@ -167,18 +166,18 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     )  # fmt: skip
 
 
-def _settings(text: str, source: str) -> tuple[Settings, list[str]]:
+def _settings(text: str, source: str) -> tuple[Settings, list[str], bool]:
     """The job config's keys (TOML, torchtitan 0.3's JSON dump or its command-line
-    overrides) and notes on what they were completed with."""
+    overrides), notes on what they were completed with, and whether it was TOML."""
     if text.lstrip().startswith("{"):
         data = parse_json(text, source, what="torchtitan job config")
         if not isinstance(data, dict):
             raise SpecError(f"cannot read {source}: a torchtitan job config is a JSON object")
-        return Settings.nested(data, source), []
+        return Settings.nested(data, source), [], False
     if looks_like_command(text):
-        return _overrides(text, source)
+        return *_overrides(text, source), False
     try:
-        return Settings.nested(tomllib.loads(text), source), []
+        return Settings.nested(tomllib.loads(text), source), [], True
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"cannot read {source}: not TOML ({exc})") from None
 

@@ -37,6 +37,7 @@ __all__ = [
     "build",
     "get_preset",
     "handle_for_module",
+    "is_import_path",
     "list_models",
     "resolve_model",
     "fingerprint",
@@ -182,6 +183,11 @@ def is_hf_model(module: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
 
 
+def is_import_path(source: str) -> bool:
+    """Whether a model source names a ``module:function`` (not a file)."""
+    return ":" in source and not Path(source).exists()
+
+
 def handle_for_module(
     module: nn.Module, *, name: str | None = None, inputs: Sequence[TracedInput] = ()
 ) -> ModelHandle:
@@ -259,7 +265,7 @@ def resolve_model(
     if isinstance(source, ModelSpec):
         spec = source if seq_len is None else source.with_seq_len(seq_len)
         return _from_spec(spec, spec.name, device, seed)
-    if ":" in source and not Path(source).exists():
+    if is_import_path(source):
         with torch.device(device):
             if seed is not None:
                 torch.manual_seed(seed)

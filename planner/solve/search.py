@@ -810,16 +810,16 @@ class _Restriction:
         self.training = model.training
         self.refused: Counter[str] = Counter()
         self.example: dict[str, Refusal] = {}
-        self.simplest: tuple[int, Refusal] | None = None  # (model-parallel axes, refusal)
+        self.simplest: tuple[int, Refusal] | None = None  # (parallel dimensions, refusal)
 
     def allows(self, strategy: Strategy) -> bool:
         refusal = strategy_refusal(self.target, strategy, self.training)
         if refusal is not None:
             self.refused[refusal.field] += 1
             self.example.setdefault(refusal.field, refusal)
-            axes = sum(d > 1 for d in (strategy.tp, strategy.pp, strategy.cp, strategy.ep))
-            if self.simplest is None or axes < self.simplest[0]:
-                self.simplest = (axes, refusal)
+            dimensions = strategy.parallel_dimensions
+            if self.simplest is None or dimensions < self.simplest[0]:
+                self.simplest = (dimensions, refusal)
         return refusal is None
 
     def _reasons(self) -> str:
@@ -839,7 +839,7 @@ class _Restriction:
         )
 
     def nothing_runs(self) -> SpecError:
-        """No candidate runs: the refusal of the one with the fewest model-parallel axes
+        """No candidate runs: the refusal of the one with the fewest parallel dimensions
         first (what the pins or the batch cause), then the most frequent."""
         assert self.simplest is not None  # something was refused
         simplest = self.simplest[1]
