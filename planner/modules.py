@@ -21,6 +21,7 @@ from planner.frameworks import PLANNER, Target, blockless_chunk_refusal
 from planner.models import fingerprint, is_hf_model
 from planner.models.moe import is_experts
 from planner.spec import ModuleTP, Plan, shard_dim
+from planner.torch_dtypes import TORCH_DTYPES, dtype_name
 from planner.validate import check_experts, check_heads, check_replication
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "sdpa_blocker",
     "expand_layout",
     "check_model_against_plan",
+    "check_parameter_dtype",
     "module_experts",
 ]
 
@@ -123,6 +125,31 @@ def check_model_against_plan(
     if plan.strategy.ep > 1:
         check_experts(plan, module_experts(module))
     return expanded
+
+
+def check_parameter_dtype(plan: Plan, module: nn.Module) -> None:
+    """Raise if ``module``'s floating-point parameters are not in the dtype the plan keeps
+    them in (``plan.training.param_dtype``; this runtime computes in ``training.dtype``
+    under FSDP2's mixed precision or autocast): a bf16 model given to an fp32-parameter
+    plan would train in pure bf16, its optimizer states too, unlike what was priced."""
+    expected = TORCH_DTYPES[plan.training.param_dtype]
+    wrong = [
+        (name, param.dtype)
+        for name, param in module.named_parameters()
+        if param.is_floating_point() and param.dtype != expected
+    ]
+    if not wrong:
+        return
+    name, dtype = wrong[0]
+    others = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    torch_name = str(expected).removeprefix("torch.")
+    raise SpecError(
+        f"parameter {name!r}{others} is {dtype_name(dtype)}, but plan.training.param_dtype = "
+        f"{plan.training.param_dtype.value!r}: this runtime keeps {dtype_name(expected)} "
+        f"parameters and optimizer states and computes in {plan.training.dtype.value}; call "
+        f"model.to(torch.{torch_name}) before planner.parallelize (a Hugging Face model takes "
+        f"its config's torch_dtype: build it with dtype=torch.{torch_name})"
+    )
 
 
 def module_experts(module: nn.Module) -> int:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import SpecError
 from planner.frameworks import PLANNER, strategy_refusal
 from planner.layouts import check_plan_layout
-from planner.modules import check_model_against_plan
+from planner.modules import check_model_against_plan, check_parameter_dtype
 from planner.spec import Axis, Plan
 from planner.staging import logits_problem, output_logits
 from planner.validate import validate_plan_for_world
@@ -107,6 +107,7 @@ def parallelize(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
+    check_parameter_dtype(plan, model)
     check_plan_layout(plan, model)
     _check_auxiliary_loss(model, loss_fn)
     pipeline.check_split(model, plan)

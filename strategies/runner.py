@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import SpecError
-from planner.models import build, is_import_path
+from planner.models import SMALL_MODELS, build, is_import_path
 from planner.spec import Optimizer, Plan
+from planner.torch_dtypes import TORCH_DTYPES
 from planner.validate import validate_plan_for_world
 from strategies.apply import parallelize
 from strategies.mesh import local_device
@@ -123,19 +124,21 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
         assert seq_len is not None  # a plan with a model spec has one
         return RunModel(build(plan.model, device="meta"), plan.model.vocab_size, seq_len)
     source = plan.model_source
-    if not source or is_import_path(source):
+    if not source or is_import_path(source) or source in SMALL_MODELS:
+        what = "a built-in non-token model" if source in SMALL_MODELS else "a module of your own"
         raise SpecError(
-            f"plan for {plan.model_name!r} was made for a module of your own ({source!r}): "
+            f"plan for {plan.model_name!r} was made for {what} ({source!r}): "
             f"'{command}' builds zoo and spec-file transformers and Hugging Face configs; "
             "train it with planner.parallelize() in your own loop"
         )
-    from planner.hf import resolve_hf_config  # transformers: only for such plans
+    from planner.priced_plan import plan_handle
     from planner.tracing import default_seq_len
 
-    handle = resolve_hf_config(source, device="meta")
-    config: Any = handle.module.config
+    handle = plan_handle(plan, source=command)  # on meta, in the config's torch_dtype
+    module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
+    config: Any = module.config
     seq_len = plan.training.seq_len or default_seq_len(handle)
-    return RunModel(handle.module, int(config.vocab_size), seq_len, config.to_dict())
+    return RunModel(module, int(config.vocab_size), seq_len, config.to_dict())
 
 
 def run_plan(

@@ -32,7 +32,8 @@ def main(source: str, plan_path: str, steps: int, clip: str) -> None:
     if Path(source).is_dir():
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        config = AutoConfig.from_pretrained(source)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # as the README
     else:
         model = planner.resolve_model(source, device="cpu", seed=0).module
     parallel = planner.parallelize(model, plan_path)

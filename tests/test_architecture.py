@@ -33,11 +33,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "planner.plots", "planner.scale_math", "planner.importers",
                    "planner.calibrate.fit",
                    "planner.calibrate.options",
-                   "planner.calibrate.profile", "planner.calibrate.refit", "planner.calibrate")),
+                   "planner.calibrate.profile", "planner.calibrate.links",
+                   "planner.calibrate.nccl_tests")),
     ("torch", ("planner.models", "planner.hf", "planner.tracing", "planner.modules", "planner.staging",
                "planner.rehearse", "planner.layouts", "planner.assemble", "planner.planning",
-               "planner.scaling",
-               "planner.calibrate.microbench", "planner.torch_dtypes")),
+               "planner.scaling", "planner.priced_plan", "planner.calibrate.refit",
+               "planner.calibrate.microbench", "planner.calibrate", "planner.torch_dtypes")),
     ("doors", ("planner.cli", "planner.__main__", "planner", "strategies")),
 )  # fmt: skip
 TORCH_FREE = ("foundation", "documents", "cost", "decisions")

@@ -205,15 +205,6 @@ def test_bad_stages_are_clear_errors(stages, message):
         estimate_run(config)
 
 
-def test_a_traced_models_plan_cannot_be_estimated(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    assert main(["--model", "tests.user_models:gpt", "--gpus", "1", "--global-batch", "2",
-                 "--dtype", "fp32", "-o", str(out)]) == 0  # fmt: skip
-    capsys.readouterr()
-    assert main(["estimate", "--plan", str(out)]) == 2
-    assert "carries no ModelSpec" in capsys.readouterr().err
-
-
 def test_fp8_mfu_is_against_the_fp8_peak_with_the_bf16_figure_beside_it(tmp_path, capsys):
     config = _with("training", dtype="fp8")
     config["cluster"]["gpu"] = "h100-sxm-80gb"

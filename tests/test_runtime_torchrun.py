@@ -27,6 +27,7 @@ LLAMA = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "vocab_size": 256, "max_position_embeddings": 64,
+    "torch_dtype": "bfloat16",  # as published configs say: the README loop builds fp32
 }  # fmt: skip
 
 

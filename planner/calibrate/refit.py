@@ -38,13 +38,14 @@ from numpy.typing import NDArray
 from scipy.optimize import least_squares
 
 from planner.calibrate.fit import MAX_RMS_LOG_ERROR, CalibrationError
-from planner.cost import CostModel, CostOptions
-from planner.cost.build import build_cost_model, spec_graph, stage_indices
+from planner.cost import CostOptions
+from planner.cost.build import stage_indices
 from planner.cost.tp import ShardKey
 from planner.errors import SpecError
-from planner.graph import OpGraph, OpKind
+from planner.graph import OpKind
 from planner.hardware import HardwareProfile
 from planner.measured import MeasuredProfile
+from planner.priced_plan import PricedPlan
 from planner.spec import Plan, Prediction
 
 __all__ = [
@@ -171,56 +172,9 @@ def with_parameters(
     return HardwareProfile.model_validate(data)
 
 
-def _graph(plan: Plan, options: CostOptions) -> OpGraph:
-    """The formula graph the search priced ``plan`` on (zoo and spec-file models)."""
-    if plan.model is None:
-        raise SpecError(
-            f"plan for {plan.model_name!r} has no model spec: calibration re-prices zoo or "
-            "spec-file transformers only"
-        )
-    return spec_graph(plan.model, plan.training, options)
-
-
-def _cost_model(
-    plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions
-) -> CostModel:
-    """The cost model the search built for ``plan`` (:func:`build_cost_model`), under
-    ``profile``."""
-    assert plan.model is not None  # _graph refused plans without a spec
-    training = plan.training.model_copy(update={"seq_len": None})  # the graph's length
-    return build_cost_model(
-        graph, plan.cluster, training, causal=plan.model.causal, options=options,
-        profile=profile,
-    )  # fmt: skip
-
-
-class _Pricer:
-    """Re-prices fixed plans under trial profiles; graphs are built once per plan."""
-
-    def __init__(self, plans: Sequence[Plan], options: CostOptions) -> None:
-        self.plans = list(plans)
-        self.options = options
-        self.graphs = [_graph(p, options) for p in self.plans]
-
-    def predict(self, profile: HardwareProfile) -> list[Prediction]:
-        return [
-            _estimate(plan, graph, profile, self.options)
-            for plan, graph in zip(self.plans, self.graphs, strict=True)
-        ]
-
-
-def _estimate(
-    plan: Plan, graph: OpGraph, profile: HardwareProfile, options: CostOptions
-) -> Prediction:
-    model = _cost_model(plan, graph, profile, options)
-    stages = stage_indices(graph, plan.stages) if plan.stages else None
-    return model.estimate(plan.strategy, stages=stages)
-
-
 def predict_plan(plan: Plan, profile: HardwareProfile, options: CostOptions) -> Prediction:
     """The cost model's prediction for ``plan`` (its own stages) under ``profile``."""
-    graph = _graph(plan, options)
-    return _estimate(plan, graph, profile, options)
+    return PricedPlan(plan, options).estimate(profile)
 
 
 def predict_op_classes(
@@ -232,8 +186,9 @@ def predict_op_classes(
     forward plus backward of every micro-batch, the model's work divided evenly over the
     pipeline ranks; recomputation is not included.
     """
-    graph = _graph(plan, options)
-    model = _cost_model(plan, graph, profile, options)
+    priced = PricedPlan(plan, options)
+    graph = priced.graph
+    model = priced.cost_model(profile)
     s = plan.strategy
     key = ShardKey.of(s)
     layout = model.tp_layout(s.tp, s.sequence_parallel)
@@ -283,7 +238,11 @@ def refit_profile(
     """
     if not runs:
         raise CalibrationError("calibrate --from: give at least one measured profile")
-    pricer = _Pricer([run.plan for run in runs], options)
+    priced = [PricedPlan(run.plan, options) for run in runs]
+
+    def predict(trial: HardwareProfile) -> list[Prediction]:
+        return [plan.estimate(trial) for plan in priced]
+
     measured = np.array([run.step_time_median_s for run in runs])
     starts = [[_get(profile, path) for path in p.fields] for p in parameters]
     limits = [p.limits(s) for p, s in zip(parameters, starts, strict=True)]
@@ -296,7 +255,7 @@ def refit_profile(
         return values
 
     def residuals(x: NDArray[np.float64]) -> NDArray[np.float64]:
-        predictions = pricer.predict(with_parameters(profile, fields(x), source))
+        predictions = predict(with_parameters(profile, fields(x), source))
         predicted = np.array([p.step_time_s for p in predictions])
         prior = [prior_weight * p.prior(float(v)) for p, v in zip(parameters, x, strict=True)]
         return np.concatenate([np.log(predicted / measured), prior])
@@ -305,8 +264,8 @@ def refit_profile(
     fitted = with_parameters(profile, fields(x), source)
     at_bound = _at_bound(parameters, x, limits)
     report = RefitReport(
-        before=_errors(runs, pricer.predict(profile)),
-        after=_errors(runs, pricer.predict(fitted)),
+        before=_errors(runs, predict(profile)),
+        after=_errors(runs, predict(fitted)),
         start={path: _get(profile, path) for p in parameters for path in p.fields},
         fitted={path: _get(fitted, path) for p in parameters for path in p.fields},
         parameters={p.name: p.value(float(v)) for p, v in zip(parameters, x, strict=True)},

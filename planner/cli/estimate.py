@@ -2,8 +2,9 @@
 
 ``--config run.json`` holds one run object or a list of them (see
 :mod:`planner.cost.run`); ``--plan plan.json`` prices a saved plan (model spec,
-cluster, training, strategy and its pipeline stages) as the search did, so it prints
-the plan's own prediction; ``--from FILE`` prices the run a torchtitan, Megatron-LM or
+cluster, training, strategy and its pipeline stages; a traced model on its trace and
+layout, :mod:`planner.priced_plan`) as the search did, so it prints the plan's own
+prediction; ``--from FILE`` prices the run a torchtitan, Megatron-LM or
 DeepSpeed config describes (:mod:`planner.importers`; ``--model``, ``--cluster`` and
 ``--gpus`` give what it leaves open, and what was read is printed on stderr).
 ``--json`` prints one JSON object per run (a list for a list), otherwise a readable
@@ -39,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--config", type=Path, help="run JSON (object or list)")
     source.add_argument(
         "--plan", type=Path, metavar="plan.json",
-        help="a plan written by 'plan -o' (zoo or spec model): price its strategy and stages",
+        help="a plan written by 'plan -o': price its strategy, stages and layout (a Hugging "
+        "Face config or module:function is built again from plan.model_source and traced)",
     )  # fmt: skip
     source.add_argument(
         "--from", dest="from_config", type=Path, metavar="FILE",
@@ -79,7 +81,9 @@ def _read_runs(path: Path) -> tuple[list[dict[str, Any]], bool]:
     return [data], False
 
 
-def _table(run: RunConfig, prediction: Prediction, stored: Prediction | None = None) -> str:
+def _table(
+    name: str, run: RunConfig | Plan, prediction: Prediction, stored: Prediction | None = None
+) -> str:
     from planner.cost.error_band import describe_band
     from planner.cost.flops import bf16_peak_mfu
 
@@ -87,7 +91,7 @@ def _table(run: RunConfig, prediction: Prediction, stored: Prediction | None = N
     bf16 = bf16_peak_mfu(p, dtype=run.training.dtype, gpu=run.cluster.gpu)
     peak = f" (of the {run.training.dtype.value} peak)" if bf16 is not None else ""
     lines = [
-        f"{run.model.name} on {run.cluster.num_gpus} x {run.cluster.gpu}: {run.strategy.describe()}",
+        f"{name} on {run.cluster.num_gpus} x {run.cluster.gpu}: {run.strategy.describe()}",
         f"  step time        {p.step_time_s:10.3f} s",
         f"  tokens/s/GPU     {p.tokens_per_s_per_gpu:10.1f}",
         f"  model TFLOP/s    {p.model_tflops_per_gpu:10.1f} per GPU",
@@ -151,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"{', '.join(given)} only apply with --from")
     elif args.plan is not None:
         plan = _read_plan(args.plan)
+        if plan.model is None:  # a traced model: priced on its trace and its own layout
+            return _print_traced(plan, str(args.plan), as_json=args.json)
         configs, is_list = [RunConfig.from_plan(plan, str(args.plan))], False
         stored = plan.prediction
     else:
@@ -164,5 +170,24 @@ def run(args: argparse.Namespace) -> int:
         dicts = [prediction_to_dict(prediction, config) for config, prediction in results]
         print(json.dumps(dicts if is_list else dicts[0], indent=2))
     else:
-        print("\n\n".join(_table(config, prediction, stored) for config, prediction in results))
+        print(
+            "\n\n".join(
+                _table(config.model.name, config, prediction, stored)
+                for config, prediction in results
+            )
+        )
+    return 0
+
+
+def _print_traced(plan: Plan, source: str, *, as_json: bool) -> int:
+    """Print the estimate of a plan for a traced model (Hugging Face config, module of
+    your own), built again from ``plan.model_source``."""
+    from planner.cost.run import prediction_to_dict
+    from planner.priced_plan import PricedPlan, searched_options  # torch
+
+    prediction = PricedPlan(plan, searched_options(plan), source=source).estimate()
+    if as_json:
+        print(json.dumps(prediction_to_dict(prediction, plan), indent=2))
+    else:
+        print(_table(plan.model_name, plan, prediction, plan.prediction))
     return 0

@@ -228,8 +228,10 @@ def estimate_run(
     return model.estimate(run.strategy, stages=stages)
 
 
-def prediction_to_dict(prediction: Prediction, run: RunConfig | None = None) -> dict[str, Any]:
-    """The ``plan estimate --json`` object for one run; with the ``run``, also
+def prediction_to_dict(
+    prediction: Prediction, run: RunConfig | Plan | None = None
+) -> dict[str, Any]:
+    """The ``plan estimate --json`` object for one run; with the ``run`` (or plan), also
     ``mfu_bf16_peak`` when the dtype's own peak is not bf16's (fp8)."""
     data = prediction.model_dump(mode="json")
     data["breakdown"] = data.pop("breakdown_s")
