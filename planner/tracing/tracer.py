@@ -220,8 +220,8 @@ def _run_front_ends(
             return trace_fx(root, inputs, blocks)
     except Exception as fx_error:  # fx fails on Python control flow: try the next tracer
         fx_reason = error_summary(fx_error)
-    logger.warning(
-        "torch.fx could not trace %s (%s); falling back to torch.export", name, fx_reason
+    logger.info(  # the usual path of Hugging Face models: their forward branches on config
+        "torch.fx could not trace %s (%s); tracing with torch.export", name, fx_reason
     )
     try:
         return trace_export(root, inputs, blocks)
