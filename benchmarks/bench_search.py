@@ -11,7 +11,9 @@ Speed (each whole search in a fresh process, tracing included):
 Quality: for every run in ``published_runs.csv`` with a global batch, the search on the
 same model, GPUs, global batch and software options must contain the published
 configuration (as this project's runtime runs it: Megatron's plain data parallelism
-under a pipeline becomes ZeRO-1, the same bytes) and choose a plan predicted at least as
+under a pipeline becomes ZeRO-1, the same bytes; fp16 and fp8 rows, which this runtime
+does not train, searched for their own framework: torchtitan 0.2 or Megatron-LM) and
+choose a plan predicted at least as
 fast that fits. Prints, per row, the published and chosen configurations and both
 predicted throughputs.
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from bench_accuracy import DEFAULT_CSV, Case, load_cases
 
 from planner.cost import CostModel, RunConfig, graph_from_spec
+from planner.frameworks import PLANNER, Target, parse_target, training_refusal
 from planner.parallel_dims import ParallelDims
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
 from planner.spec import Strategy
@@ -111,23 +114,32 @@ def runnable(strategy: Strategy) -> Strategy:
     return s
 
 
+def row_target(case: Case, run: RunConfig) -> Target:
+    """This runtime, or for a precision it does not run (fp16, fp8) the row's framework:
+    torchtitan's release of the benchmark for its rows, Megatron-LM for the rest."""
+    if training_refusal(PLANNER, run.training) is None:
+        return PLANNER
+    return parse_target("torchtitan==0.2" if case.source == "torchtitan" else "megatron")
+
+
 def quality_row(case: Case) -> tuple[str, bool]:
     """One table row and whether the row meets the bar."""
     run = RunConfig.from_dict(case.config, case.label)
     free_batch = run.training.model_copy(update={"micro_batch_size": None})
     graph = graph_from_spec(run.model, dtype=run.training.dtype)
     model = CostModel(graph, run.cluster, free_batch, options=run.options)
-    strategy = runnable(run.strategy)
+    target = row_target(case, run)
+    strategy = runnable(run.strategy) if target.is_planner else run.strategy
     published = model.estimate(strategy)
-    inside = in_search_space(model, _limits(run), strategy)
+    inside = in_search_space(model, _limits(run), strategy, target)
     started = time.perf_counter()
-    best = search(model, _limits(run), pins=Pins(), top_k=1).best
+    best = search(model, _limits(run), pins=Pins(), top_k=1, target=target).best
     took = time.perf_counter() - started
     chosen = best.prediction
     ok = inside and chosen.fits and chosen.step_time_s <= published.step_time_s * (1 + 1e-9)
     gain = published.step_time_s / chosen.step_time_s - 1
     text = (
-        f"{case.label[:34]:<34} {strategy.describe()[:44]:<44} "
+        f"{case.label[:34]:<34} {strategy.describe()[:44]:<44} {str(target)[:16]:<16} "
         f"{published.tokens_per_s_per_gpu:>8.0f} {'yes' if published.fits else 'NO':>4} "
         f"{'yes' if inside else 'NO':>6} | {best.strategy.describe()[:52]:<52} "
         f"{chosen.tokens_per_s_per_gpu:>8.0f} {gain:>+7.1%} {took:>6.2f}s {'ok' if ok else 'FAIL'}"
@@ -138,7 +150,7 @@ def quality_row(case: Case) -> tuple[str, bool]:
 def quality(csv: Path) -> bool:
     cases = [c for c in load_cases(csv) if c.config["training"]["global_batch_size"]]
     print(
-        f"\n{'published run':<34} {'published config':<44} {'tok/s/g':>8} {'fits':>4} "
+        f"\n{'published run':<34} {'published config':<44} {'searched for':<16} {'tok/s/g':>8} {'fits':>4} "
         f"{'in space':>6} | {'chosen config':<52} {'tok/s/g':>8} {'gain':>7} {'search':>7}"
     )
     results = [quality_row(case) for case in cases]

@@ -405,7 +405,16 @@ def _torchtitan_model(spec: ModelSpec) -> Refusal | None:
 def training_refusal(target: Target, training: Training) -> Refusal | None:
     """Why ``target`` cannot train ``training`` whatever the strategy, or ``None``. Pure
     bf16 training (``training.param_dtype = bf16``) is torchtitan's ``training.dtype =
-    "bfloat16"``; the others keep an fp32 copy."""
+    "bfloat16"``; the others keep an fp32 copy. This runtime computes in bf16 or fp32
+    only: it has no fp8 GEMMs (an fp8 plan would run in fp32) and no loss scaling (fp16
+    gradients underflow without it)."""
+    if target.is_planner and training.dtype in _NOT_RUN_HERE:
+        return Refusal(
+            "training.dtype", training.dtype,
+            f"this runtime {_NOT_RUN_HERE[training.dtype]}",
+            "re-plan with --dtype bf16 (or fp32), or plan for a framework that runs it "
+            f"(--for {_RUN_ELSEWHERE[training.dtype]})",
+        )  # fmt: skip
     if training.param_dtype is DType.FP32 or target.framework is Framework.TORCHTITAN:
         return None
     why = {
@@ -420,6 +429,15 @@ def training_refusal(target: Target, training: Training) -> Refusal | None:
         "training.param_dtype", training.param_dtype, f"pure bf16 training: {why}",
         "re-plan with --param-dtype fp32, or target torchtitan",
     )  # fmt: skip
+
+
+_RUN_ELSEWHERE = {DType.FP8: "torchtitan==0.2 or megatron", DType.FP16: "megatron or deepspeed"}
+_NOT_RUN_HERE = {
+    DType.FP8: "has no fp8 GEMMs (torchao's Float8Linear is not applied): the plan would run "
+    "in fp32, unlike what was priced",
+    DType.FP16: "has no loss scaling, without which fp16 gradients underflow and the model "
+    "trains wrong",
+}
 
 
 def _kept_precision(target: Target, strategy: Strategy, training: Training) -> Refusal | None:

@@ -118,7 +118,7 @@ PLANS = {
     "encoder": "--model bert-large --gpus 8 --global-batch 8 --seq 32768",
     "rebalanced-stages": "--model llama3-8b --gpus 16 --global-batch 64 --pp 4",
     "fp8-zero3-pipeline": "--model llama3-8b --gpus 16 --global-batch 32 --pp 2 --dtype fp8 "
-    "--zero 3",
+    "--zero 3 --for torchtitan==0.2",
     "interleaved": "--model gpt3-1.3b --cluster a100-sxm-80gb --gpus 16 --global-batch 64 --pp 4 "
     "--schedule interleaved-1f1b",
     "tiny-zero-bubble": "--model tiny-llama --gpus 2 --global-batch 8 --seq 32 --dtype fp32",

@@ -272,6 +272,24 @@ def test_this_runtime_never_plans_zero_bubble_over_resharded_stages():
         _plan("tiny-llama", 4, 8, 16, pins=replace(pins, schedule=Schedule.ZERO_BUBBLE))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "why", "elsewhere", "model"),
+    [("fp16", "no loss scaling", "megatron or deepspeed", "llama3-8b"),
+     ("fp8", "no fp8 GEMMs", "torchtitan==0.2 or megatron", "llama3-8b")],
+)  # fmt: skip
+def test_this_runtime_refuses_the_precisions_it_would_train_wrong(dtype, why, elsewhere, model):
+    """fp16 without loss scaling underflows its gradients; fp8 would run as fp32 here. This
+    runtime's plans (and plan files given to parallelize) are refused; a framework's not."""
+    training = Training(global_batch_size=256, seq_len=4096, dtype=dtype)
+    refusal = strategy_refusal(parse_target("planner"), Strategy(dp=2), training)
+    assert refusal is not None and refusal.field == "training.dtype" and why in refusal.why
+    handle, cluster = resolve_model(model), Cluster(gpu="h100-sxm-80gb", num_gpus=64)
+    with pytest.raises(SpecError, match=rf"training.dtype = '{dtype}'.*--for {elsewhere}"):
+        make_plan(handle, cluster, training)
+    framework = elsewhere.split(" or ")[0]
+    assert make_plan(handle, cluster, training, target=framework).training.dtype.value == dtype
+
+
 def test_megatron_target_skips_zero_bubble_and_says_what_it_cost():
     pins = Pins(pp=4, tp=2, cp=1)
     free = _plan("llama3-8b", 64, 256, pins=pins)

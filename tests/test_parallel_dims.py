@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from planner.cost import CostModel, graph_from_spec
 from planner.errors import PlannerError
+from planner.frameworks import parse_target
 from planner.graph import OpGraph
 from planner.models import get_preset, resolve_model
 from planner.parallel_dims import ParallelDims
@@ -295,3 +296,14 @@ def test_sequence_parallelism_is_searched_where_validation_accepts_it():
     assert not in_search_space(model, _limits(spec), sp)
     refusal = _validation_accepts(_plan(spec, cluster, training, sp))
     assert refusal is not None and "6 tokens per rank is not divisible by tp(4)" in refusal
+
+
+def test_plain_data_parallelism_under_a_pipeline_is_searched_for_the_frameworks():
+    """DDP cannot run under this runtime's pipeline schedules (ZeRO >= 1 does), but
+    Megatron-LM's pipelines all-reduce plain data-parallel gradients (Narayanan's runs)."""
+    spec = _spec("gpt3-1.3b", 2048)
+    cluster = Cluster(gpu="a100-sxm-80gb", num_gpus=16)
+    model = CostModel(_graph("gpt3-1.3b", 2048), cluster, Training(global_batch_size=64))
+    ddp = Strategy(dp=8, pp=2, micro_batch_size=2, num_microbatches=4)
+    assert not in_search_space(model, _limits(spec), ddp)
+    assert in_search_space(model, _limits(spec), ddp, parse_target("megatron"))

@@ -447,7 +447,10 @@ class _Space:
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
-        ddp = dims.ddp_blocker(tied=not self.limits.ddp_over_tp) is None
+        # this runtime's DDP; the frameworks run their own plain data parallelism
+        ddp = (
+            not self.target.is_planner or dims.ddp_blocker(tied=not self.limits.ddp_over_tp) is None
+        )
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
                 continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
@@ -938,7 +941,7 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         reasons.append(f"cp({pins.cp}): {limits.context_parallel_problem}")
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
-    if pins.zero == 0:
+    if pins.zero == 0 and space.target.is_planner:
         dims = ParallelDims(
             dp=pins.dp or max(1, gpus // product), cp=pins.cp or 1, tp=pins.tp or 1,
             pp=pins.pp or 1,
