@@ -594,7 +594,9 @@ def _torchtitan_tensor_parallel(
         False,
         f"torchtitan {_show_version(target.version)}'s tensor-parallel plan always shards the "
         "norms on the sequence",
-        "re-plan with --sequence-parallel, or target torchtitan==0.3",
+        "re-plan with --sequence-parallel, or target torchtitan==0.3"
+        if strategy.ep == 1  # experts beside sequence parallelism: Megatron-LM only
+        else "target torchtitan==0.3, or re-plan with tp 1 beside the experts",
     )
 
 

@@ -15,8 +15,10 @@ are sorted by expert and cut into ``num_experts`` equal slots of
 ``ceil(tokens * top_k / num_experts)`` rows, and the expert products are two batched
 matmuls. Total expert FLOPs equal the real ones (every routed pair costs one expert
 MLP, whatever the balance; the ceiling adds at most one row per expert); per-expert
-GEMM sizes are the balanced ones. The meta module computes no values, so the dispatch
-never changes a result; a model built on another device keeps transformers' kernels.
+GEMM sizes are the balanced ones. The tracer switches the copy it traces
+(:func:`expected_load_experts`), never the model built here: materialised for
+training (``plan run``, deferred initialisation), it routes every token as transformers
+does.
 """
 
 from __future__ import annotations
@@ -120,8 +122,7 @@ def resolve_hf_config(path: str | Path, *, device: str | torch.device = "meta") 
     config = _build_config(transformers, data, file)
     device = torch.device(device)
     model = _build_model(transformers, config, device)
-    if device.type == "meta":
-        expected_load_experts(model, model_type=data["model_type"])
+    check_expert_layouts(model, model_type=data["model_type"])  # priceable, or refused now
     name = str(data.get("_name_or_path") or file.parent.name or data["model_type"])
     return ModelHandle(name, str(path), model, _token_inputs(device))
 
@@ -153,17 +154,26 @@ def _check_expert_layout(module: nn.Module, fqn: str, model_type: str) -> None:
         )
 
 
+def check_expert_layouts(model: nn.Module, *, model_type: str) -> list[nn.Module]:
+    """``model``'s experts modules; raises :class:`SpecError` naming ``model_type`` for an
+    experts layout the expected-load dispatch cannot price."""
+    experts = []
+    for fqn, module in model.named_modules():
+        if is_experts(module):
+            _check_expert_layout(module, fqn, model_type)
+            experts.append(module)
+    return experts
+
+
 def expected_load_experts(model: nn.Module, *, model_type: str) -> int:
-    """Make every experts module of meta ``model`` run the expected-load dispatch.
+    """Make every experts module of ``model`` (the tracer's meta copy: never a model that
+    trains) run the expected-load dispatch.
 
     Returns how many modules were switched (0 for a dense model). Raises
     :class:`SpecError` naming ``model_type`` for an experts layout it cannot price.
     """
     switched = 0
-    for fqn, module in model.named_modules():
-        if not is_experts(module):
-            continue
-        _check_expert_layout(module, fqn, model_type)
+    for module in check_expert_layouts(model, model_type=model_type):
         module.forward = MethodType(expected_load_forward, module)
         switched += 1
     if switched:

@@ -207,10 +207,11 @@ class _StandIn:
         )
 
 
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """``module`` itself when it is on the meta device, else a copy of it there."""
+def _meta_twin(module: nn.Module, *, copy_always: bool = False) -> nn.Module:
+    """``module`` itself when it is on the meta device (unless ``copy_always``: the caller
+    changes the twin), else a copy of it there."""
     tensors = [*module.parameters(), *module.buffers()]
-    if all(t.is_meta for t in tensors):
+    if all(t.is_meta for t in tensors) and not copy_always:
         return module
     memo: dict[int, Any] = {id(t): _meta_like(t) for t in tensors}
     return copy.deepcopy(module, memo)
@@ -445,9 +446,9 @@ def stage_problem(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str | 
         return (
             f"{name}'s forward takes {len(inputs)} inputs; pipeline stages hand on token ids only"
         )
-    model, ids = _meta_twin(module), _on_meta(inputs[0])
-    hf = is_hf_model(model)
-    if model is not module and hf:  # transformers' expert kernels need values
+    hf = is_hf_model(module)
+    model, ids = _meta_twin(module, copy_always=hf), _on_meta(inputs[0])
+    if hf:  # transformers' expert kernels need values: the twin's run the expected load
         expected_load_experts(model, model_type=str(getattr(model.config, "model_type", "")))
     try:
         with _traced(fake=hf):

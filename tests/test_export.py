@@ -540,6 +540,19 @@ def test_every_target_refuses_hook_only_compression(target: str) -> None:
             export_plan(plan, target)
 
 
+def test_a_traced_model_exports_only_where_the_framework_takes_your_model() -> None:
+    """torchtitan and Megatron-LM build their own transformer from a description a traced
+    plan lacks (its experts, their count and parallel degree would be dropped): refused as
+    ``plan --for`` refuses them; DeepSpeed runs your module."""
+    handle = resolve_model("tests.user_models:gpt")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    plan = make_plan(handle, cluster, Training(global_batch_size=4, seq_len=16), pins=Pins(dp=2))
+    for target in ("torchtitan==0.2", "torchtitan==0.3", "megatron"):
+        with pytest.raises(ExportError, match=r"model = 'a traced module'.*plan a zoo preset"):
+            export_plan(plan, target)
+    assert '"train_batch_size": 4' in export_plan(plan, "deepspeed")
+
+
 def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
     plan = plan_for(tp=2, sequence_parallel=True)
     wo = plan.tp_layout["layers.*.attention.wo"].model_copy(update={"style": TPStyle.COLWISE})

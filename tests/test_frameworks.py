@@ -205,6 +205,10 @@ def test_expert_rules_name_the_field_value_and_fix():
     top1 = TINY_MIXTRAL.model_copy(update={"top_k": 1})
     refusal = model_refusal(parse_target("megatron"), top1)
     assert refusal is not None and (refusal.field, refusal.value) == ("plan.model.top_k", 1)
+    tp_beside_experts = Strategy(dp=2, tp=2, ep=2, zero=2)  # 0.2 wants SP, which EP refuses
+    refusal = strategy_refusal(parse_target("torchtitan==0.2"), tp_beside_experts, training)
+    assert refusal is not None and refusal.field == "strategy.sequence_parallel"
+    assert "--sequence-parallel" not in refusal.fix and "tp 1" in refusal.fix
 
 
 # ---- plan --for ---------------------------------------------------------------------

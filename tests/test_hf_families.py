@@ -169,11 +169,17 @@ def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dir
     assert parallelize(handle.module, plan, loss_fn=lambda output, targets: output.logits.sum())
 
 
-def test_meta_dispatch_leaves_models_on_other_devices_alone(config_dirs):
-    meta = resolve_hf_config(config_dirs["mixtral"]).module
+def test_the_expected_load_dispatch_switches_only_the_tracers_copy(config_dirs):
+    """The model built (on meta too: plan run materialises it) routes as transformers
+    does; only the copy the tracer prices runs the expected-load dispatch."""
+    from planner.tracing.tracer import prepare_traced_module
+
+    meta = resolve_hf_config(config_dirs["mixtral"])
     cpu = resolve_hf_config(config_dirs["mixtral"], device="cpu").module
-    assert "forward" in vars(meta.get_submodule("model.layers.0.mlp.experts"))
-    assert "forward" not in vars(cpu.get_submodule("model.layers.0.mlp.experts"))
+    for model in (meta.module, cpu):
+        assert "forward" not in vars(model.get_submodule("model.layers.0.mlp.experts"))
+    traced, _, prefix = prepare_traced_module(meta, 1, 16, torch.float32)
+    assert "forward" in vars(traced.get_submodule(prefix + "model.layers.0.mlp.experts"))
 
 
 def test_unsupported_experts_layout_names_the_model_type(tmp_path):

@@ -381,3 +381,29 @@ def test_tensor_parallel_experts_plan_without_sequence_parallelism_here() -> Non
     pins = Pins(tp=2, sequence_parallel=True, ep=1)
     megatron = make_plan(handle, cluster, training, pins=pins, target="megatron")
     assert megatron.strategy.sequence_parallel and not megatron.tp_layout
+
+
+def test_a_hugging_face_moe_built_for_pricing_routes_as_trained_once_materialised(tmp_path):
+    """plan run and plan measure build the model on meta, where its experts price the
+    expected load; materialised, they must route each token as transformers does (the
+    static dispatch trained a model whose losses depended on the batch: 5.3e-4 off one
+    process at dp 2)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from planner.hf import resolve_hf_config
+
+    path = _hf_config(tmp_path, "mixtral")
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    priced = resolve_hf_config(path).module.to_empty(device="cpu")
+    priced.load_state_dict(reference.state_dict())
+    for (_, mine), (_, theirs) in zip(
+        priced.named_buffers(), reference.named_buffers(), strict=True
+    ):
+        mine.copy_(theirs)  # non-persistent ones too: the rotary frequencies
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(priced(tokens).logits, reference(tokens).logits)
+        alone = priced(tokens[:1]).logits  # a sequence's output does not depend on the batch
+    assert torch.allclose(alone, reference(tokens).logits[:1], atol=1e-6)

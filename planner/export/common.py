@@ -14,13 +14,14 @@ from enum import Enum
 
 from planner.errors import ExportError
 from planner.frameworks import Target, model_refusal, strategy_refusal
-from planner.spec import Plan, TPStyle
+from planner.spec import ModelSpec, Plan, TPStyle
 
 __all__ = [
     "refuse",
     "header",
     "seq_len",
     "check_target",
+    "described_model",
     "blocks_per_chunk",
     "check_recompute_blocks",
     "zoo_layers_per_chunk",
@@ -100,11 +101,17 @@ def seq_len(plan: Plan) -> int | None:
 def check_target(plan: Plan, target: Target) -> None:
     """Refuse what ``target`` cannot run (:mod:`planner.frameworks`, the rules the
     search restricts itself with under ``--for``)."""
-    spec = plan.model
-    refusal = model_refusal(target, spec) if spec is not None else None
+    refusal = model_refusal(target, plan.model)  # a traced model: only where no model is built
     refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
     if refusal is not None:
         raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, refusal.fix)
+
+
+def described_model(plan: Plan) -> ModelSpec:
+    """The model description of a plan :func:`check_target` let through to a framework that
+    builds its own transformer (torchtitan, Megatron-LM): never a traced model."""
+    assert plan.model is not None, "check_target refuses traced models for this target"
+    return plan.model
 
 
 def blocks_per_chunk(plan: Plan) -> list[int] | None:

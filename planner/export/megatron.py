@@ -38,6 +38,7 @@ from __future__ import annotations
 from planner.export.common import (
     check_megatron_layout,
     check_target,
+    described_model,
     header,
     seq_len,
     zoo_layers_per_chunk,
@@ -79,20 +80,11 @@ def to_megatron(plan: Plan, target: Target | None = None) -> str:
     target = target or parse_target(TARGET)
     check_target(plan, target)
     notes = check_megatron_layout(plan, TARGET) if plan.strategy.tp > 1 else []
-    if plan.model is None:
-        notes.append(
-            "plan.model is empty: add --num-layers, --hidden-size, --num-attention-heads and "
-            "the other network-size arguments of your model"
-        )
     args = [
         *_parallel_args(plan),
         *_pipeline_args(plan),
         *_batch_args(plan),
-        *(
-            _model_args(plan.model, seq_len(plan), plan.strategy.tp)
-            if plan.model is not None
-            else []
-        ),
+        *_model_args(described_model(plan), seq_len(plan), plan.strategy.tp),
         *_recompute_args(plan),
         *_data_parallel_args(plan),
         *_precision_args(plan),
@@ -128,7 +120,7 @@ def _parallel_args(plan: Plan) -> list[Arg]:
     ]
     if strategy.sequence_parallel:
         args.append(("--sequence-parallel",))
-    if plan.model is not None and plan.model.moe:
+    if described_model(plan).moe:
         # Always written: Megatron's default is the dense tp, the plan's may differ.
         args += [
             ("--expert-model-parallel-size", str(strategy.ep)),

@@ -45,6 +45,7 @@ from planner.export.common import (
     check_megatron_layout,
     check_recompute_blocks,
     check_target,
+    described_model,
     header,
     seq_len,
 )
@@ -97,12 +98,12 @@ def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
         notes.append(
             "module_fqns_per_model_part names this model's modules (as torchtitan's llama)"
         )
-    module = torchtitan_model(plan.model) if plan.model is not None else "llama3"
+    module = torchtitan_model(described_model(plan))
     if module != "llama3":
         router = (
             "; torchtitan takes the router's score function, normalisation and load "
             "balancing from the flavor"
-            if plan.model is not None and plan.model.moe
+            if described_model(plan).moe
             else ""
         )
         notes.append(
@@ -121,7 +122,7 @@ def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
         "disable_loss_parallel": False,
         "enable_async_tensor_parallel": False,
     }
-    if plan.model is not None and plan.model.moe:  # 0.3 has no expert tensor parallelism
+    if described_model(plan).moe:  # 0.3 has no expert tensor parallelism
         parallelism["expert_tensor_parallel_degree"] = 1
     checkpoint: dict[str, TomlValue] = {"mode": plan.strategy.recompute.value}
     if plan.strategy.recompute is RecomputeMode.SELECTIVE:
@@ -132,7 +133,7 @@ def _toml_config(plan: Plan, target: Target, notes: list[str]) -> str:
         "activation_checkpoint": checkpoint,
         "optimizer": {"name": OPTIMIZERS[plan.training.optimizer]},
     }
-    module = torchtitan_model(plan.model) if plan.model is not None else "llama3"
+    module = torchtitan_model(described_model(plan))
     if module != "llama3":  # torchtitan's default model, which has no experts
         tables["model"] = {"name": module}
     if plan.training.dtype is DType.FP8:
@@ -207,7 +208,7 @@ def _parallelism(plan: Plan) -> dict[str, TomlValue]:
         "context_parallel_degree": strategy.cp,
         "pipeline_parallel_degree": strategy.pp,
     }
-    if plan.model is not None and plan.model.moe:
+    if described_model(plan).moe:
         table["expert_parallel_degree"] = strategy.ep
     if strategy.pp > 1:
         table |= {
