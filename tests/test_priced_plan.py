@@ -19,12 +19,12 @@ from planner.cli import main
 from planner.errors import SpecError
 from planner.hardware import load_profile
 from planner.hf import resolve_hf_config
-from planner.measured import MeasuredProfile, Provenance, plan_fingerprint
 from planner.models import resolve_model
 from planner.priced_plan import PricedPlan, searched_options
 from planner.solve.search import Pins
 from planner.spec import Plan
 from tests.devices import write_tp_pays
+from tests.test_measure import fake_measured
 from tests.user_models import GPT
 
 _LLAMA = {
@@ -112,15 +112,7 @@ def test_compare_and_calibrate_reprice_a_hugging_face_plan(tmp_path):
     assert predicted.step_time_s != plan.prediction.step_time_s  # another device
     classes = predict_op_classes(plan, profile, options)
     assert classes["matmul"] > 0 and classes["attention"] > 0
-    measured = 1.5 * predicted.step_time_s
-    run = MeasuredProfile(
-        model_name=plan.model_name, model_fingerprint=plan.model_fingerprint,
-        plan_fingerprint=plan_fingerprint(plan), plan=plan, world_size=4, warmup_steps=1,
-        step_times_s=(measured,), step_time_median_s=measured, step_time_p10_s=measured,
-        step_time_p90_s=measured,
-        provenance=Provenance(host="test", date="2026-01-01", torch_version="x", device="cuda",
-                              method="synthetic"),
-    )  # fmt: skip
+    run = fake_measured(plan, seconds=1.5 * predicted.step_time_s)
     _, report = refit_profile(profile, [run], options=options, stamp="test")
     assert abs(report.after[0].error) < abs(report.before[0].error)
 
