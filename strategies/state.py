@@ -518,7 +518,9 @@ def _read_experts(model: ModelState, source: WeightSource) -> None:
             return handles[files[name]].get_slice(name)[rows, columns]
 
         for fqn, layout in source.experts.items():
-            tensor = model.tensors[fqn]
+            tensor = model.tensors.get(fqn)
+            if tensor is None:  # a layer of another pipeline stage
+                continue
             local, box = local_part(tensor)
             if not local.numel():
                 continue

@@ -236,7 +236,12 @@ def _loads(model: str) -> list[Case]:
     ]
 
 
-LOADS = [case for model in (*HF_MODELS, "tiny-moe") for case in _loads(model)]
+LOADS = [case for model in (*HF_MODELS, "tiny-moe") for case in _loads(model)] + [
+    # each pipeline stage reads only its own layers' experts
+    Case(
+        "hf-mixtral pp2 x ep2", "hf-mixtral", _per_rank(2, pp=2, ep=2, zero=2, num_microbatches=2)
+    ),
+]
 
 
 @pytest.mark.distributed
