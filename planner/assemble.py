@@ -49,6 +49,7 @@ def assemble_plan(
     tradeoffs: tuple[str, ...] = (),
     target: str = "planner",
     without_target: Candidate | None = None,
+    model_digest: str = "",
 ) -> Plan:
     """A :class:`Plan` for ``handle`` under ``strategy``, with defaults for layout and stages.
 
@@ -65,6 +66,7 @@ def assemble_plan(
         planner_version=__version__,
         model_name=handle.name,
         model_fingerprint=fingerprint(handle.module),
+        model_digest=model_digest,
         model=handle.spec,
         model_source=handle.source,
         inputs=traced_inputs(handle, training),

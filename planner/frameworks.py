@@ -431,7 +431,10 @@ def training_refusal(target: Target, training: Training) -> Refusal | None:
     )  # fmt: skip
 
 
-_RUN_ELSEWHERE = {DType.FP8: "torchtitan==0.2 or megatron", DType.FP16: "megatron or deepspeed"}
+_RUN_ELSEWHERE = {  # torchtitan and Megatron-LM build the model: a zoo preset or ModelSpec
+    DType.FP8: "torchtitan==0.2 or megatron, with a zoo preset or ModelSpec file",
+    DType.FP16: "deepspeed, or megatron with a zoo preset or ModelSpec file",
+}
 _NOT_RUN_HERE = {
     DType.FP8: "has no fp8 GEMMs (torchao's Float8Linear is not applied): the plan would run "
     "in fp32, unlike what was priced",

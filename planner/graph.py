@@ -10,6 +10,7 @@ bytes, shapes are per micro-batch as traced.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -173,6 +174,21 @@ class OpGraph:
     @property
     def blocks(self) -> tuple[Segment, ...]:
         return tuple(s for s in self.segments if self.types[s.type_id].kind == "block")
+
+    @property
+    def digest(self) -> str:
+        """A short hash of what the cost model prices: every operator's kind, op, role,
+        output shape, FLOPs and parameters, in execution order. Equal for the same model
+        traced at the same shape; a config edit that keeps the parameter shapes (experts
+        per token, heads of another width, the activation) changes it."""
+        digest = hashlib.sha256()
+        for segment in self.segments:
+            for n in self.types[segment.type_id].nodes:
+                digest.update(
+                    f"{n.kind.value}|{n.target}|{n.role.value}|{n.output_shape}|"
+                    f"{n.flops_fwd!r}|{n.flops_bwd!r}|{n.param_count};".encode()
+                )
+        return digest.hexdigest()[:16]
 
     def total(self, attribute: str) -> float:
         """Sum of a numeric :class:`SegmentType` property over every segment."""

@@ -191,6 +191,7 @@ def search_plan(
         ),
         target=str(target),
         without_target=without_target,
+        model_digest=graph.digest if handle.spec is None else "",
     )
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module, target)

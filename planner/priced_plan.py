@@ -11,7 +11,9 @@ plan's training shape and priced with the plan's own ``tp_layout``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
@@ -35,12 +37,13 @@ from planner.models import (
 from planner.spec import Plan, Prediction
 from planner.tracing import trace_for_training
 
-__all__ = ["PricedPlan", "plan_handle", "searched_options"]
+__all__ = ["PricedPlan", "plan_handle", "searched_options", "traced_plan_model"]
 
 
-def searched_options(plan: Plan) -> CostOptions:
+def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
     """The cost options the search priced ``plan`` with: what its cluster's device runs,
     with the kernels of its target framework."""
+    _check_profile_path(plan, source)
     device = load_profile(plan.cluster.gpu).device_kind
     framework = parse_target(plan.target, field="plan.target").framework
     return framework_options(framework, device_options(device))
@@ -58,6 +61,7 @@ def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan
     elif origin and origin != "module":
         from planner.hf import resolve_hf_config  # transformers: only for such plans
 
+        _check_relative_path("plan.model_source", origin, "plan --hf-config", source)
         handle = resolve_hf_config(origin)
     else:
         raise SpecError(
@@ -73,6 +77,39 @@ def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan
             "plan was made): make the plan again"
         )
     return handle
+
+
+def traced_plan_model(
+    plan: Plan, module: nn.Module | None = None, source: str = "plan"
+) -> tuple[ModelHandle, OpGraph]:
+    """:func:`plan_handle` and its trace at the plan's training shape, checked against the
+    graph the plan was priced on (``plan.model_digest``): a config edit that keeps the
+    parameter shapes (experts per token, heads of another width) is refused."""
+    handle = plan_handle(plan, module, source)
+    graph = trace_for_training(handle, plan.training)
+    if plan.model_digest and graph.digest != plan.model_digest:
+        raise SpecError(
+            f"{source}: {plan.model_source or plan.model_name!r} now traces to another model "
+            f"than the plan priced (plan.model_digest = {plan.model_digest!r}, now "
+            f"{graph.digest!r}): its code or config changed in what the parameter shapes do "
+            "not show (experts per token, head width, an operator); make the plan again"
+        )
+    return handle, graph
+
+
+def _check_profile_path(plan: Plan, source: str) -> None:
+    if plan.cluster.gpu.endswith(".json"):  # a profile file, as given to plan
+        _check_relative_path("plan.cluster.gpu", plan.cluster.gpu, "the cluster", source)
+
+
+def _check_relative_path(field: str, value: str, given_to: str, source: str) -> None:
+    """Raise naming the plan's field when a path it keeps as given does not resolve here."""
+    if not Path(value).exists():
+        raise SpecError(
+            f"{source}: {field} = {value!r} (the path given to {given_to}) does not exist "
+            f"from {os.getcwd()}: run where the plan was made, or set {field} to an "
+            "absolute path"
+        )
 
 
 class PricedPlan:
@@ -91,14 +128,14 @@ class PricedPlan:
         module: nn.Module | None = None,
         source: str = "plan",
     ) -> None:
+        _check_profile_path(plan, source)
         self.plan = plan
         self.options = options
         self.handle: ModelHandle | None = None
         if plan.model is not None:
             self.graph: OpGraph = spec_graph(plan.model, plan.training, options)
         else:
-            self.handle = plan_handle(plan, module, source)
-            self.graph = trace_for_training(self.handle, plan.training)
+            self.handle, self.graph = traced_plan_model(plan, module, source)
         self._assignment: TPAssignment | None = None
 
     def cost_model(self, profile: HardwareProfile | None = None) -> CostModel:

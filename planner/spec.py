@@ -936,6 +936,7 @@ class Plan(_Doc):
     model_fingerprint: str  # see planner.models.fingerprint
     model: ModelSpec | None = None  # set for zoo and spec-file models
     model_source: str = ""  # how to rebuild the model: preset name, spec path or module:function
+    model_digest: str = ""  # a traced model's priced graph (OpGraph.digest); "" for spec models
     inputs: tuple[TracedInput, ...] = ()  # a module of your own's traced forward arguments
     cluster: Cluster
     training: Training

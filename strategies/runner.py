@@ -131,10 +131,10 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
             f"'{command}' builds zoo and spec-file transformers and Hugging Face configs; "
             "train it with planner.parallelize() in your own loop"
         )
-    from planner.priced_plan import plan_handle
+    from planner.priced_plan import traced_plan_model
     from planner.tracing import default_seq_len
 
-    handle = plan_handle(plan, source=command)  # on meta, in the config's torch_dtype
+    handle, _ = traced_plan_model(plan, source=command)  # on meta, in the config's torch_dtype
     module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
     config: Any = module.config
     seq_len = plan.training.seq_len or default_seq_len(handle)

@@ -103,6 +103,20 @@ def test_a_config_changed_since_planning_is_refused(tmp_path):
         PricedPlan(plan, searched_options(plan))
 
 
+def test_a_config_edit_that_keeps_the_parameter_shapes_is_refused(tmp_path):
+    """The fingerprint sees parameter names and shapes only; the plan's digest of its
+    priced graph sees the activation (and experts per token, head width) too."""
+    from strategies.runner import model_to_run
+
+    plan = _hf_plan(tmp_path, Pins(tp=1, pp=2))
+    assert plan.model_digest
+    _config(tmp_path, hidden_act="gelu")
+    for reprice in (lambda: PricedPlan(plan, searched_options(plan)),
+                    lambda: model_to_run(plan, "plan run")):  # fmt: skip
+        with pytest.raises(SpecError, match=r"now traces to another model than the plan priced"):
+            reprice()
+
+
 def test_compare_and_calibrate_reprice_a_hugging_face_plan(tmp_path):
     """Under another profile with ``plan measure``'s options, and refitted to a run."""
     plan = _hf_plan(tmp_path, Pins(tp=2, pp=2, sequence_parallel=True))
@@ -148,3 +162,25 @@ def test_plan_run_refuses_a_built_in_model_without_tokens(tmp_path):
                              Training(global_batch_size=8))  # fmt: skip
     with pytest.raises(SpecError, match=r"built-in non-token model \('mlp'\).*parallelize"):
         model_to_run(plan, "plan run")
+
+
+def test_paths_kept_as_given_name_the_plans_field_from_elsewhere(tmp_path, capsys, monkeypatch):
+    """A relative --hf-config or cluster profile path resolves from where the plan was made."""
+    monkeypatch.chdir(tmp_path)
+    _config(tmp_path)
+    (tmp_path / "tp.json").write_text(write_tp_pays(tmp_path).read_text())
+    (tmp_path / "cluster.json").write_text(json.dumps({"gpu": "tp.json", "num_gpus": 2}))
+    assert main(["--hf-config", "llama", "--cluster", "cluster.json", "--global-batch", "8",
+                 "--seq", "16", "-o", "plan.json"]) == 0  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["estimate", "--plan", "../plan.json"]) == 2
+    assert "plan.cluster.gpu = 'tp.json' (the path given to the cluster) does not exist" in (
+        capsys.readouterr().err
+    )
+    (elsewhere / "tp.json").write_text((tmp_path / "tp.json").read_text())
+    assert main(["estimate", "--plan", "../plan.json"]) == 2
+    err = capsys.readouterr().err
+    assert "plan.model_source = 'llama' (the path given to plan --hf-config) does not exist" in err

@@ -185,7 +185,7 @@ def _print_traced(plan: Plan, source: str, *, as_json: bool) -> int:
     from planner.cost.run import prediction_to_dict
     from planner.priced_plan import PricedPlan, searched_options  # torch
 
-    prediction = PricedPlan(plan, searched_options(plan), source=source).estimate()
+    prediction = PricedPlan(plan, searched_options(plan, source), source=source).estimate()
     if as_json:
         print(json.dumps(prediction_to_dict(prediction, plan), indent=2))
     else:
