@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner.errors import SpecError, UnknownNameError
+from planner.errors import SpecError, UnknownNameError, one_line
 from planner.io import read_json
 from planner.models import ModelHandle
 from planner.models.moe import expected_load_forward, is_experts
@@ -85,8 +85,11 @@ def _build_config(transformers: ModuleType, data: dict[str, Any], file: Path) ->
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, TypeError) as exc:
-        raise SpecError(f"hf-config {str(file)!r}: invalid {model_type} config: {exc}") from None
+    except Exception as exc:  # transformers' and huggingface_hub's validators alike
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise SpecError(
+            f"hf-config {str(file)!r}: invalid {model_type} config: {one_line(cause)}"
+        ) from None
 
 
 def _build_model(transformers: ModuleType, config: Any, device: torch.device) -> torch.nn.Module:

@@ -126,3 +126,10 @@ def test_broken_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SpecError, match=r"config.json is not valid JSON \(Expecting property name"):
         resolve_hf_config(tmp_path)
+
+
+def test_a_config_transformers_rejects_is_an_error_naming_the_file(tmp_path):
+    """huggingface_hub's strict validators raise their own exception class, not ValueError."""
+    path = _write(tmp_path, "llama", **_DECODER, layer_types=["full_attention"])
+    with pytest.raises(SpecError, match=r"invalid llama config: ValueError: .*layer_types"):
+        resolve_hf_config(path)
