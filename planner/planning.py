@@ -62,6 +62,7 @@ __all__ = [
     "make_plan",
     "model_limits",
     "priced_model",
+    "search_options",
     "search_plan",
     "trace_for_training",
 ]
@@ -143,8 +144,7 @@ def search_plan(
     """
     started = time.perf_counter()
     target = _check_target(target, handle, training)
-    device = load_profile(cluster.gpu).device_kind
-    options = framework_options(target.framework, options or device_options(device))
+    options = search_options(target, cluster.gpu, options)
     graph = cost_graph(handle, training, options)
     model, layouts = priced_model(handle, graph, cluster, training, options, ilp_time_limit_s)
     limits = model_limits(handle, graph, cluster, layouts)
@@ -196,6 +196,15 @@ def search_plan(
     validate_plan_for_world(plan, cluster.num_gpus)  # what the search emits must run
     check_model_against_plan(plan, handle.module, target)
     return PlanSearch(plan, result.costed)
+
+
+def search_options(target: Target, gpu: str, options: CostOptions | None = None) -> CostOptions:
+    """The cost options a search for ``target`` on ``gpu`` (a profile name or file) prices
+    with: ``options`` (default: what the GPU's device runs) with the target's kernels
+    where they leave them unset."""
+    return framework_options(
+        target.framework, options or device_options(load_profile(gpu).device_kind)
+    )
 
 
 def _without_target(

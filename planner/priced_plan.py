@@ -19,12 +19,11 @@ from torch import nn
 
 from planner.cost import CostModel, CostOptions
 from planner.cost.build import build_cost_model, spec_graph, stage_indices
-from planner.cost.options import device_options
 from planner.cost.tp import TPAssignment
 from planner.errors import SpecError
-from planner.frameworks import framework_options, parse_target
+from planner.frameworks import parse_target
 from planner.graph import OpGraph
-from planner.hardware import HardwareProfile, load_profile
+from planner.hardware import HardwareProfile
 from planner.layouts import FIXED_STYLE_PRICER, plan_layout
 from planner.models import (
     SMALL_MODELS,
@@ -34,6 +33,7 @@ from planner.models import (
     is_import_path,
     resolve_model,
 )
+from planner.planning import search_options
 from planner.spec import Plan, Prediction
 from planner.tracing import trace_for_training
 
@@ -44,9 +44,7 @@ def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
     """The cost options the search priced ``plan`` with: what its cluster's device runs,
     with the kernels of its target framework."""
     _check_profile_path(plan, source)
-    device = load_profile(plan.cluster.gpu).device_kind
-    framework = parse_target(plan.target, field="plan.target").framework
-    return framework_options(framework, device_options(device))
+    return search_options(parse_target(plan.target, field="plan.target"), plan.cluster.gpu)
 
 
 def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan") -> ModelHandle:
