@@ -5,7 +5,8 @@ a plan under another hardware profile or other options. A zoo or spec-file trans
 is priced on its formula graph (:func:`~planner.cost.build.spec_graph`); any other model
 (a Hugging Face config, ``module:function``, a small model, a module given in Python) is
 built again on the meta device, checked against the plan's fingerprint, traced at the
-plan's training shape and priced with the plan's own ``tp_layout``
+plan's training shape, checked against ``plan.model_digest`` and priced with the plan's
+own ``tp_layout``
 (:func:`~planner.layouts.plan_layout`), so the price is the search's to the float.
 """
 
@@ -37,7 +38,7 @@ from planner.planning import search_options
 from planner.spec import Plan, Prediction
 from planner.tracing import trace_for_training
 
-__all__ = ["PricedPlan", "plan_handle", "searched_options", "traced_plan_model"]
+__all__ = ["PricedPlan", "searched_options", "traced_plan_model"]
 
 
 def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
@@ -47,10 +48,9 @@ def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
     return search_options(parse_target(plan.target, field="plan.target"), plan.cluster.gpu)
 
 
-def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan") -> ModelHandle:
-    """The traced model ``plan`` was made for, built again on the meta device from
-    ``plan.model_source`` (or ``module``, built by the caller); raises :class:`SpecError`
-    when it cannot be built or is another model than the plan's."""
+def _rebuilt_handle(plan: Plan, module: nn.Module | None, source: str) -> ModelHandle:
+    """The model of :func:`traced_plan_model`; raises :class:`SpecError` when it cannot be
+    built or is another model than the plan's."""
     origin = plan.model_source
     if module is not None:
         handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
@@ -65,7 +65,7 @@ def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan
         raise SpecError(
             f"{source}: the plan for {plan.model_name!r} was made for a module given in Python "
             "(plan.model_source is empty or 'module'): price it with "
-            "planner.PricedPlan(plan, options, module=your_module)"
+            "planner.priced_plan.PricedPlan(plan, options, module=your_module)"
         )
     found = fingerprint(handle.module)
     if found != plan.model_fingerprint:
@@ -80,10 +80,12 @@ def plan_handle(plan: Plan, module: nn.Module | None = None, source: str = "plan
 def traced_plan_model(
     plan: Plan, module: nn.Module | None = None, source: str = "plan"
 ) -> tuple[ModelHandle, OpGraph]:
-    """:func:`plan_handle` and its trace at the plan's training shape, checked against the
+    """The traced model ``plan`` was made for, built again on the meta device from
+    ``plan.model_source`` (or ``module``, built by the caller) and checked against the
+    plan's fingerprint, and its trace at the plan's training shape, checked against the
     graph the plan was priced on (``plan.model_digest``): a config edit that keeps the
     parameter shapes (experts per token, heads of another width) is refused."""
-    handle = plan_handle(plan, module, source)
+    handle = _rebuilt_handle(plan, module, source)
     graph = trace_for_training(handle, plan.training)
     if plan.model_digest and graph.digest != plan.model_digest:
         raise SpecError(
