@@ -2,9 +2,15 @@
 that needs ``torch.distributed``).
 
 Every rank must call :func:`collective_sweep` with the same arguments: each collective
-runs ``warmup`` times, then ``repeats`` timed times between barriers; the time of one
-repeat is the slowest rank's (a max all-reduce of the local times), and a sample is the
-median over repeats. Sizes are the whole array in bytes (nccl-tests' ``S``).
+runs ``warmup`` times, then at least ``repeats`` timed times between barriers, and more
+while the timed runs add up to less than ``MIN_TIMED_S`` (up to ``MAX_REPEATS``): small
+collectives take microseconds, and a median over a handful of them is whatever the OS
+scheduler did. The time of one repeat is the slowest rank's (a max all-reduce of the
+local times), so every rank sees the same times and repeats as often. A sample is the
+lower quartile over repeats: other processes only ever slow a collective down, and on a
+shared or virtual machine they do so in bursts of milliseconds (a thread woken on an idle
+core waits for its tick) that leave a median of microsecond calls at either mode. Sizes
+are the whole array in bytes (nccl-tests' ``S``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ __all__ = ["CollectiveSample", "DEFAULT_COLLECTIVE_BYTES", "collective_sweep", "
 
 log = logging.getLogger(__name__)
 
+# seconds of timed runs a sample gathers at least, and the most repeats it takes for them
+MIN_TIMED_S = 0.05
+MAX_REPEATS = 101
 DEFAULT_COLLECTIVE_BYTES: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
 SWEPT = (
     Collective.ALL_REDUCE,
@@ -40,7 +49,8 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 @dataclass(frozen=True)
 class CollectiveSample:
-    """One collective over ``ranks`` ranks of an array of ``size_bytes``: median seconds."""
+    """One collective over ``ranks`` ranks of an array of ``size_bytes``: seconds (the
+    lower quartile of its timed runs)."""
 
     kind: Collective
     ranks: int
@@ -78,8 +88,8 @@ def _operation(kind: Collective, size_bytes: int, device: torch.device) -> Calla
 def _timed(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < MIN_TIMED_S and len(times) < MAX_REPEATS):
         dist.barrier()
         start = time.perf_counter()
         fn()
@@ -88,7 +98,7 @@ def _timed(fn: Callable[[], None], device: torch.device, warmup: int, repeats: i
         elapsed = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-    return statistics.median(times)
+    return statistics.quantiles(times, n=4, method="inclusive")[0]
 
 
 def collective_sweep(
@@ -99,7 +109,8 @@ def collective_sweep(
     warmup: int = 2,
     repeats: int = 9,
 ) -> list[CollectiveSample]:
-    """Median seconds of each collective in ``kinds`` at each size over the whole world."""
+    """Seconds of each collective in ``kinds`` at each size over the whole world
+    (``repeats``: the fewest timed runs of each; small ones run more, see the module)."""
     world = dist.get_world_size()
     samples = []
     for kind in kinds:

@@ -57,3 +57,11 @@ def test_calibrate_without_collectives_or_base_says_what_to_do(tmp_path: Path) -
 def test_refit_needs_a_profile(tmp_path: Path) -> None:
     result = _plan("calibrate", "--from", "m.json", "-o", str(tmp_path / "p.json"))
     assert result.returncode == 2 and "--from needs --profile" in result.stderr
+
+
+@pytest.mark.slow  # a subprocess that imports torch
+def test_calibrate_without_a_peak_refuses_before_measuring(tmp_path: Path) -> None:
+    result = _plan("calibrate", "--quick", "--dtype", "bf16", "-o", str(tmp_path / "p.json"))
+    assert result.returncode == 2
+    assert "the CPU peak estimate is for fp32, not bf16: pass --peak-tflops" in result.stderr
+    assert "sweep" not in result.stderr  # nothing was measured first

@@ -217,40 +217,35 @@ def _microbenchmark(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     dtype = DType(args.dtype or ("bf16" if gpu else "fp32"))
     base = load_profile(args.base) if args.base else None
+    _check_peak(args, base, gpu, dtype)
     with runner.process_group_from_env() as rank:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         with _sweep_status(show=rank == 0) as announce:
             measured = _measure(args, device, dtype, collectives, announce)
-        if rank != 0:
-            return 0
-        peak, peak_source = _peak(args, base, gpu, dtype, measured.matmul)
-        profile, report = build_profile(
-            measured, name=args.name or args.output.stem, stamp=_stamp(),
-            device_kind="gpu" if gpu else "cpu", base=base, peak_tflops=peak,
-            peak_source=peak_source, memory_capacity_gib=_capacity(gpu, measured.ranks_per_node),
-        )  # fmt: skip
-        save_profile(profile, args.output)
-        print(format_profile(profile, report))
-        print(f"wrote {args.output}")
+    if rank != 0:  # rank 0 fits after the group is gone: a failed fit strands no rank
+        return 0
+    peak, peak_source = _peak(args, base, measured.matmul)
+    profile, report = build_profile(
+        measured, name=args.name or args.output.stem, stamp=_stamp(),
+        device_kind="gpu" if gpu else "cpu", base=base, peak_tflops=peak,
+        peak_source=peak_source, memory_capacity_gib=_capacity(gpu, measured.ranks_per_node),
+    )  # fmt: skip
+    save_profile(profile, args.output)
+    print(format_profile(profile, report))
+    print(f"wrote {args.output}")
     return 0
 
 
-def _peak(
-    args: argparse.Namespace,
-    base: HardwareProfile | None,
-    gpu: bool,
-    dtype: DType,
-    gemms: Sequence[Sample],
-) -> tuple[float | None, str]:
+def _check_peak(
+    args: argparse.Namespace, base: HardwareProfile | None, gpu: bool, dtype: DType
+) -> None:
+    """Refuse, before anything is measured, a sweep that would end without a peak."""
     import torch
 
     from planner.calibrate.fit import CalibrationError
-    from planner.calibrate.profile import cpu_peak_tflops
 
-    if args.peak_tflops is not None:
-        return args.peak_tflops, "given on the command line (--peak-tflops)"
-    if base is not None:
-        return None, ""
+    if args.peak_tflops is not None or base is not None:
+        return
     if gpu:
         raise CalibrationError(
             f"no peak for {torch.cuda.get_device_name()}: pass --base PROFILE (see 'plan "
@@ -260,6 +255,21 @@ def _peak(
         raise CalibrationError(
             f"the CPU peak estimate is for fp32, not {dtype.value}: pass --peak-tflops"
         )
+
+
+def _peak(
+    args: argparse.Namespace, base: HardwareProfile | None, gemms: Sequence[Sample]
+) -> tuple[float | None, str]:
+    """The peak per rank (TFLOP/s) and its source: given, the base's (None), or the CPU's
+    estimated from the fp32 GEMM sweep (what :func:`_check_peak` leaves)."""
+    import torch
+
+    from planner.calibrate.profile import cpu_peak_tflops
+
+    if args.peak_tflops is not None:
+        return args.peak_tflops, "given on the command line (--peak-tflops)"
+    if base is not None:
+        return None, ""
     return cpu_peak_tflops(torch.get_num_threads(), gemms)
 
 
