@@ -175,10 +175,9 @@ class ModelLayouts:
         layout = self.layout(tp, sequence_parallel)
         if layout is not None and not layout.shards_parameters:
             return (
-                f"the best layout at tp {tp} shards no parameter (on this cluster sharding "
-                "does not pay for this model): every rank would repeat the same work; leave tp "
-                "to the search, or describe the cluster's compute and links as they are "
-                "(plan calibrate) if tp should pay"
+                f"no layout at tp {tp} splits a weight of the model's blocks (every module "
+                "holding one runs only whole here): every rank would repeat the same work; "
+                "leave tp to the search"
             )
         return self._why_not.get((tp, sequence_parallel))
 
@@ -196,7 +195,7 @@ class ModelLayouts:
         if self.megatron:
             assert self.handle.spec is not None
             return megatron_constraints(self.handle.spec, sequence_parallel)
-        return LayoutConstraints()
+        return LayoutConstraints(shard_parameters=True)
 
     def _find(self, tp: int, sp: bool) -> TPLayout | None:
         constraints = self._base(sp)
@@ -230,10 +229,17 @@ class ModelLayouts:
         return self._give_up(tp, sp, constraints, None)
 
     def _solve(self, tp: int, sp: bool, constraints: LayoutConstraints) -> TPLayout:
-        return solve_tp_layout(
-            self.graph, tp=tp, pricer=self.pricer, sequence_parallel=sp, info=self.info,
-            constraints=constraints, time_limit_s=self.time_limit_s,
-        )  # fmt: skip
+        """The cheapest layout that splits some weight of the blocks; where none can (every
+        such module kept whole), the cheapest at all, which :meth:`why_not` refuses."""
+        try:
+            return solve_tp_layout(
+                self.graph, tp=tp, pricer=self.pricer, sequence_parallel=sp, info=self.info,
+                constraints=constraints, time_limit_s=self.time_limit_s,
+            )  # fmt: skip
+        except ShardingInfeasibleError as exc:
+            if exc.family != "sharded_weight":
+                raise
+            return self._solve(tp, sp, replace(constraints, shard_parameters=False))
 
     def _give_up(
         self, tp: int, sp: bool, constraints: LayoutConstraints, failure: RehearsalFailure | None

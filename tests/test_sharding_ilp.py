@@ -142,6 +142,31 @@ def test_memory_budget_changes_the_choice():
     assert tight.memory_bytes == 10.0
 
 
+def test_a_layout_that_must_split_a_weight_takes_the_cheapest_split():
+    """``shard_one_of``: keeping both weights whole is cheapest, but one must split."""
+    names = ("R", "S0")
+    nodes = (
+        ShardingNode("n0", names, [1e-3, 3e-3], [0, 0], [0, 0]),
+        ShardingNode("n1", names, [1e-3, 2e-3], [0, 0], [0, 0]),
+    )
+    assert solve_sharding(ShardingProblem(nodes, ())).choice == {"n0": "R", "n1": "R"}
+    forced = ShardingProblem(nodes, (), shard_one_of=(("n0", (1,)), ("n1", (1,))))
+    assert solve_sharding(forced).choice == {"n0": "R", "n1": "S0"}
+
+
+def test_a_split_that_cannot_run_is_the_sharded_weight_family():
+    names = ("R", "S0")
+    illegal = ShardingNode("n0", names, [1e-3, np.inf], [0, 0], [0, 0])
+    with pytest.raises(ShardingInfeasibleError) as caught:
+        solve_sharding(ShardingProblem((illegal,), (), shard_one_of=(("n0", (1,)),)))
+    assert caught.value.family == "sharded_weight"
+    nodes = tuple(ShardingNode(f"n{i}", names, [1e-3, 1e-3], [0, 0], [0, 0]) for i in range(2))
+    whole_only = ShardingEdge("n0", "n1", [[0, np.inf], [np.inf, np.inf]])  # n0 split: no n1
+    with pytest.raises(ShardingInfeasibleError) as caught:
+        solve_sharding(ShardingProblem(nodes, (whole_only,), shard_one_of=(("n0", (1,)),)))
+    assert caught.value.family == "sharded_weight"
+
+
 def test_time_limit_returns_the_incumbent_and_says_so():
     # Dense random tables on a loopy graph: CBC does not prove optimality in 0.5 s.
     problem = random_problem(0, nodes=40, strategies=5, edges=120, illegal=0.0, budget=18e6)

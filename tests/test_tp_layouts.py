@@ -109,14 +109,18 @@ def _zoo(spec: ModelSpec):
     return handle_for_module(build(spec))
 
 
-def test_tensor_parallelism_that_shards_nothing_is_not_emitted():
+def test_a_pinned_tp_splits_the_blocks_even_where_keeping_them_whole_is_cheaper():
     """Case 1: a user module at tp 4 on H100s, where sharding its tiny layers does not pay:
-    the best layout would shard no parameter, so tp 4 is refused with that reason and
-    the free search plans without it."""
+    the pinned tp 4 still splits a weight of its blocks (the cheapest layout that does,
+    priced as it runs), and the free search plans without tensor parallelism."""
     handle = resolve_model("tests.user_models:gpt")
-    with pytest.raises(PlannerError, match=r"tp\(4\).*shards no parameter"):
-        make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
-    assert make_plan(handle, H100, TRAINING).strategy.tp == 1
+    pinned = make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
+    assert pinned.strategy.tp == 4
+    split = [p for p, m in pinned.tp_layout.items() if m.shards_parameters]
+    assert split and all(p.startswith("transformer.h.*.") for p in split)
+    free = make_plan(handle, H100, TRAINING)
+    assert free.strategy.tp == 1
+    assert free.prediction.step_time_s < pinned.prediction.step_time_s
 
 
 def test_tensor_parallel_prediction_holds_the_layouts_own_shards():

@@ -167,7 +167,9 @@ class LayoutConstraints:
     ``exhaustive``: a module with parameters that ``styles`` does not name is replicated
     and its boundaries convert nothing (a plan's layout lists every module it touches);
     ``whole_after_blocks`` keeps activations after the last block whole too (for models
-    whose own code reshapes the output to the whole sequence).
+    whose own code reshapes the output to the whole sequence); ``shard_parameters``: some
+    operator splits its weight over the group (a layout that splits nothing is no tensor
+    parallelism, however cheap).
     """
 
     styles: Mapping[str, TPStyle] = field(default_factory=dict)
@@ -178,6 +180,7 @@ class LayoutConstraints:
     loss_parallel: bool | None = None
     exhaustive: bool = False
     whole_after_blocks: bool = False
+    shard_parameters: bool = False
 
 
 @dataclass(frozen=True)
@@ -356,7 +359,9 @@ class _Builder:
             self._add_segment_type(type_id, key, starts_model=type_id == first)
         self._add_boundaries()
         ties = self._ties()
-        problem = ShardingProblem(tuple(self.nodes), tuple(self.edges), memory_budget_bytes, ties)
+        problem = ShardingProblem(
+            tuple(self.nodes), tuple(self.edges), memory_budget_bytes, ties, self._shard_one_of()
+        )
         return LayoutProblem(
             self.graph, self.tp, self.sp, problem, self.strategies, self.type_keys, self.ops,
             self.conversions, self.ports, self.boundaries,
@@ -695,6 +700,19 @@ class _Builder:
         self._add_conversion_node(name, conversion, sources, count)
         self._add_edge(sink, name, 0)
         self._add_edge(name, entry, 0)
+
+    def _shard_one_of(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The strategies that split a weight (of the blocks' operators, where the model has
+        blocks), when the layout must split one."""
+        if not self.constraints.shard_parameters:
+            return ()
+        blocks = {t for t in self.type_keys if self.graph.types[t].kind == "block"}
+        picks = (
+            (name, tuple(i for i, s in enumerate(self.strategies[name]) if s.weight != REPLICATE))
+            for name, (type_id, _) in self.ops.items()
+            if type_id in blocks or not blocks  # a transformer's blocks hold its work
+        )
+        return tuple((name, indices) for name, indices in picks if indices)
 
     def _ties(self) -> tuple[ShardingTie, ...]:
         """Modules sharing a parameter: their weight-holding operators place it alike."""

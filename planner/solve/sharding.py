@@ -26,6 +26,7 @@ Constraint families (each constraint is named after its family)::
     edge_consistency_e{e}_t{t}:  x[v,t] <= sum_{s legal with t} x[u,s]    free edges, t
     tied_k{k}_m{i}_{label}:      sum_{s: L[a,s]=label} x[a,s] = sum_{t: L[b,t]=label} x[b,t]
     memory_budget:               sum_n sum_s m[n,s] x[n,s] <= budget
+    sharded_weight:              sum_{(n,s) in W} x[n,s] >= 1     when W is given
 
 The two marginal equalities are the tight (local-polytope) linearisation of
 ``y = x[u,s] * x[v,t]``: with binary ``x`` they force ``y`` to the product, so ``y``
@@ -33,7 +34,10 @@ can stay continuous, and since illegal pairs have no ``y``, choosing both ends o
 illegal pair is infeasible. An edge whose legal pairs all cost nothing (a placement
 that must simply match) needs no ``y``: one inequality per consumer strategy says its
 producer chose a compatible one. A tie (``ShardingTie``) makes nodes that share a
-weight choose strategies with the same label (the weight's placement). Internally
+weight choose strategies with the same label (the weight's placement). ``W``
+(``ShardingProblem.shard_one_of``) lists the strategies that split a parameter: given,
+the layout must split at least one (a tensor-parallel group that splits no work is
+not tensor parallelism, however cheap keeping everything whole would be). Internally
 times are scaled to microseconds and memory to fractions of the budget, so CBC's
 tolerances do not swallow small costs.
 
@@ -71,10 +75,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Family = Literal["one_strategy", "edge_consistency", "tied", "memory_budget"]
+Family = Literal["one_strategy", "edge_consistency", "tied", "memory_budget", "sharded_weight"]
 Status = Literal["optimal", "time_limit_incumbent"]
 Outcome = Literal["optimal", "incumbent", "infeasible", "no_solution"]
-ALL_FAMILIES: tuple[Family, ...] = ("one_strategy", "edge_consistency", "tied", "memory_budget")
+ALL_FAMILIES: tuple[Family, ...] = (
+    "one_strategy", "edge_consistency", "tied", "memory_budget", "sharded_weight"
+)  # fmt: skip
 _US_PER_S = 1e6
 
 
@@ -171,12 +177,15 @@ class ShardingTie:
 
 @dataclass(frozen=True)
 class ShardingProblem:
-    """Nodes, edges and the per-device memory budget (bytes; ``inf`` for none)."""
+    """Nodes, edges and the per-device memory budget (bytes; ``inf`` for none);
+    ``shard_one_of``: (node, strategy indices) that split a parameter, of which the
+    solution takes at least one (empty: no such constraint)."""
 
     nodes: tuple[ShardingNode, ...]
     edges: tuple[ShardingEdge, ...]
     memory_budget_bytes: float = math.inf
     ties: tuple[ShardingTie, ...] = ()
+    shard_one_of: tuple[tuple[str, tuple[int, ...]], ...] = ()
     index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +209,11 @@ class ShardingProblem:
             for name, labels in zip(tie.nodes, tie.labels, strict=True):
                 if name not in index or len(labels) != len(self.nodes[index[name]].strategies):
                     raise SpecError(f"tie names {name!r}: unknown node or one label per strategy")
+        for name, picks in self.shard_one_of:
+            if name not in index or not all(
+                0 <= s < len(self.nodes[index[name]].strategies) for s in picks
+            ):
+                raise SpecError(f"shard_one_of names {name!r}: unknown node or strategy index")
         if not self.memory_budget_bytes > 0:
             raise SpecError(
                 f"memory_budget_bytes = {self.memory_budget_bytes} must be > 0 (inf for no limit)"
@@ -362,6 +376,16 @@ class _Model:
         if math.isfinite(self.problem.memory_budget_bytes):
             self.lp += self._memory_term() <= 1.0, "memory_budget"
 
+    def add_sharded_weight(self) -> None:
+        picks = [
+            self.x[self.problem.index[name]][s]
+            for name, strategies in self.problem.shard_one_of
+            for s in strategies
+            if s in self.x[self.problem.index[name]]
+        ]
+        if self.problem.shard_one_of:
+            self.lp += pulp.lpSum(picks) >= 1, "sharded_weight"
+
     def run(self, time_limit_s: float, tmp_dir: str | None) -> Outcome:
         """Solve with CBC in a private temporary directory."""
         solver = pulp.COIN_CMD(
@@ -390,6 +414,7 @@ def _build(problem: ShardingProblem, families: Sequence[Family], objective: str 
         "edge_consistency": model.add_edge_consistency,
         "tied": model.add_tied,
         "memory_budget": model.add_memory_budget,
+        "sharded_weight": model.add_sharded_weight,
     }
     for family in families:
         builders[family]()
@@ -409,6 +434,10 @@ def solve_sharding(
     if not time_limit_s > 0:
         raise SpecError(f"time_limit_s = {time_limit_s} must be > 0 seconds")
     _check_every_node_has_a_strategy(problem)
+    if problem.shard_one_of and not any(
+        problem.node(name).legal[s] for name, picks in problem.shard_one_of for s in picks
+    ):
+        raise ShardingInfeasibleError("sharded_weight", _NOTHING_SPLITS)
     start = time.perf_counter()
     model = _build(problem, ALL_FAMILIES)
     outcome = model.run(time_limit_s, tmp_dir)
@@ -469,10 +498,20 @@ def _check_every_node_has_a_strategy(problem: ShardingProblem) -> None:
             )
 
 
+_NOTHING_SPLITS = "no layout that splits a parameter over the group is consistent"
+
+
 def _diagnose_infeasible(
     problem: ShardingProblem, time_limit_s: float, tmp_dir: str | None
 ) -> PlannerError:
-    """Re-solve without the memory budget, minimising memory, to tell which family is to blame."""
+    """Re-solve without a family at a time, minimising memory, to tell which is to blame."""
+    if problem.shard_one_of:
+        free = _build(problem, ("one_strategy", "edge_consistency", "tied", "memory_budget"))
+        outcome = free.run(time_limit_s, tmp_dir)
+        if outcome == "no_solution":
+            return _timeout(time_limit_s, free)
+        if outcome != "infeasible":
+            return ShardingInfeasibleError("sharded_weight", _NOTHING_SPLITS)
     without_memory = _build(problem, ("one_strategy", "edge_consistency", "tied"), "memory")
     outcome = without_memory.run(time_limit_s, tmp_dir)
     if outcome == "no_solution":
