@@ -34,7 +34,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import SpecError, one_line
 from planner.hf import expected_load_experts
-from planner.models import is_hf_model
+from planner.models import ModelHandle, is_hf_model
 from planner.modules import find_blocks
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "output_logits",
     "split_problem",
     "stage_problem",
+    "token_vocab",
 ]
 
 STAGE_IDS = "stage_ids"  # the keyword that hands a later stage its micro-batch's token ids
@@ -325,6 +326,40 @@ def output_logits(output: Any) -> torch.Tensor:
     or the first tensor of a tuple (nanoGPT's ``(logits, loss)``)."""
     logits = getattr(output, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
+
+
+def token_vocab(handle: ModelHandle, seq_len: int) -> int | None:
+    """The token ids (``0 <= id < vocab``) a token model trains on: the fewest rows of the
+    ``nn.Embedding`` modules its token ids reach and the width of its logits, found by one
+    forward on the meta device. ``None`` when it takes no token ids (no integer input of
+    shape (batch, seq)) or none of them reaches an embedding."""
+    inputs = handle.make_inputs(1, seq_len)
+    ids = [t for t in inputs if not t.is_floating_point() and t.ndim == 2]
+    if not ids:
+        return None
+    rows: list[int] = []
+
+    def reached(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and any(args[0] is t for t in ids):
+            rows.append(cast(nn.Embedding, module).num_embeddings)
+
+    hooks = [
+        m.register_forward_pre_hook(reached)
+        for m in handle.module.modules()
+        if isinstance(m, nn.Embedding)
+    ]
+    try:
+        with torch.no_grad():
+            logits = output_logits(handle.module(*inputs))
+    except Exception as exc:  # the user's forward: its failure is an error line
+        raise SpecError(
+            f"model {handle.source!r}: its forward on the meta device raised {one_line(exc)}, "
+            "so the range of its token ids is unknown"
+        ) from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return min(*rows, logits.shape[-1]) if rows else None
 
 
 def logits_problem(logits: torch.Size, tokens: torch.Size) -> str | None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.errors import SpecError
-from planner.models import SMALL_MODELS, build, is_import_path
+from planner.models import SMALL_MODELS, build, is_hf_model
 from planner.spec import Optimizer, Plan
 from planner.torch_dtypes import TORCH_DTYPES
 from planner.validate import validate_plan_for_world
@@ -117,28 +117,42 @@ class RunModel:
 
 
 def model_to_run(plan: Plan, command: str) -> RunModel:
-    """The plan's model built again: its zoo or spec-file transformer, or the Hugging Face
-    config it was planned from (``plan.model_source``, as given to ``plan --hf-config``)."""
+    """The plan's model built again: its zoo or spec-file transformer, the Hugging Face
+    config it was planned from (``plan.model_source``, as given to ``plan --hf-config``),
+    or the token model a ``module:function`` builds (its function called again on the
+    meta device; token ids as far as its embeddings and logits reach)."""
     if plan.model is not None:
         seq_len = plan.seq_len
         assert seq_len is not None  # a plan with a model spec has one
         return RunModel(build(plan.model, device="meta"), plan.model.vocab_size, seq_len)
     source = plan.model_source
-    if not source or is_import_path(source) or source in SMALL_MODELS:
-        what = "a built-in non-token model" if source in SMALL_MODELS else "a module of your own"
+    if not source or source in SMALL_MODELS:
+        what = (
+            "a built-in non-token model" if source in SMALL_MODELS else "a module given in Python"
+        )
         raise SpecError(
             f"plan for {plan.model_name!r} was made for {what} ({source!r}): "
-            f"'{command}' builds zoo and spec-file transformers and Hugging Face configs; "
-            "train it with planner.parallelize() in your own loop"
+            f"'{command}' builds zoo and spec-file transformers, Hugging Face configs and "
+            "token models given as module:function; train it with planner.parallelize() in "
+            "your own loop"
         )
     from planner.priced_plan import traced_plan_model
+    from planner.staging import token_vocab
     from planner.tracing import default_seq_len
 
     handle, _ = traced_plan_model(plan, source=command)  # on meta, in the config's torch_dtype
-    module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
-    config: Any = module.config
     seq_len = plan.training.seq_len or default_seq_len(handle)
-    return RunModel(module, int(config.vocab_size), seq_len, config.to_dict())
+    config: Any = handle.module.config if is_hf_model(handle.module) else None
+    vocab = int(config.vocab_size) if config is not None else token_vocab(handle, seq_len)
+    if vocab is None:
+        raise SpecError(
+            f"plan for {plan.model_name!r} was made for {source!r}, which takes no token ids "
+            f"(no integer input of shape (batch, seq) reaching an nn.Embedding): '{command}' "
+            "trains token models on synthetic tokens; train it with planner.parallelize() in "
+            "your own loop"
+        )
+    module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
+    return RunModel(module, vocab, seq_len, config.to_dict() if config is not None else None)
 
 
 def run_plan(

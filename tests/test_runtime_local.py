@@ -148,12 +148,14 @@ def test_recompute_reruns_what_the_mode_says() -> None:
     assert none["mm"] == selective["mm"] < full["mm"]  # selective keeps the matmul outputs
 
 
+@pytest.mark.slow  # trains, exports and measures two models
 def test_plan_run_measure_and_export_a_hugging_face_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A plan made from a Hugging Face config trains (``plan run``), measures and exports
     its model, built again on the meta device from ``plan.model_source``; a plan for a
-    module of your own is refused with where it trains instead."""
+    module of your own trains when it takes token ids, and is refused with where it trains
+    instead when it does not."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
@@ -177,5 +179,10 @@ def test_plan_run_measure_and_export_a_hugging_face_config(
     measured = measure_plan(plan, steps=1, warmup=0)
     assert measured.step_time_median_s > 0
     user = make_plan(resolve_model("tests.user_models:gpt"), one, training)
-    with pytest.raises(SpecError, match=r"a module of your own \('tests.user_models:gpt'\)"):
-        model_to_run(user, "plan run")
+    built = model_to_run(user, "plan run")
+    assert (built.vocab_size, built.seq_len, built.hf_config) == (256, 16, None)
+    assert measure_plan(user, steps=1, warmup=0).step_time_median_s > 0  # plan measure too
+    regressor = make_plan(resolve_model("tests.user_models:regressor"), one, training.model_copy(
+        update={"seq_len": None}))  # fmt: skip
+    with pytest.raises(SpecError, match=r"'tests.user_models:regressor', which takes no token"):
+        model_to_run(regressor, "plan run")

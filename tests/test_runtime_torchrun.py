@@ -120,6 +120,36 @@ def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_plan_run_trains_a_module_of_your_own_at_a_pinned_tp_as_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plan run`` of a ``module:function`` token model (built again on meta, token ids
+    up to its vocabulary), pinned at tp 2 on H100s where keeping it whole would be
+    cheaper: the layout splits a block weight and trains as one process does."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    source = "tests.user_models:gpt"
+    training = Training(global_batch_size=8, micro_batch_size=8, seq_len=16, dtype="fp32")
+    paths = []
+    for gpus, pins in ((2, planner.Pins(tp=2)), (1, planner.Pins())):
+        cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=gpus, gpus_per_node=gpus)
+        plan = planner.make_plan(resolve_model(source), cluster, training, pins=pins)
+        assert plan.strategy.tp == gpus
+        paths.append(tmp_path / f"plan-{gpus}.json")
+        paths[-1].write_text(plan.to_json())
+    assert any(m.shards_parameters for m in json_layout(paths[0]))
+    args = ["run", "--steps", "4", "--json", "--lr", "0.01"]
+    distributed = plan_run_losses([*TORCHRUN, "2", "-m", "planner", *args, str(paths[0])])
+    reference = plan_run_losses([sys.executable, "-m", "planner", *args, str(paths[1])])
+    assert distributed == pytest.approx(reference, abs=1e-5)
+    assert loss_falls(distributed)
+
+
+def json_layout(path: Path) -> list[planner.spec.ModuleTP]:
+    return list(planner.spec.Plan.model_validate_json(path.read_text()).tp_layout.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_stock_clipping_is_right_or_fails_loudly(tmp_path, monkeypatch):
     """Stock ``torch.nn.utils.clip_grad_norm_`` in a user's loop: under DDP it clips by the
     whole model's norm (same losses as one process); over tensor-parallel shards it would

@@ -160,3 +160,9 @@ def gpt_tied() -> GPT:
 
 def gpt_rotary() -> RotaryGPT:
     return RotaryGPT()
+
+
+def regressor() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A model of features, not token ids."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    return model, (torch.zeros(1, 8, device=next(model.parameters()).device),)

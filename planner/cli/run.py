@@ -33,8 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="train a plan on synthetic data (launch with torchrun for several ranks)",
         description="Apply a plan with torch.distributed and train its model on synthetic "
-        "tokens, printing the global mean loss and the time of each step. A plan whose "
-        "degrees are all 1 runs without torchrun.",
+        "tokens, printing the global mean loss and the time of each step. The model is a "
+        "zoo or spec-file transformer, a Hugging Face config or a module:function token "
+        "model, built again on the meta device. A plan whose degrees are all 1 runs "
+        "without torchrun.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
     parser.add_argument("--steps", type=count(MAX_STEPS), default=10,
