@@ -183,8 +183,9 @@ def _initialise_module(
             raise SpecError(
                 f"{where!r} ({type(module).__name__}) was not initialised: it has no "
                 "reset_parameters() and the model's _init_weights does not set it; give "
-                "planner.parallelize(..., init=fn) where fn(module) sets a module's own "
-                "parameters and buffers in place"
+                f"{type(module).__name__} a reset_parameters() (all that plan run and plan "
+                "measure call), or give planner.parallelize(..., init=fn) where fn(module) "
+                "sets a module's own parameters and buffers in place"
             )
         local, index = local_part(target)
         local.copy_(value[index])
