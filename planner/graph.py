@@ -178,15 +178,16 @@ class OpGraph:
     @property
     def digest(self) -> str:
         """A short hash of what the cost model prices: every operator's kind, op, role,
-        output shape, FLOPs and parameters, in execution order. Equal for the same model
-        traced at the same shape; a config edit that keeps the parameter shapes (experts
-        per token, heads of another width, the activation) changes it."""
+        output shape, FLOPs and parameters, and which operators it reads, in execution
+        order. Equal for the same model traced at the same shape; a config edit that keeps
+        the parameter shapes (experts per token, heads of another width, the activation)
+        or a code edit that rewires them (queries and keys swapped) changes it."""
         digest = hashlib.sha256()
         for segment in self.segments:
             for n in self.types[segment.type_id].nodes:
                 digest.update(
                     f"{n.kind.value}|{n.target}|{n.role.value}|{n.output_shape}|"
-                    f"{n.flops_fwd!r}|{n.flops_bwd!r}|{n.param_count};".encode()
+                    f"{n.flops_fwd!r}|{n.flops_bwd!r}|{n.param_count}|{n.inputs};".encode()
                 )
         return digest.hexdigest()[:16]
 

@@ -182,7 +182,8 @@ class HardwareProfile(_Frozen):
             known = ", ".join(sorted(d.value for d in self.peak_tflops))
             raise SpecError(
                 f"profile {self.name!r} has no peak_tflops for dtype {dtype.value!r} "
-                f"(it has: {known}); choose one of those dtypes or add the figure"
+                f"(it has: {known}); train in one of those (training.dtype; plan --dtype) or "
+                "add the figure to the profile's peak_tflops"
             )
         return self.peak_tflops[dtype] * 1e12
 

@@ -172,6 +172,8 @@ class ModelLayouts:
                 return None
             self.layout(tp, sequence_parallel)
             return self._why_not.get((tp, sequence_parallel))
+        if sequence_parallel and (whole := self.why_not(tp, False)) is not None:
+            return whole  # what keeps the weights whole keeps sequence parallelism out too
         layout = self.layout(tp, sequence_parallel)
         if layout is not None and not layout.shards_parameters:
             return (

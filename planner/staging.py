@@ -39,6 +39,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import SpecError, one_line
@@ -329,37 +330,58 @@ def output_logits(output: Any) -> torch.Tensor:
 
 
 def token_vocab(handle: ModelHandle, seq_len: int) -> int | None:
-    """The token ids (``0 <= id < vocab``) a token model trains on: the fewest rows of the
-    ``nn.Embedding`` modules its token ids reach and the width of its logits, found by one
-    forward on the meta device. ``None`` when it takes no token ids (no integer input of
-    shape (batch, seq)) or none of them reaches an embedding."""
+    """The token ids (``0 <= id < vocab``) a model that takes token ids alone trains on:
+    the fewest rows of the ``nn.Embedding`` modules its ids (or views of them) reach and
+    the width of its logits, found by one forward on the meta device. ``None`` when its
+    input is not token ids (an integer tensor of shape (batch, seq)) or they reach no
+    embedding."""
     inputs = handle.make_inputs(1, seq_len)
-    ids = [t for t in inputs if not t.is_floating_point() and t.ndim == 2]
-    if not ids:
+    if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
         return None
     rows: list[int] = []
+    with _Derived(inputs[0]) as derived:
 
-    def reached(module: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and any(args[0] is t for t in ids):
-            rows.append(cast(nn.Embedding, module).num_embeddings)
+        def reached(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if args and derived.holds(args[0]):
+                rows.append(cast(nn.Embedding, module).num_embeddings)
 
-    hooks = [
-        m.register_forward_pre_hook(reached)
-        for m in handle.module.modules()
-        if isinstance(m, nn.Embedding)
-    ]
-    try:
-        with torch.no_grad():
-            logits = output_logits(handle.module(*inputs))
-    except Exception as exc:  # the user's forward: its failure is an error line
-        raise SpecError(
-            f"model {handle.source!r}: its forward on the meta device raised {one_line(exc)}, "
-            "so the range of its token ids is unknown"
-        ) from None
-    finally:
-        for hook in hooks:
-            hook.remove()
+        embeddings = [m for m in handle.module.modules() if isinstance(m, nn.Embedding)]
+        hooks = [m.register_forward_pre_hook(reached) for m in embeddings]
+        try:
+            with torch.no_grad():
+                logits = output_logits(handle.module(*inputs))
+        except Exception as exc:  # the user's forward: its failure is an error line
+            raise SpecError(
+                f"model {handle.source!r}: its forward on the meta device raised "
+                f"{one_line(exc)}, so the range of its token ids is unknown"
+            ) from None
+        finally:
+            for hook in hooks:
+                hook.remove()
     return min(*rows, logits.shape[-1]) if rows else None
+
+
+class _Derived(TorchFunctionMode):
+    """Tensors computed from ``source`` (views, reshapes, arithmetic) while active."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        super().__init__()
+        self._kept = [source]  # held, so their ids stay theirs
+        self._ids = {id(source)}
+
+    def holds(self, value: object) -> bool:
+        return id(value) in self._ids
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(id(t) in self._ids for t in tree_leaves((args, kwargs))):
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._kept.append(tensor)
+                    self._ids.add(id(tensor))
+        return out
 
 
 def logits_problem(logits: torch.Size, tokens: torch.Size) -> str | None:

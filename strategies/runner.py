@@ -146,13 +146,18 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
     vocab = int(config.vocab_size) if config is not None else token_vocab(handle, seq_len)
     if vocab is None:
         raise SpecError(
-            f"plan for {plan.model_name!r} was made for {source!r}, which takes no token ids "
-            f"(no integer input of shape (batch, seq) reaching an nn.Embedding): '{command}' "
-            "trains token models on synthetic tokens; train it with planner.parallelize() in "
-            "your own loop"
+            f"plan for {plan.model_name!r} was made for {source!r}, whose forward does not take "
+            f"token ids alone (one integer tensor of shape (batch, seq) that reaches an "
+            f"nn.Embedding; it takes {_described(handle.make_inputs(1, seq_len))}): "
+            f"'{command}' feeds synthetic token ids and nothing else; train it with "
+            "planner.parallelize() in your own loop"
         )
     module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
     return RunModel(module, vocab, seq_len, config.to_dict() if config is not None else None)
+
+
+def _described(inputs: tuple[torch.Tensor, ...]) -> str:
+    return ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in inputs)
 
 
 def run_plan(

@@ -25,7 +25,7 @@ from planner.solve.search import Pins
 from planner.spec import Plan
 from tests.devices import write_tp_pays
 from tests.test_measure import fake_measured
-from tests.user_models import GPT
+from tests.user_models import GPT, CausalSelfAttention
 
 _LLAMA = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -115,6 +115,24 @@ def test_a_config_edit_that_keeps_the_parameter_shapes_is_refused(tmp_path):
                     lambda: model_to_run(plan, "plan run")):  # fmt: skip
         with pytest.raises(SpecError, match=r"now traces to another model than the plan priced"):
             reprice()
+
+
+def test_a_code_edit_that_rewires_the_same_operators_is_refused():
+    """Queries and keys swapped: the same operators and parameters, read in another order."""
+
+    class Swapped(CausalSelfAttention):
+        def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            q, k, v = super().heads(x)
+            return k, q, v
+
+    one = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    plan = planner.make_plan(resolve_model("tests.user_models:gpt"), one, TRAINING)
+    PricedPlan(plan, searched_options(plan), module=GPT())  # the model it was made for
+    edited = GPT()
+    for block in edited.transformer.h:
+        block.attn.__class__ = Swapped
+    with pytest.raises(SpecError, match=r"now traces to another model than the plan priced"):
+        PricedPlan(plan, searched_options(plan), module=edited)
 
 
 def test_compare_and_calibrate_reprice_a_hugging_face_plan(tmp_path):

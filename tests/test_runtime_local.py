@@ -184,5 +184,10 @@ def test_plan_run_measure_and_export_a_hugging_face_config(
     assert measure_plan(user, steps=1, warmup=0).step_time_median_s > 0  # plan measure too
     regressor = make_plan(resolve_model("tests.user_models:regressor"), one, training.model_copy(
         update={"seq_len": None}))  # fmt: skip
-    with pytest.raises(SpecError, match=r"'tests.user_models:regressor', which takes no token"):
+    with pytest.raises(SpecError, match=r"'tests.user_models:regressor', whose forward does not"):
         model_to_run(regressor, "plan run")
+    viewed = make_plan(resolve_model("tests.user_models:gpt_viewed_ids"), one, training)
+    assert model_to_run(viewed, "plan run").vocab_size == 256  # ids reshaped, then embedded
+    segments = make_plan(resolve_model("tests.user_models:gpt_segments"), one, training)
+    with pytest.raises(SpecError, match=r"it takes int64\[1, 16\], int64\[1, 16\]"):
+        model_to_run(segments, "plan run")  # it would train without the segments it priced

@@ -166,3 +166,33 @@ def regressor() -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A model of features, not token ids."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     return model, (torch.zeros(1, 8, device=next(model.parameters()).device),)
+
+
+class ViewedIds(GPT):
+    """Reshapes its token ids before the embedding, as Hugging Face's input_ids.view(-1, t)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx.view(-1, idx.shape[-1]))
+
+
+class SegmentGPT(GPT):
+    """Takes segment ids beside its token ids (a second, smaller embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments = nn.Embedding(2, 64)
+
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx) if segments is None else super().forward(idx + 0 * segments)
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.zeros(batch_size, SEQ, dtype=torch.long, device=self.lm_head.weight.device)
+        return ids, torch.zeros_like(ids)
+
+
+def gpt_viewed_ids() -> ViewedIds:
+    return ViewedIds()
+
+
+def gpt_segments() -> SegmentGPT:
+    return SegmentGPT()

@@ -5,8 +5,9 @@ Launch under torchrun for a multi-rank plan::
     torchrun --nproc-per-node 8 -m planner run plan.json --steps 20
 
 A plan whose degrees are all 1 also runs as a plain ``plan run plan.json``. It trains
-zoo and spec-file transformers and Hugging Face configs (``plan --hf-config``, built
-again from ``plan.model_source``); a module of your own trains in your own loop.
+zoo and spec-file transformers, Hugging Face configs (``plan --hf-config``) and
+``module:function`` models that take token ids alone, built again from
+``plan.model_source``; any other module trains in your own loop.
 
 ``--checkpoint-dir D`` saves the model and optimizer to ``D`` after the last step (and
 every ``--save-every`` steps); ``--resume`` loads ``D``'s latest checkpoint first, saved
