@@ -161,6 +161,9 @@ class OpGraph:
     tracer: str  # "fx", "export" or "draft_export": which front end produced the graph
     segments: tuple[Segment, ...]
     types: dict[str, SegmentType] = field(hash=False)
+    # whether the model's own attention calls are causal (None: they do not say, e.g. a
+    # mask; a formula graph's causality is its spec's)
+    attention_causal: bool | None = None
 
     def segment_type(self, segment: Segment) -> SegmentType:
         return self.types[segment.type_id]
@@ -181,8 +184,9 @@ class OpGraph:
         output shape, FLOPs and parameters, and which operators it reads, in execution
         order. Equal for the same model traced at the same shape; a config edit that keeps
         the parameter shapes (experts per token, heads of another width, the activation)
-        or a code edit that rewires them (queries and keys swapped) changes it."""
-        digest = hashlib.sha256()
+        or a code edit that rewires them (queries and keys swapped) changes it, and so does
+        the attention's own causality."""
+        digest = hashlib.sha256(f"causal={self.attention_causal};".encode())
         for segment in self.segments:
             for n in self.types[segment.type_id].nodes:
                 digest.update(

@@ -379,3 +379,22 @@ def test_fp32_tables_beside_half_precision_trace_as_autocast_runs_them():
     graph = trace(resolve_model("tests.user_models:gpt_rotary"), seq_len=16, dtype="bf16")
     block = graph.segment_type(graph.segments[1])
     assert any(node.kind is OpKind.ATTENTION for node in block.nodes)
+
+
+def test_a_modules_own_attention_calls_set_the_causality_it_is_priced_with():
+    """A nanoGPT-style module says ``is_causal=True``; an encoder of your own says False
+    and is priced over every key (it was priced as a decoder); a mask leaves it to the
+    options. The digest tells the two apart, so a plan of one never trains the other."""
+    from planner.cost.build import build_cost_model
+    from planner.spec import Cluster, Training
+
+    training = Training(global_batch_size=4, seq_len=16, dtype="fp32")
+    decoder = trace(resolve_model("tests.user_models:gpt"), seq_len=16, dtype="fp32")
+    encoder = trace(resolve_model("tests.user_models:encoder"), seq_len=16, dtype="fp32")
+    masked = trace(resolve_model("tests.user_models:masked"), seq_len=16, dtype="fp32")
+    assert (decoder.attention_causal, encoder.attention_causal) == (True, False)
+    assert masked.attention_causal is None
+    assert decoder.digest != encoder.digest
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    priced = [build_cost_model(g, cluster, training, causal=None) for g in (decoder, encoder)]
+    assert [model.options.causal for model in priced] == [True, False]

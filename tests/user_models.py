@@ -196,3 +196,37 @@ def gpt_viewed_ids() -> ViewedIds:
 
 def gpt_segments() -> SegmentGPT:
     return SegmentGPT()
+
+
+class BidirectionalAttention(CausalSelfAttention):
+    """Every token attends to every other (an encoder): no causal mask."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(x.size())))
+
+
+def encoder() -> GPT:
+    model = GPT()
+    for block in model.transformer.h:
+        block.attn.__class__ = BidirectionalAttention
+    return model
+
+
+class MaskedAttention(CausalSelfAttention):
+    """Causality in a mask tensor, as Hugging Face's eager masks: the call does not say."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        t = x.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(x.size())))
+
+
+def masked() -> GPT:
+    model = GPT()
+    for block in model.transformer.h:
+        block.attn.__class__ = MaskedAttention
+    return model

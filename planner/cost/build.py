@@ -65,7 +65,8 @@ def build_cost_model(
     """The cost model of ``graph`` trained as ``training`` on ``cluster``.
 
     ``causal``: whether the model's attention is causal (``ModelSpec.causal``; ``None``
-    keeps the options' value, for a traced model that does not say). ``options``
+    for a traced model: what its own attention calls say, ``graph.attention_causal``,
+    else the options' value). ``options``
     default to what the profile's device runs; ``profile`` to the cluster's. ``tp_layouts`` gives
     the tensor-parallel layouts to price (the sharding ILP's for a traced model; ``None``
     for a formula graph, which is priced with Megatron-LM's).
@@ -73,7 +74,10 @@ def build_cost_model(
     profile = profile or load_profile(cluster.gpu)
     return CostModel(
         graph, cluster, training, profile=profile,
-        options=model_options(options, causal=causal, profile=profile), tp_layouts=tp_layouts,
+        options=model_options(
+            options, causal=graph.attention_causal if causal is None else causal, profile=profile
+        ),
+        tp_layouts=tp_layouts,
     )  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from planner.models.transformer import LayerNorm
 from planner.torch_dtypes import dtype_name
-from planner.tracing.ops import RawOp, TensorRef
+from planner.tracing.ops import ATTENTION_FLAGS, RawOp, TensorRef
 
 __all__ = [
     "BlockCall",
@@ -181,7 +181,28 @@ def _module_of(node: torch.fx.Node) -> tuple[str, str]:
     return str(path), cls_name
 
 
+def _attention_flags(node: torch.fx.Node, name: str) -> dict[str, float]:
+    """``is_causal`` (1 or 0) and ``masked`` (1: a mask or bias tensor is passed) of an
+    attention call; ``is_causal`` absent when it is not a constant."""
+    causal_at, mask_at = ATTENTION_FLAGS[name]
+
+    def argument(index: int | None, *keywords: str) -> object:
+        for keyword in keywords:
+            if keyword in node.kwargs:
+                return node.kwargs[keyword]
+        return node.args[index] if index is not None and len(node.args) > index else None
+
+    causal = argument(causal_at, "is_causal")
+    mask = argument(mask_at, "attn_mask", "attn_bias")
+    flags = {"masked": float(mask is not None)}
+    if isinstance(causal, bool) or causal is None:
+        flags["is_causal"] = float(bool(causal))
+    return flags
+
+
 def _scalars(node: torch.fx.Node, root: nn.Module, name: str) -> dict[str, float]:
+    if name in ATTENTION_FLAGS and node.op == "call_function":
+        return _attention_flags(node, name)
     if name != "dropout":
         return {}
     if node.op == "call_module":

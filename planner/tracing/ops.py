@@ -39,11 +39,16 @@ __all__ = [
 
 _MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "matmul", "baddbmm"})
 _CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d"})
-_ATTENTION_OPS = frozenset(
-    {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-     "_scaled_dot_product_cudnn_attention"}
-)  # fmt: skip
+# attention ops, with the positions of their is_causal and mask arguments in their
+# schemas (None: the op takes no mask); the keywords are read by name too
+ATTENTION_FLAGS: dict[str, tuple[int, int | None]] = {
+    "scaled_dot_product_attention": (5, 3),
+    "_scaled_dot_product_flash_attention": (4, None),
+    "_scaled_dot_product_flash_attention_for_cpu": (4, None),
+    "_scaled_dot_product_efficient_attention": (6, 3),
+    "_scaled_dot_product_cudnn_attention": (6, 3),
+}
+_ATTENTION_OPS = frozenset(ATTENTION_FLAGS)
 _SOFTMAX_OPS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax"})
 _NORM_OPS = frozenset(
     {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm",

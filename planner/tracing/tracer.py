@@ -52,7 +52,15 @@ from planner.tracing.fx import (
     trace_export,
     trace_fx,
 )
-from planner.tracing.ops import CAST_OPS, VIEW_OPS, OpCost, RawOp, cost_of, is_known
+from planner.tracing.ops import (
+    ATTENTION_FLAGS,
+    CAST_OPS,
+    VIEW_OPS,
+    OpCost,
+    RawOp,
+    cost_of,
+    is_known,
+)
 from planner.tracing.roles import MoEFacts, module_roles, moe_facts, role_of
 
 __all__ = [
@@ -441,12 +449,28 @@ def _assemble(traced: Traced, builder: _GraphBuilder) -> None:
             builder.add_run(group, _run_kind(group, position > first, position < last))
 
 
-def _warn_unknown_ops(traced: Traced, name: str) -> None:
+def _raw_ops(traced: Traced) -> list[RawOp]:
     ops = [item for item in traced.items if isinstance(item, RawOp)]
     for item in traced.items:
         if isinstance(item, BlockCall) and item.ops is not None:
             ops.extend(item.ops)
-    unknown = sorted({op.op for op in ops if not is_known(op)})
+    return ops
+
+
+def attention_causal(ops: Sequence[RawOp]) -> bool | None:
+    """Whether the model's attention is causal as its own calls say: every attention call
+    passes ``is_causal=True`` (True) or every one passes ``is_causal=False`` without a
+    mask (False); ``None`` when it has no attention, or a mask, a computed flag or a mix
+    leaves it to the options (a decoder by default)."""
+    flags = [op.scalars for op in ops if op.op in ATTENTION_FLAGS]
+    if not flags or any(f.get("masked", 1.0) or "is_causal" not in f for f in flags):
+        return None
+    causal = {f["is_causal"] for f in flags}
+    return bool(causal.pop()) if len(causal) == 1 else None
+
+
+def _warn_unknown_ops(traced: Traced, name: str) -> None:
+    unknown = sorted({op.op for op in _raw_ops(traced) if not is_known(op)})
     if unknown:
         logger.warning(
             "%s: no pricing rule for %s; counted as element-wise ops (bytes only, 0 FLOPs, "
@@ -481,6 +505,7 @@ def trace(
     return OpGraph(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
+        attention_causal=attention_causal(_raw_ops(traced)),
     )  # fmt: skip
 
 
