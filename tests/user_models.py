@@ -207,11 +207,15 @@ class BidirectionalAttention(CausalSelfAttention):
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(x.size())))
 
 
-def encoder() -> GPT:
+def _with_attention(kind: type[CausalSelfAttention]) -> GPT:
     model = GPT()
     for block in model.transformer.h:
-        block.attn.__class__ = BidirectionalAttention
+        block.attn.__class__ = kind
     return model
+
+
+def encoder() -> GPT:
+    return _with_attention(BidirectionalAttention)
 
 
 class MaskedAttention(CausalSelfAttention):
@@ -226,7 +230,4 @@ class MaskedAttention(CausalSelfAttention):
 
 
 def masked() -> GPT:
-    model = GPT()
-    for block in model.transformer.h:
-        block.attn.__class__ = MaskedAttention
-    return model
+    return _with_attention(MaskedAttention)
