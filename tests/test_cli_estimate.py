@@ -143,6 +143,7 @@ def test_plan_estimate_reproduces_the_plans_prediction_to_the_float(tmp_path, ca
     stored = dict(plan["prediction"])
     stored["breakdown"] = stored.pop("breakdown_s")
     estimated.pop("mfu_bf16_peak", None)
+    assert estimated.pop("matches_plan") is True
     assert estimated == stored
     assert main(["estimate", "--plan", str(out)]) == 0
     assert "plan's own       the same" in capsys.readouterr().out

@@ -72,7 +72,8 @@ def test_plan_estimate_prices_a_hugging_face_plan(tmp_path, capsys, monkeypatch)
     assert main(["estimate", "--plan", str(out), "--json"]) == 0
     stored = Plan.model_validate_json(out.read_text()).prediction
     assert stored is not None
-    assert json.loads(capsys.readouterr().out)["step_time_s"] == stored.step_time_s
+    printed_json = json.loads(capsys.readouterr().out)
+    assert printed_json["step_time_s"] == stored.step_time_s and printed_json["matches_plan"]
 
 
 def test_plan_estimate_prices_a_module_of_your_own(tmp_path, capsys):

@@ -7,7 +7,8 @@ layout, :mod:`planner.priced_plan`) as the search did, so it prints the plan's o
 prediction; ``--from FILE`` prices the run a torchtitan, Megatron-LM or
 DeepSpeed config describes (:mod:`planner.importers`; ``--model``, ``--cluster`` and
 ``--gpus`` give what it leaves open, and what was read is printed on stderr).
-``--json`` prints one JSON object per run (a list for a list), otherwise a readable
+``--json`` prints one JSON object per run (a list for a list; a saved plan's also has
+``matches_plan``, whether its stored prediction is reproduced), otherwise a readable
 table per run.
 """
 
@@ -146,7 +147,7 @@ def _imported_run(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cost.run import RunConfig, estimate_run, prediction_to_dict
+    from planner.cost.run import RunConfig, estimate_run
 
     stored: Prediction | None = None
     if args.from_config is not None:
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     results = [(config, estimate_run(config)) for config in configs]
     if args.json:
-        dicts = [prediction_to_dict(prediction, config) for config, prediction in results]
+        dicts = [_as_json(prediction, config, stored) for config, prediction in results]
         print(json.dumps(dicts if is_list else dicts[0], indent=2))
     else:
         print(
@@ -179,15 +180,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _as_json(
+    prediction: Prediction, run: RunConfig | Plan, stored: Prediction | None
+) -> dict[str, object]:
+    """The ``--json`` object; a saved plan's also says whether its stored prediction is
+    reproduced (``matches_plan``, what the table prints as "plan's own")."""
+    from planner.cost.run import prediction_to_dict
+
+    data = prediction_to_dict(prediction, run)
+    if stored is not None:
+        data["matches_plan"] = stored == prediction
+    return data
+
+
 def _print_traced(plan: Plan, source: str, *, as_json: bool) -> int:
     """Print the estimate of a plan for a traced model (Hugging Face config, module of
     your own), built again from ``plan.model_source``."""
-    from planner.cost.run import prediction_to_dict
     from planner.priced_plan import PricedPlan, searched_options  # torch
 
     prediction = PricedPlan(plan, searched_options(plan, source), source=source).estimate()
     if as_json:
-        print(json.dumps(prediction_to_dict(prediction, plan), indent=2))
+        print(json.dumps(_as_json(prediction, plan, plan.prediction), indent=2))
     else:
         print(_table(plan.model_name, plan, prediction, plan.prediction))
     return 0
