@@ -377,14 +377,15 @@ class _Model:
             self.lp += self._memory_term() <= 1.0, "memory_budget"
 
     def add_sharded_weight(self) -> None:
+        if not self.problem.shard_one_of:
+            return
         picks = [
-            self.x[self.problem.index[name]][s]
+            xs[s]
             for name, strategies in self.problem.shard_one_of
             for s in strategies
-            if s in self.x[self.problem.index[name]]
+            if s in (xs := self.x[self.problem.index[name]])  # legal strategies only
         ]
-        if self.problem.shard_one_of:
-            self.lp += pulp.lpSum(picks) >= 1, "sharded_weight"
+        self.lp += pulp.lpSum(picks) >= 1, "sharded_weight"
 
     def run(self, time_limit_s: float, tmp_dir: str | None) -> Outcome:
         """Solve with CBC in a private temporary directory."""

@@ -457,7 +457,7 @@ def _raw_ops(traced: Traced) -> list[RawOp]:
     return ops
 
 
-def attention_causal(ops: Sequence[RawOp]) -> bool | None:
+def _attention_causal(ops: Sequence[RawOp]) -> bool | None:
     """Whether the model's attention is causal as its own calls say: every attention call
     passes ``is_causal=True`` (True) or every one passes ``is_causal=False`` without a
     mask (False); ``None`` when it has no attention, or a mask, a computed flag or a mix
@@ -469,8 +469,8 @@ def attention_causal(ops: Sequence[RawOp]) -> bool | None:
     return bool(causal.pop()) if len(causal) == 1 else None
 
 
-def _warn_unknown_ops(traced: Traced, name: str) -> None:
-    unknown = sorted({op.op for op in _raw_ops(traced) if not is_known(op)})
+def _warn_unknown_ops(ops: Sequence[RawOp], name: str) -> None:
+    unknown = sorted({op.op for op in ops if not is_known(op)})
     if unknown:
         logger.warning(
             "%s: no pricing rule for %s; counted as element-wise ops (bytes only, 0 FLOPs, "
@@ -497,7 +497,8 @@ def trace(
     moe = {fqn: moe_facts(block, fqn.removeprefix(prefix)) for fqn, block in blocks.items()}
     builder = _GraphBuilder(block_fqns, prefix, module_roles(root), moe)
     _assemble(traced, builder)
-    _warn_unknown_ops(traced, handle.name)
+    ops = _raw_ops(traced)
+    _warn_unknown_ops(ops, handle.name)
     logger.info(
         "traced %s with %s: %d segments, %d types", handle.name, traced.tracer,
         len(builder.segments), len(builder.types),
@@ -505,7 +506,7 @@ def trace(
     return OpGraph(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
-        attention_causal=attention_causal(_raw_ops(traced)),
+        attention_causal=_attention_causal(ops),
     )  # fmt: skip
 
 
