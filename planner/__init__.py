@@ -28,6 +28,7 @@ _LAZY = {
     "resolve_model": "planner.models",
     "list_models": "planner.models",
     "fingerprint": "planner.models",
+    "parameters_on_meta": "planner.models",
     "make_plan": "planner.planning",
     "search_plan": "planner.planning",
     "export_plan": "planner.export",
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from planner.export import export_plan
     from planner.frameworks import parse_target
     from planner.importers import ImportedRun, import_config
-    from planner.models import fingerprint, list_models, resolve_model
+    from planner.models import fingerprint, list_models, parameters_on_meta, resolve_model
     from planner.planning import make_plan, search_plan
     from planner.scale_math import ScaleTable
     from planner.scaling import scale_plans
@@ -69,6 +70,7 @@ __all__ = [
     "resolve_model",
     "list_models",
     "fingerprint",
+    "parameters_on_meta",
     "make_plan",
     "search_plan",
     "export_plan",

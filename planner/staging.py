@@ -339,17 +339,18 @@ def token_vocab(handle: ModelHandle, seq_len: int) -> int | None:
     if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
         return None
     rows: list[int] = []
+    model = _meta_twin(handle.module)
     with _Derived(inputs[0]) as derived:
 
         def reached(module: nn.Module, args: tuple[Any, ...]) -> None:
             if args and derived.holds(args[0]):
                 rows.append(cast(nn.Embedding, module).num_embeddings)
 
-        embeddings = [m for m in handle.module.modules() if isinstance(m, nn.Embedding)]
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         hooks = [m.register_forward_pre_hook(reached) for m in embeddings]
         try:
             with torch.no_grad():
-                logits = output_logits(handle.module(*inputs))
+                logits = output_logits(model(*inputs))
         except Exception as exc:  # the user's forward: its failure is an error line
             raise SpecError(
                 f"model {handle.source!r}: its forward on the meta device raised "

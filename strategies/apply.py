@@ -116,8 +116,7 @@ def parallelize(
     loaded = frozenset(source.names) if source is not None else frozenset()
     deferred = _Deferred(seed, init, loaded) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
-    if deferred is None:
-        materialize.check_same_weights(model, loaded)
+    materialize.check_same_weights(model, loaded)
     meshes = _Meshes(mesh, expert_parallel.build_expert_mesh(plan))
     parallel = _parallel_model(model, meshes, plan, loss_fn, deferred)
     if source is not None:

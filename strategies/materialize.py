@@ -14,7 +14,9 @@ The default initialiser does what building the model normally does: the module's
 ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, norms), then the root's
 ``_init_weights(module)`` (Hugging Face models, nanoGPT-style modules), which also
 recomputes Hugging Face's rotary buffers. A tensor neither sets fails with its name and
-the fix (``init=``).
+the fix (``init=``). Buffers built with values beside meta parameters
+(:func:`planner.models.parameters_on_meta`, Accelerate's ``init_empty_weights()``: a
+rotary table computed in ``__init__``) keep those values.
 """
 
 from __future__ import annotations
@@ -42,19 +44,30 @@ def is_deferred(model: nn.Module) -> bool:
 
 
 def check_deferrable(model: nn.Module) -> None:
-    """Raise unless every parameter and buffer is on the meta device, or none is."""
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    on_meta = [name for name, t in tensors if t.is_meta]
-    if on_meta and len(on_meta) != len(tensors):
-        real = next(name for name, t in tensors if not t.is_meta)
+    """Raise unless every parameter is on the meta device or none is, and no buffer is
+    on meta beside real parameters (buffers with values may sit beside meta parameters:
+    they are kept, as :func:`planner.models.parameters_on_meta` builds them)."""
+    params = list(model.named_parameters())
+    on_meta = [name for name, t in params if t.is_meta]
+    if on_meta and len(on_meta) != len(params):
+        real = next(name for name, t in params if not t.is_meta)
         raise SpecError(
-            f"{on_meta[0]!r} is on the meta device but {real!r} is not: build the whole model "
-            "under torch.device('meta') for deferred initialisation, or on a real device"
+            f"parameter {on_meta[0]!r} is on the meta device but {real!r} is not: build the "
+            "whole model under torch.device('meta') (or planner.parameters_on_meta()) for "
+            "deferred initialisation, or on a real device"
+        )
+    buffer = next((name for name, t in model.named_buffers() if t.is_meta), None)
+    if buffer is not None and params and not on_meta:
+        raise SpecError(
+            f"buffer {buffer!r} is on the meta device but the parameters are not: build the "
+            "whole model on a real device, or its parameters on meta (torch.device('meta') "
+            "or planner.parameters_on_meta()) for deferred initialisation"
         )
 
 
 def check_same_weights(model: nn.Module, loaded: Collection[str] = ()) -> None:
-    """Raise unless every rank built ``model`` (on a real device) with the same values.
+    """Raise unless every rank built ``model``'s real tensors with the same values (a
+    model built on meta: the buffers its ``__init__`` computed).
 
     Each rank's whole copy is what the plan cuts: a tensor replicated over ranks (a
     module kept whole under tensor parallelism, a norm's weight) that started apart would
@@ -66,7 +79,7 @@ def check_same_weights(model: nn.Module, loaded: Collection[str] = ()) -> None:
     named = [
         (name, t)
         for name, t in (*model.named_parameters(), *model.named_buffers())
-        if name not in loaded
+        if name not in loaded and not t.is_meta
     ]
     digests = [_checksum(t) for _, t in named]
     gathered: list[list[int] | None] = [None] * dist.get_world_size()
@@ -107,12 +120,18 @@ def apply(
     """Allocate this rank's shards of meta ``model`` on ``device`` and initialise them,
     but for the tensors named in ``loaded`` (FQNs whose values a checkpoint gives)."""
     tied = _tied_places(model)
+    built = _built_buffers(model)
     model.to_empty(device=device)
     _retie(tied)
+    for module, key, value in built.values():
+        buffer = module._buffers[key]
+        assert buffer is not None  # to_empty allocated it
+        buffer.copy_(value)
+    kept = {*loaded, *built}
     initialise = init if init is not None else _default_init(model)
     done: set[int] = set()  # a tied tensor is initialised once, by its first holder
     for name, module in _holders(model):
-        _initialise_module(module, name, initialise, seed, loaded, done)
+        _initialise_module(module, name, initialise, seed, kept, done)
     return model
 
 
@@ -135,6 +154,17 @@ def _retie(tied: list[list[Place]]) -> None:
     for (first, first_key), *others in tied:
         for module, key in others:
             module._parameters[key] = first._parameters[first_key]
+
+
+def _built_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """The buffers built with values beside meta parameters, by FQN: each with its module,
+    its name there and its value (``to_empty`` drops values)."""
+    return {
+        f"{name}.{key}" if name else key: (module, key, buffer)
+        for name, module in model.named_modules()
+        for key, buffer in module._buffers.items()
+        if buffer is not None and not buffer.is_meta
+    }
 
 
 def _holders(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -180,15 +210,30 @@ def _initialise_module(
     for key, where, target in targets:
         value = _tensor_of(twin, key)
         if value.is_floating_point() and torch.isnan(value).any():
-            raise SpecError(
-                f"{where!r} ({type(module).__name__}) was not initialised: it has no "
-                "reset_parameters() and the model's _init_weights does not set it; give "
-                f"{type(module).__name__} a reset_parameters() (all that plan run and plan "
-                "measure call), or give planner.parallelize(..., init=fn) where fn(module) "
-                "sets a module's own parameters and buffers in place"
-            )
+            raise SpecError(_not_initialised(module, where, key in module._buffers))
         local, index = local_part(target)
         local.copy_(value[index])
+
+
+def _not_initialised(module: nn.Module, where: str, buffer: bool) -> str:
+    """Why ``where`` holds no values, and the fixes."""
+    kind = type(module).__name__
+    unset = f"{kind} has no reset_parameters() and the model's _init_weights does not set it"
+    init = (
+        "planner.parallelize(..., init=fn) where fn(module) sets a module's own parameters "
+        "and buffers in place"
+    )
+    if buffer:
+        return (
+            f"{where!r} ({kind}) is a buffer built on the meta device, so it holds no values: "
+            f"{unset}; build the model under planner.parameters_on_meta() (parameters on "
+            "meta, buffers as __init__ computes them; plan run and plan measure build so), "
+            f"give {kind} a reset_parameters() that computes it, or give {init}"
+        )
+    return (
+        f"{where!r} ({kind}) was not initialised: {unset}; give {kind} a reset_parameters() "
+        f"(all that plan run and plan measure call), or give {init}"
+    )
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import planner
 from planner.assemble import assemble_plan
 from planner.errors import SpecError
 from planner.models import ModelHandle, build, get_preset
@@ -38,7 +39,7 @@ from tests.test_runtime_numerics import (
     build_handle,
     parameter_digests,
 )
-from tests.user_models import GPT
+from tests.user_models import GPT, RopeLlama
 
 SEED = 7
 
@@ -49,6 +50,9 @@ def meta_model(model: str) -> nn.Module:
         return build(get_preset(model), device="meta")
     if model == "tiny-gpt-tied":
         return build(get_preset("tiny-gpt").model_copy(update={"tied_embeddings": True}))
+    if model == "user-llama-rope":  # its rotary tables keep what __init__ computes
+        with planner.parameters_on_meta():
+            return build_handle(model).module
     with torch.device("meta"):
         return build_handle(model).module
 
@@ -113,12 +117,20 @@ TIED = [  # one weight in two modules: initialised once, still one tensor when s
     Case("user-gpt-tied fsdp", "user-gpt-tied", _per_rank(4, zero=3)),
     Case("user-gpt-tied ddp", "user-gpt-tied", _per_rank(4)),
 ]
+ROPE = [  # a Llama of one's own: rotary buffers computed in __init__, parameters on meta
+    Case("user-llama-rope fsdp", "user-llama-rope", _per_rank(4, zero=3)),
+    Case("user-llama-rope tp2 x fsdp2", "user-llama-rope", _per_rank(2, tp=2, zero=3), layout="ilp"),
+    Case("user-llama-rope pp2 1f1b x zero2", "user-llama-rope",
+         _per_rank(2, pp=2, zero=2, num_microbatches=2)),
+    Case("user-llama-rope cp2 x fsdp2", "user-llama-rope", _per_rank(2, cp=2, zero=3)),
+]  # fmt: skip
 WORLD4 = (
     _cases("tiny-llama")
     + _cases("tiny-lm", cp=False)
     + _cases("hf-llama", pipelines=False)
     + NANOGPT
     + TIED
+    + ROPE
 )
 WORLD2 = [Case("hf-llama pp2 1f1b", "hf-llama", _per_rank(1, pp=2, num_microbatches=2))]
 WORLD8 = [
@@ -247,7 +259,40 @@ def test_a_half_meta_model_is_refused() -> None:
     plan = _one_process_plan(model)
     model.head.to("meta")
     with pytest.raises(
-        SpecError, match=r"'head\.weight' is on the meta device but 'embed\.weight'"
+        SpecError, match=r"parameter 'head\.weight' is on the meta device but 'embed\.weight'"
+    ):
+        parallelize(model, plan)
+
+
+def test_a_meta_buffer_beside_real_parameters_is_refused() -> None:
+    model = RopeLlama(n_layer=1)
+    plan = _one_process_plan(model)
+    model.freqs_cos = model.freqs_cos.to("meta")
+    with pytest.raises(SpecError, match=r"buffer 'freqs_cos' is on the meta device but"):
+        parallelize(model, plan)
+
+
+def test_buffers_computed_in_init_keep_their_values_beside_meta_parameters() -> None:
+    """Rotary tables a module computes in ``__init__``: built under
+    ``parameters_on_meta`` they keep their values through deferred initialisation; built
+    under ``torch.device("meta")`` they have none, and the error says how to build."""
+    built = RopeLlama(n_layer=1)
+    plan = _one_process_plan(built)
+    with planner.parameters_on_meta():
+        model = RopeLlama(n_layer=1)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    parallel = parallelize(model, plan, seed=0)
+    ours = dict(parallel.module.named_buffers())
+    for name, buffer in built.named_buffers():
+        assert torch.equal(ours[name], buffer), name
+    assert not any(p.is_meta or p.isnan().any() for p in parallel.parameters())
+    with torch.device("meta"):
+        model = RopeLlama(n_layer=1)
+    with pytest.raises(
+        SpecError,
+        match=r"'freqs_cos' \(RopeLlama\) is a buffer built on the meta device.*"
+        r"planner\.parameters_on_meta\(\)",
     ):
         parallelize(model, plan)
 

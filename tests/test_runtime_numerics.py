@@ -128,6 +128,10 @@ def build_handle(model: str) -> ModelHandle:
         kind = PositionGPT if model == "user-gpt-positions" else GPT  # forward(idx, position_ids)
         tied = model == "user-gpt-tied"  # nanoGPT's default: wte.weight is lm_head.weight
         return ModelHandle(model, f"tests:{model}", kind(n_layer=4, tied=tied), lambda b, s: ())
+    if model == "user-llama-rope":  # rotary tables computed in __init__ (buffers)
+        from tests.user_models import RopeLlama
+
+        return ModelHandle(model, f"tests:{model}", RopeLlama(), lambda b, s: ())
     module = TinyLM() if model == "tiny-lm" else _hf_llama()
     return ModelHandle(model, f"tests:{model}", module, lambda b, s: ())
 

@@ -120,14 +120,15 @@ def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("source", ["tests.user_models:gpt", "tests.user_models:llama_rope"])
 def test_plan_run_trains_a_module_of_your_own_at_a_pinned_tp_as_one_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``plan run`` of a ``module:function`` token model (built again on meta, token ids
-    up to its vocabulary), pinned at tp 2 on H100s where keeping it whole would be
-    cheaper: the layout splits a block weight and trains as one process does."""
+    """``plan run`` of a ``module:function`` token model (built again with its parameters
+    on meta, token ids up to its vocabulary; a Llama's rotary tables as its ``__init__``
+    computes them), pinned at tp 2 on H100s where keeping it whole would be cheaper: the
+    layout splits a block weight and trains as one process does."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    source = "tests.user_models:gpt"
     training = Training(global_batch_size=8, micro_batch_size=8, seq_len=16, dtype="fp32")
     paths = []
     for gpus, pins in ((2, planner.Pins(tp=2)), (1, planner.Pins())):

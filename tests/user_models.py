@@ -6,7 +6,8 @@ output projection (nanoGPT's default), blocks in an ``nn.ModuleList`` inside an
 ``nn.ModuleDict``; ``gpt_tied`` shares the token embedding with the head;
 ``gpt_positions`` takes ``position_ids`` (so it can run context parallel); ``gpt_rotary``
 rotates queries and keys by fp32 tables made in forward, not cast back (fp32 queries
-beside half-precision values: autocast casts them for attention).
+beside half-precision values: autocast casts them for attention); ``llama_rope`` is a
+Llama of one's own whose rotary tables are buffers computed in ``__init__``.
 Load them as ``--model tests.user_models:gpt``.
 """
 
@@ -231,3 +232,83 @@ class MaskedAttention(CausalSelfAttention):
 
 def masked() -> GPT:
     return _with_attention(MaskedAttention)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class RopeBlock(nn.Module):
+    """Llama's block as Meta's reference writes it: separate projections, SwiGLU."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = (nn.Linear(dim, 2 * dim, bias=False) for _ in range(2))
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (
+            w(h).view(b, t, self.n_head, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
+        y = F.scaled_dot_product_attention(
+            rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True
+        )
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (batch, heads, seq, dim) by (batch, 1, seq, dim / 2) tables."""
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class RopeLlama(nn.Module):
+    """A Llama of one's own: its rotary tables computed in ``__init__`` as non-persistent
+    buffers (Meta's reference, torchtitan, lit-gpt), RMSNorm with ``reset_parameters``,
+    ``position_ids`` taken (context parallel gives each rank's global positions)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 64, n_head: int = 4, n_layer: int = 4,
+                 max_seq: int = 64) -> None:  # fmt: skip
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(RopeBlock(dim, n_head) for _ in range(n_layer))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        head = dim // n_head
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, head, 2).float() / head)
+        angles = torch.outer(torch.arange(max_seq).float(), inv_freq)
+        self.register_buffer("freqs_cos", angles.cos(), persistent=False)
+        self.register_buffer("freqs_sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(idx.size(1), device=idx.device)[None, :]
+        cos, sin = self.freqs_cos[position_ids][:, None], self.freqs_sin[position_ids][:, None]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        device = self.output.weight.device
+        return (torch.zeros(batch_size, SEQ, dtype=torch.long, device=device),)
+
+
+def llama_rope() -> RopeLlama:
+    return RopeLlama()

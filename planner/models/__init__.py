@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from planner.errors import SpecError, UnknownNameError, one_line
+from planner.models.empty import parameters_on_meta
 from planner.models.small import MLPMixer, MLPStack, SmallCNN
 from planner.models.transformer import Block, Transformer
 from planner.presets import ALIASES, PRESETS, get_preset
@@ -39,6 +41,7 @@ __all__ = [
     "handle_for_module",
     "is_import_path",
     "list_models",
+    "parameters_on_meta",
     "resolve_model",
     "fingerprint",
 ]
@@ -249,6 +252,12 @@ def _call_model_function(path: str) -> object:
         ) from None
 
 
+def _building_on(device: torch.device) -> AbstractContextManager[object]:
+    """Where a model function builds: on the meta device, its parameters alone (buffers its
+    ``__init__`` computes keep their values: :mod:`planner.models.empty`)."""
+    return parameters_on_meta() if device.type == "meta" else torch.device(device)
+
+
 def resolve_model(
     source: str | ModelSpec,
     *,
@@ -266,7 +275,7 @@ def resolve_model(
         spec = source if seq_len is None else source.with_seq_len(seq_len)
         return _from_spec(spec, spec.name, device, seed)
     if is_import_path(source):
-        with torch.device(device):
+        with _building_on(device):
             if seed is not None:
                 torch.manual_seed(seed)
             result = _call_model_function(source)
