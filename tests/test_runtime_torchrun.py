@@ -120,7 +120,14 @@ def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["tests.user_models:gpt", "tests.user_models:llama_rope"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "tests.user_models:gpt",
+        "tests.user_models:llama_rope",  # rotary tables computed in __init__
+        "tests.user_models:gpt_mask_buffer",  # a boolean mask handed to every block
+    ],
+)
 def test_plan_run_trains_a_module_of_your_own_at_a_pinned_tp_as_one_process(
     source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -123,6 +123,16 @@ def test_a_pinned_tp_splits_the_blocks_even_where_keeping_them_whole_is_cheaper(
     assert free.prediction.step_time_s < pinned.prediction.step_time_s
 
 
+def test_a_mask_handed_to_every_block_is_matched_not_converted():
+    """A boolean mask sliced from a buffer between the blocks and handed to each: it
+    carries no gradient, so the blocks' only converted input is the residual stream (two
+    conversions at one block boundary once crashed the layout ILP, free search included)."""
+    handle = resolve_model("tests.user_models:gpt_mask_buffer")
+    pinned = make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
+    assert any(m.shards_parameters for m in pinned.tp_layout.values())
+    assert make_plan(handle, H100, TRAINING).strategy.tp == 1
+
+
 def test_tensor_parallel_prediction_holds_the_layouts_own_shards():
     """Where sharding pays, the prediction's parameters per rank are the layout's."""
     handle = resolve_model("tests.user_models:gpt")

@@ -312,3 +312,38 @@ class RopeLlama(nn.Module):
 
 def llama_rope() -> RopeLlama:
     return RopeLlama()
+
+
+class MaskArgBlock(Block):
+    """A block that takes its attention mask as an argument (boolean, True: attend)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        q, k, v = self.attn.heads(self.ln_1(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.attn.c_proj(y.transpose(1, 2).contiguous().view(x.size()))
+        return x + self.mlp(self.ln_2(x))
+
+
+class MaskBufferGPT(GPT):
+    """Its causal mask is a boolean buffer built in ``__init__``, sliced for each block
+    between the blocks (operators outside every block, between them)."""
+
+    def __init__(self, block_size: int = 64) -> None:
+        super().__init__(block_size=block_size)
+        for index, block in enumerate(self.transformer.h):
+            block.__class__ = MaskArgBlock
+            self.transformer.h[index] = block
+        mask = torch.ones(block_size, block_size, dtype=torch.bool).tril()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x, self.mask[:t, :t])
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def gpt_mask_buffer() -> MaskBufferGPT:
+    return MaskBufferGPT()

@@ -61,6 +61,7 @@ from planner.solve.placements import (
     OpStrategy,
     StrategyBuilder,
     TensorInfo,
+    can_carry_grad,
     element_bytes,
     is_cast,
     reshard_collectives,
@@ -607,12 +608,13 @@ class _Builder:
 
     def _entry_needs_grad(self, type_id: str, shape: tuple[int, ...]) -> bool:
         """Whether an entry of ``shape`` carries a gradient: some preceding segment's output
-        of that shape does (a segment type feeding itself is assumed to)."""
+        of that shape does (one of a type not built yet, or the type itself, is assumed
+        to unless it is integer or boolean: a mask)."""
         for before, after in itertools.pairwise(self.graph.segments):
             if after.type_id != type_id:
                 continue
             for out in self.outputs[before.type_id]:
-                if out.output_shape != shape:
+                if out.output_shape != shape or not can_carry_grad(out):
                     continue
                 name = self.exits.get(before.type_id, {}).get(out.name)
                 if name is None or self.tensors[name].needs_grad:
@@ -655,10 +657,12 @@ class _Builder:
                 self._convert(None, first, 1, port, entry)
         joins = Counter((a.type_id, b.type_id) for a, b in itertools.pairwise(segments))
         for (before, after), count in joins.items():
-            for shape, entry in self.entries.get(self.type_keys[after], {}).items():
-                sink = self._output_of(before, shape)
-                if sink is not None:
-                    self._join(before, after, count, sink, entry)
+            pairs = [
+                (sink, entry)
+                for shape, entry in self.entries.get(self.type_keys[after], {}).items()
+                if (sink := self._output_of(before, shape)) is not None
+            ]
+            self._join(before, after, count, pairs)
         last_type = segments[-1].type_id
         last = self.exits[last_type][self.outputs[last_type][-1].name]
         output = self._add_port("model_output", self.tensors[last], (REPLICATE,))
@@ -672,14 +676,18 @@ class _Builder:
         found = [o for o in self.outputs[type_id] if o.output_shape == shape]
         return self.exits[type_id][found[-1].name] if found else None
 
-    def _join(self, before: str, after: str, count: int, sink: str, entry: str) -> None:
-        """One tensor between consecutive segments; the residual stream converts at the
-        block's input (or the last block's output), anything else must match."""
+    def _join(self, before: str, after: str, count: int, pairs: list[tuple[str, str]]) -> None:
+        """The (sink, entry) tensors between consecutive segments: the residual stream (the
+        largest that carries a gradient) converts at the block's input (or the last
+        block's output), anything else (masks, rotary tables) must match."""
         kinds = (self.graph.types[before].kind, self.graph.types[after].kind)
-        if "block" not in kinds or not self.tensors[entry].needs_grad:
-            self._add_edge(sink, entry, 0)
-            return
-        self._convert(before, after, count, sink, entry)
+        graded = [entry for _, entry in pairs if self.tensors[entry].needs_grad]
+        residual = max(graded, key=lambda e: self.tensors[e].nbytes, default=None)
+        for sink, entry in pairs:
+            if "block" in kinds and entry == residual:
+                self._convert(before, after, count, sink, entry)
+            else:
+                self._add_edge(sink, entry, 0)
 
     def _convert(
         self, before: str | None, after: str | None, count: int, sink: str, entry: str

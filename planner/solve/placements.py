@@ -530,9 +530,15 @@ class StrategyBuilder:
         )  # fmt: skip
 
 
+def can_carry_grad(node: OpNode) -> bool:
+    """Whether ``node``'s output may have a gradient: it is not integer or boolean."""
+    return node.dtype.removeprefix("torch.") not in _INTEGER_DTYPES
+
+
 def tensor_of(node: OpNode, inputs: Sequence[TensorInfo]) -> TensorInfo:
     """The output of ``node`` as the ILP sees it."""
-    is_float = node.dtype.removeprefix("torch.") not in _INTEGER_DTYPES
-    needs_grad = is_float and (bool(node.param_count) or any(t.needs_grad for t in inputs))
+    needs_grad = can_carry_grad(node) and (
+        bool(node.param_count) or any(t.needs_grad for t in inputs)
+    )
     nbytes = math.prod(node.output_shape) * element_bytes(node)
     return TensorInfo(node.output_shape, nbytes, needs_grad, node.batched)
