@@ -244,6 +244,17 @@ def context_parallel_blocker(module: nn.Module, sdpa_calls: int | None = None) -
     return None
 
 
+def declared_causality(module: nn.Module) -> bool | None:
+    """Whether ``module``'s attention is causal as its modules declare it: the ``is_causal``
+    attribute every Hugging Face attention module carries (a decoder's ``True``, an
+    encoder's ``config.is_decoder``, ``False``), when all that carry one agree; ``None``
+    otherwise."""
+    flags = {
+        m.is_causal for m in module.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    }
+    return flags.pop() if len(flags) == 1 else None
+
+
 def _hf_attention_blocker(module: nn.Module, sdpa_calls: int | None) -> str | None:
     """Why context parallel cannot run a Hugging Face model's attention, or ``None``."""
     config: Any = module.config
@@ -261,6 +272,12 @@ def _hf_attention_blocker(module: nn.Module, sdpa_calls: int | None) -> str | No
         )
     if sdpa_calls is not None and (problem := sdpa_blocker(sdpa_calls)) is not None:
         return problem
+    if declared_causality(module) is False:
+        return (
+            "its attention is bidirectional (its attention modules' is_causal is False: an "
+            "encoder) under a mask Hugging Face builds, and context parallel masks causally "
+            "only; use cp = 1"
+        )
     if getattr(config, "alibi", False):
         return (
             "its attention adds an ALiBi bias (config.alibi) as an explicit mask, and "

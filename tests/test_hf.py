@@ -133,3 +133,27 @@ def test_a_config_transformers_rejects_is_an_error_naming_the_file(tmp_path):
     path = _write(tmp_path, "llama", **_DECODER, layer_types=["full_attention"])
     with pytest.raises(SpecError, match=r"invalid llama config: ValueError: .*layer_types"):
         resolve_hf_config(path)
+
+
+def test_an_encoders_masked_attention_is_priced_bidirectional(tmp_path):
+    """Hugging Face attention takes a mask, so its calls do not say whether it is causal;
+    its attention modules do (``is_causal``): a BERT is priced over every key and
+    refused context parallel (which masks causally only), a Llama is a decoder."""
+    from planner.cost.build import build_cost_model
+    from planner.modules import context_parallel_blocker
+    from planner.spec import Cluster, Training
+
+    bert = {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 256, "max_position_embeddings": 128,
+    }  # fmt: skip
+    encoder = resolve_hf_config(_write(tmp_path, "bert", **bert))
+    decoder = resolve_hf_config(_write(tmp_path, "llama", **_DECODER))
+    graphs = [trace(handle, seq_len=SEQ, dtype="fp32") for handle in (encoder, decoder)]
+    assert [g.attention_causal for g in graphs] == [False, True]
+    training = Training(global_batch_size=4, seq_len=SEQ, dtype="fp32")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    priced = [build_cost_model(g, cluster, training, causal=None) for g in graphs]
+    assert [model.options.causal for model in priced] == [False, True]
+    assert "bidirectional" in (context_parallel_blocker(encoder.module) or "")
+    assert context_parallel_blocker(decoder.module) is None

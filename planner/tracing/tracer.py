@@ -41,7 +41,7 @@ from planner.errors import SpecError, TraceError
 from planner.graph import OpGraph, OpKind, OpNode, OpRole, Segment, SegmentType
 from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
-from planner.modules import find_blocks
+from planner.modules import declared_causality, find_blocks
 from planner.spec import DType, Family, TracedInput, Training
 from planner.staging import logits_problem, output_logits
 from planner.torch_dtypes import TORCH_DTYPES
@@ -457,14 +457,18 @@ def _raw_ops(traced: Traced) -> list[RawOp]:
     return ops
 
 
-def _attention_causal(ops: Sequence[RawOp]) -> bool | None:
+def _attention_causal(ops: Sequence[RawOp], module: nn.Module) -> bool | None:
     """Whether the model's attention is causal as its own calls say: every attention call
     passes ``is_causal=True`` (True) or every one passes ``is_causal=False`` without a
-    mask (False); ``None`` when it has no attention, or a mask, a computed flag or a mix
-    leaves it to the options (a decoder by default)."""
+    mask (False); where a mask or a computed flag leaves the calls silent, as its
+    attention modules declare it (:func:`~planner.modules.declared_causality`: Hugging
+    Face's); ``None`` when it has no attention, or nothing says, which leaves it to the
+    options (a decoder by default)."""
     flags = [op.scalars for op in ops if op.op in ATTENTION_FLAGS]
-    if not flags or any(f.get("masked", 1.0) or "is_causal" not in f for f in flags):
+    if not flags:
         return None
+    if any(f.get("masked", 1.0) or "is_causal" not in f for f in flags):
+        return declared_causality(module)
     causal = {f["is_causal"] for f in flags}
     return bool(causal.pop()) if len(causal) == 1 else None
 
@@ -506,7 +510,7 @@ def trace(
     return OpGraph(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
-        attention_causal=_attention_causal(ops),
+        attention_causal=_attention_causal(ops, root),
     )  # fmt: skip
 
 
