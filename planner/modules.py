@@ -249,9 +249,8 @@ def declared_causality(module: nn.Module) -> bool | None:
     attribute every Hugging Face attention module carries (a decoder's ``True``, an
     encoder's ``config.is_decoder``, ``False``), when all that carry one agree; ``None``
     otherwise."""
-    flags = {
-        m.is_causal for m in module.modules() if isinstance(getattr(m, "is_causal", None), bool)
-    }
+    declared = (getattr(m, "is_causal", None) for m in module.modules())
+    flags = {flag for flag in declared if isinstance(flag, bool)}
     return flags.pop() if len(flags) == 1 else None
 
 

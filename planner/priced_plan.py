@@ -48,13 +48,17 @@ def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
     return search_options(parse_target(plan.target, field="plan.target"), plan.cluster.gpu)
 
 
-def _rebuilt_handle(plan: Plan, module: nn.Module | None, source: str) -> ModelHandle:
+def _rebuilt_handle(
+    plan: Plan, module: nn.Module | None, source: str, keep_buffers: bool
+) -> ModelHandle:
     """The model of :func:`traced_plan_model`; raises :class:`SpecError` when it cannot be
     built or is another model than the plan's."""
     origin = plan.model_source
     if module is not None:
         handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
-    elif origin and (is_import_path(origin) or origin in SMALL_MODELS):
+    elif origin and is_import_path(origin):
+        handle = resolve_model(origin, keep_buffers=keep_buffers)
+    elif origin in SMALL_MODELS:
         handle = resolve_model(origin)
     elif origin and origin != "module":
         from planner.hf import resolve_hf_config  # transformers: only for such plans
@@ -78,14 +82,16 @@ def _rebuilt_handle(plan: Plan, module: nn.Module | None, source: str) -> ModelH
 
 
 def traced_plan_model(
-    plan: Plan, module: nn.Module | None = None, source: str = "plan"
+    plan: Plan, module: nn.Module | None = None, source: str = "plan", keep_buffers: bool = False
 ) -> tuple[ModelHandle, OpGraph]:
     """The traced model ``plan`` was made for, built again on the meta device from
-    ``plan.model_source`` (or ``module``, built by the caller) and checked against the
-    plan's fingerprint, and its trace at the plan's training shape, checked against the
-    graph the plan was priced on (``plan.model_digest``): a config edit that keeps the
-    parameter shapes (experts per token, heads of another width) is refused."""
-    handle = _rebuilt_handle(plan, module, source)
+    ``plan.model_source`` (or ``module``, built by the caller; ``keep_buffers``: a
+    ``module:function``'s buffers as its ``__init__`` computes them, to train it) and
+    checked against the plan's fingerprint, and its trace at the plan's training shape,
+    checked against the graph the plan was priced on (``plan.model_digest``): a config
+    edit that keeps the parameter shapes (experts per token, heads of another width) is
+    refused."""
+    handle = _rebuilt_handle(plan, module, source, keep_buffers)
     graph = trace_for_training(handle, plan.training)
     if plan.model_digest and graph.digest != plan.model_digest:
         raise SpecError(

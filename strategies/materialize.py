@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,25 +136,27 @@ def apply(
     return model
 
 
-Place = tuple[nn.Module, str]  # a module and the name of one of its own parameters
+Place = tuple[dict[str, Any], str]  # a module's parameters or buffers, and a name there
 
 
 def _tied_places(model: nn.Module) -> list[list[Place]]:
-    """Each parameter held by more than one module (tied embeddings), as its places."""
+    """Each tensor held by more than one module (tied embeddings, a shared rotary table),
+    as its places."""
     places: dict[int, list[Place]] = {}
     for module in model.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((module, key))
+        for tensors in (module._parameters, module._buffers):
+            for key, tensor in tensors.items():
+                if tensor is not None:
+                    places.setdefault(id(tensor), []).append((tensors, key))
     return [group for group in places.values() if len(group) > 1]
 
 
 def _retie(tied: list[list[Place]]) -> None:
-    """Point every place of a tied parameter at its first place's parameter again
-    (``to_empty`` gives each module a parameter of its own)."""
+    """Point every place of a tied tensor at its first place's tensor again (``to_empty``
+    gives each module a tensor of its own)."""
     for (first, first_key), *others in tied:
-        for module, key in others:
-            module._parameters[key] = first._parameters[first_key]
+        for tensors, key in others:
+            tensors[key] = first[first_key]
 
 
 def _built_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
@@ -204,15 +207,25 @@ def _initialise_module(
     if not targets:
         return
     twin = _full_twin(module)
+    blank = {key: (tensor, tensor._version) for key, tensor in _own_tensors(twin)}
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(module_seed(seed, name))
         initialise(twin)
     for key, where, target in targets:
         value = _tensor_of(twin, key)
-        if value.is_floating_point() and torch.isnan(value).any():
+        if _left_blank(value, *blank[key]):
             raise SpecError(_not_initialised(module, where, key in module._buffers))
         local, index = local_part(target)
         local.copy_(value[index])
+
+
+def _left_blank(value: torch.Tensor, blank: torch.Tensor, version: int) -> bool:
+    """Whether the initialiser left a twin's tensor without values: floating ones still
+    hold NaN; others (an integer index, a boolean mask) are the same tensor, never
+    written in place (its version counter unchanged)."""
+    if value.is_floating_point():
+        return bool(torch.isnan(value).any())
+    return value is blank and value._version == version
 
 
 def _not_initialised(module: nn.Module, where: str, buffer: bool) -> str:
@@ -243,7 +256,8 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _full_twin(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` without children whose own tensors are full-size CPU
-    tensors (floating ones NaN, so an initialiser that skips one is caught)."""
+    tensors (floating ones NaN, so an initialiser that skips one is caught:
+    :func:`_left_blank`)."""
     twin = _shallow_copy(module)
     twin._modules = {}
     full: dict[str, torch.Tensor] = {}

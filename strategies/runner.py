@@ -140,7 +140,8 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
     from planner.staging import token_vocab
     from planner.tracing import default_seq_len
 
-    handle, _ = traced_plan_model(plan, source=command)  # on meta, in the config's torch_dtype
+    # on meta, in the config's torch_dtype; a module's buffers as its __init__ computes them
+    handle, _ = traced_plan_model(plan, source=command, keep_buffers=True)
     seq_len = plan.training.seq_len or default_seq_len(handle)
     config: Any = handle.module.config if is_hf_model(handle.module) else None
     vocab = int(config.vocab_size) if config is not None else token_vocab(handle, seq_len)
@@ -152,8 +153,17 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
             f"'{command}' feeds synthetic token ids and nothing else; train it with "
             "planner.parallelize() in your own loop"
         )
-    module = handle.module.to(TORCH_DTYPES[plan.training.param_dtype])  # what the plan keeps
+    module = _with_parameter_dtype(handle.module, TORCH_DTYPES[plan.training.param_dtype])
     return RunModel(module, vocab, seq_len, config.to_dict() if config is not None else None)
+
+
+def _with_parameter_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with its floating parameters in ``dtype``, what the plan keeps; buffers
+    stay as built (``Module.to`` would drop a complex rotary table's imaginary part)."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return module
 
 
 def _described(inputs: tuple[torch.Tensor, ...]) -> str:

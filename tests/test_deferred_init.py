@@ -39,7 +39,7 @@ from tests.test_runtime_numerics import (
     build_handle,
     parameter_digests,
 )
-from tests.user_models import GPT, RopeLlama
+from tests.user_models import GPT, ComplexRopeLlama, MaskBufferGPT, RopeLlama
 
 SEED = 7
 
@@ -323,3 +323,59 @@ def test_ranks_that_built_different_weights_are_refused(tmp_path: Path) -> None:
     assert results["alike"] == ["ran", "ran"]
     differ = "the ranks built different weights: 'transformer.wte.weight'"
     assert all(differ in r for r in results["apart"])
+
+
+def test_an_integer_or_boolean_buffer_left_without_values_is_named() -> None:
+    """A boolean mask built on meta has no values, and nothing computes it again: it is
+    named (it trained on uninitialised memory), as a floating one is."""
+    plan = _one_process_plan(MaskBufferGPT())
+    with torch.device("meta"):
+        model = MaskBufferGPT()
+    with pytest.raises(SpecError, match=r"'mask' \(MaskBufferGPT\) is a buffer built on the meta"):
+        parallelize(model, plan)
+    with planner.parameters_on_meta():
+        model = MaskBufferGPT()
+    parallel = parallelize(model, plan)
+    assert torch.equal(dict(parallel.module.named_buffers())["mask"], MaskBufferGPT().mask)
+
+
+class _SharedTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 4), nn.Linear(4, VOCAB)
+        self.embed.register_buffer("table", torch.arange(4.0))
+        self.head.register_buffer("table", self.embed.table)  # one tensor, two holders
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens) * self.embed.table * self.head.table)
+
+
+def test_a_buffer_two_modules_share_stays_one_tensor() -> None:
+    plan = _one_process_plan(_SharedTable())
+    with planner.parameters_on_meta():
+        model = _SharedTable()
+    parallel = parallelize(model, plan).module
+    assert parallel.embed.table is parallel.head.table
+    assert torch.equal(parallel.head.table, torch.arange(4.0))
+
+
+def test_plan_run_keeps_buffers_as_built() -> None:
+    """``plan run`` casts the parameters to the plan's dtype, not the buffers: a complex
+    rotary table keeps its imaginary part (``Module.to(float32)`` dropped it, and the
+    model trained on cosines alone)."""
+    from planner.planning import make_plan
+    from strategies.runner import model_to_run
+
+    source = "tests.user_models:llama_complex_rope"
+    training = Training(global_batch_size=2, seq_len=16, dtype="fp32")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    plan = make_plan(planner.resolve_model(source), cluster, training)
+    module = model_to_run(plan, "plan run").module
+    assert torch.equal(module.freqs_cis, ComplexRopeLlama().freqs_cis)
+
+
+def test_planning_a_module_of_your_own_allocates_no_parameter() -> None:
+    """Planning builds a ``module:function`` on the meta device: a parameter larger than
+    this machine's memory costs nothing (its buffers are not needed to plan)."""
+    handle = planner.resolve_model("tests.user_models:huge_embedding")
+    assert handle.module.tok_embeddings.weight.is_meta

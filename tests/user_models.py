@@ -347,3 +347,34 @@ class MaskBufferGPT(GPT):
 
 def gpt_mask_buffer() -> MaskBufferGPT:
     return MaskBufferGPT()
+
+
+def huge_embedding() -> RopeLlama:
+    """A Llama with a 4 TiB embedding table: buildable on the meta device only."""
+    return RopeLlama(vocab=1 << 32, dim=256)
+
+
+class ComplexRopeLlama(RopeLlama):
+    """``RopeLlama`` with its rotary table as one complex buffer (``torch.polar``, as
+    Meta's reference builds ``freqs_cis``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        angles = torch.polar(
+            torch.ones_like(self.freqs_cos), torch.atan2(self.freqs_sin, self.freqs_cos)
+        )
+        del self.freqs_cos, self.freqs_sin
+        self.register_buffer("freqs_cis", angles, persistent=False)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(idx.size(1), device=idx.device)[None, :]
+        table = self.freqs_cis[position_ids][:, None]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, table.real, table.imag)
+        return self.output(self.norm(x))
+
+
+def llama_complex_rope() -> ComplexRopeLlama:
+    return ComplexRopeLlama()

@@ -252,10 +252,10 @@ def _call_model_function(path: str) -> object:
         ) from None
 
 
-def _building_on(device: torch.device) -> AbstractContextManager[object]:
-    """Where a model function builds: on the meta device, its parameters alone (buffers its
-    ``__init__`` computes keep their values: :mod:`planner.models.empty`)."""
-    return parameters_on_meta() if device.type == "meta" else torch.device(device)
+def _building_on(device: torch.device, keep_buffers: bool) -> AbstractContextManager[object]:
+    """Where a model function builds: on ``device``; on the meta device with
+    ``keep_buffers``, its parameters alone (:mod:`planner.models.empty`)."""
+    return parameters_on_meta() if keep_buffers else torch.device(device)
 
 
 def resolve_model(
@@ -264,18 +264,24 @@ def resolve_model(
     seq_len: int | None = None,
     device: str | torch.device = "meta",
     seed: int | None = None,
+    keep_buffers: bool = False,
 ) -> ModelHandle:
     """Build the model named by ``source``: preset, small model, spec file, ``mod:function``
     or a :class:`ModelSpec`.
 
     ``seq_len`` overrides the spec's sequence length (position table size for GPT).
+    ``keep_buffers`` (on the meta device): a ``mod:function`` model's buffers keep what its
+    ``__init__`` computes (rotary tables: what training needs, planning does not; each
+    parameter is still allocated on the host for a moment as it is built).
     """
     device = torch.device(device)
+    if keep_buffers and device.type != "meta":
+        raise ValueError(f"keep_buffers builds on the meta device, not {device}")
     if isinstance(source, ModelSpec):
         spec = source if seq_len is None else source.with_seq_len(seq_len)
         return _from_spec(spec, spec.name, device, seed)
     if is_import_path(source):
-        with _building_on(device):
+        with _building_on(device, keep_buffers):
             if seed is not None:
                 torch.manual_seed(seed)
             result = _call_model_function(source)
