@@ -2,11 +2,11 @@
 
 Tensor-parallel ranks hold the same replicated activations (the residual stream, a
 row-parallel layer's reduced output) and compute the same dropout on them, each from
-its own random state. Seeded alike (``torch.manual_seed`` with one seed on every rank,
-or no seed at all) they draw the same masks, as Megatron-LM's default generator does;
-seeded differently (``seed + rank``, a common habit for data order) they would drop
-different elements, and the tp ranks' copies of the replicated weights would drift
-apart without an error. :func:`check_same_random_state` compares the ranks' states
+its own random state. Seeded alike (``torch.manual_seed`` with one seed on every rank)
+they draw the same masks, as Megatron-LM's default generator does; seeded differently
+(``seed + rank``, a common habit for data order) or not at all (torch seeds each
+process at random) they would drop different elements, and the tp ranks' copies of the
+replicated weights would drift apart without an error. :func:`check_same_random_state` compares the ranks' states
 before each training forward of a model with dropout and refuses the step instead.
 """
 
@@ -22,20 +22,23 @@ from planner.errors import SpecError
 
 __all__ = ["has_dropout", "check_same_random_state"]
 
-_DROPOUT_WORDS = ("dropout", "pdrop")  # Hugging Face config fields: attention_dropout, ...
+_DROPOUT_WORDS = ("dropout", "pdrop")  # Hugging Face attention: self.attention_dropout
 
 
 def has_dropout(model: nn.Module) -> bool:
     """Whether ``model`` drops activations in training: a dropout module with ``p > 0``, or a
-    Hugging Face config asking for dropout (its attention's ``dropout_p``)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-    config = getattr(model, "config", None)
-    fields = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    module holding a dropout probability above 0 that it hands to attention (Hugging
+    Face's ``self.attention_dropout``, from its config; config fields no module reads,
+    such as GPT-2's ``summary_first_dropout``, do not count)."""
+    return any(_drops(module) for module in model.modules())
+
+
+def _drops(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
     return any(
         isinstance(value, float) and value > 0 and any(w in name for w in _DROPOUT_WORDS)
-        for name, value in fields.items()
+        for name, value in vars(module).items()
     )
 
 

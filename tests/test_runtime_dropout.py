@@ -62,12 +62,17 @@ def _train(plan_json: str, seed_per_rank: bool, rank: int) -> list[float]:
     return local.detach().tolist()
 
 
-def test_dropout_is_found_in_modules_and_hugging_face_configs() -> None:
+def test_dropout_is_found_in_modules_and_what_they_hand_to_attention() -> None:
+    """A dropout module, or a probability an attention module holds (Hugging Face's
+    ``attention_dropout``); a config field no module reads (GPT-2's
+    ``summary_first_dropout``) is not dropout."""
     assert has_dropout(DropoutGPT()) and not has_dropout(GPT())
     configured = GPT()
-    configured.config = SimpleNamespace(attention_dropout=0.0, hidden_size=64)  # type: ignore[assignment]
+    configured.config = SimpleNamespace(summary_first_dropout=0.1, hidden_size=64)  # type: ignore[assignment]
     assert not has_dropout(configured)
-    configured.config.attention_dropout = 0.1
+    configured.transformer.h[0].attn.attention_dropout = 0.0
+    assert not has_dropout(configured)
+    configured.transformer.h[0].attn.attention_dropout = 0.1
     assert has_dropout(configured)
 
 
