@@ -236,7 +236,11 @@ def test_tied_hugging_face_llama_is_planned_at_tp_2(tmp_path):
 
 def test_tensor_parallelism_that_splits_kv_heads_is_refused_at_plan_time(tmp_path):
     handle = resolve_hf_config(_hf(tmp_path, "llama"))  # 4 heads, 2 key/value heads
-    with pytest.raises(PlannerError, match=r"tp\(4\) does not divide the heads \(4, kv 2\)"):
+    with pytest.raises(
+        PlannerError,
+        match=r"tp\(4\) does not divide the attention heads \(4 query and 2 key/value heads: "
+        r"num_attention_heads and num_key_value_heads\); use tp in \[1, 2\]",
+    ):
         make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
 
 

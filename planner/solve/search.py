@@ -220,7 +220,14 @@ class ModelLimits:
             )
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
         if any(h % tp for h in heads):
-            return f"tp({tp}) does not divide the heads ({self.num_heads}, kv {self.num_kv_heads})"
+            divisors = [d for d in (1, 2, 4, 8, 16) if all(h % d == 0 for h in heads)]
+            counted = f"{self.num_heads} heads: num_attention_heads"
+            if self.num_kv_heads not in (None, self.num_heads):
+                counted = (
+                    f"{self.num_heads} query and {self.num_kv_heads} key/value heads: "
+                    "num_attention_heads and num_key_value_heads"
+                )
+            return f"tp({tp}) does not divide the attention heads ({counted}); use tp in {divisors}"
         if self.vocab_size is not None and self.vocab_size % tp:
             return (
                 f"tp({tp}) does not divide the vocabulary ({self.vocab_size}): pad it to "
