@@ -29,6 +29,7 @@ from planner.cost.tp import TPAssignment
 from planner.errors import InfeasibleError, SpecError
 from planner.graph import OpGraph
 from planner.models import ModelHandle, handle_for_module
+from planner.modules import find_blocks
 from planner.rehearse import RehearsalFailure, rehearse
 from planner.solve.layout import (
     LayoutConstraints,
@@ -61,6 +62,20 @@ FIXED_STYLE_PRICER = Roofline(
 """When the styles are fixed (Megatron's, or a plan's own) the ILP only chooses where to
 redistribute; these H100-like numbers rank choices that move fewer bytes first, on any
 cluster, so the layout does not depend on the cluster it is priced for."""
+
+
+def _unsplittable_matrices(module: nn.Module) -> list[str]:
+    """Types of the modules in ``module``'s blocks holding a matrix that is not an
+    ``nn.Linear`` or ``nn.Embedding`` weight (GPT-2's ``Conv1D``)."""
+    return sorted(
+        {
+            type(m).__name__
+            for _, block in find_blocks(module)
+            for m in block.modules()
+            if not isinstance(m, nn.Linear | nn.Embedding)
+            and any(p.ndim >= 2 for p in m.parameters(recurse=False))
+        }
+    )
 
 
 def module_info(module: nn.Module) -> ModuleInfo:
@@ -176,10 +191,16 @@ class ModelLayouts:
             return whole  # what keeps the weights whole keeps sequence parallelism out too
         layout = self.layout(tp, sequence_parallel)
         if layout is not None and not layout.shards_parameters:
+            others = _unsplittable_matrices(self.handle.module)
+            held = (
+                f"its blocks' matrices are in {', '.join(others)} modules, and torch's "
+                "tensor-parallel styles split nn.Linear and nn.Embedding"
+                if others
+                else "every module holding one runs only whole here"
+            )
             return (
-                f"no layout at tp {tp} splits a weight of the model's blocks (every module "
-                "holding one runs only whole here): every rank would repeat the same work; "
-                "leave tp to the search"
+                f"no layout at tp {tp} splits a weight of the model's blocks ({held}): every "
+                "rank would repeat the same work; leave tp to the search"
             )
         return self._why_not.get((tp, sequence_parallel))
 

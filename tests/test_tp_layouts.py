@@ -311,3 +311,14 @@ def test_zoo_plan_layout_does_not_depend_on_the_cluster(gpu):
     cluster = Cluster(gpu=gpu, num_gpus=4, gpus_per_node=4)
     plan = make_plan(handle, cluster, TRAINING, pins=Pins(tp=2, sequence_parallel=True))
     assert plan.tp_layout == megatron_layout(handle, plan.training, plan.strategy)
+
+
+def test_a_pinned_tp_over_modules_torch_cannot_split_names_them(tmp_path):
+    """GPT-2's blocks hold their matrices in ``Conv1D`` modules, which torch's
+    tensor-parallel styles do not split: a pinned tp is refused naming them."""
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    config = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlannerError, match=r"matrices are in Conv1D modules, and torch's"):
+        make_plan(resolve_hf_config(str(path)), H100, TRAINING, pins=Pins(tp=2))
