@@ -234,26 +234,13 @@ def masked() -> GPT:
     return _with_attention(MaskedAttention)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 class RopeBlock(nn.Module):
     """Llama's block as Meta's reference writes it: separate projections, SwiGLU."""
 
     def __init__(self, dim: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
-        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
         self.w1, self.w3 = (nn.Linear(dim, 2 * dim, bias=False) for _ in range(2))
         self.w2 = nn.Linear(2 * dim, dim, bias=False)
@@ -280,7 +267,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class RopeLlama(nn.Module):
     """A Llama of one's own: its rotary tables computed in ``__init__`` as non-persistent
-    buffers (Meta's reference, torchtitan, lit-gpt), RMSNorm with ``reset_parameters``,
+    buffers (Meta's reference, torchtitan, lit-gpt), torch's ``nn.RMSNorm``,
     ``position_ids`` taken (context parallel gives each rank's global positions)."""
 
     def __init__(self, vocab: int = VOCAB, dim: int = 64, n_head: int = 4, n_layer: int = 4,
@@ -288,7 +275,7 @@ class RopeLlama(nn.Module):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(RopeBlock(dim, n_head) for _ in range(n_layer))
-        self.norm = RMSNorm(dim)
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
         self.output = nn.Linear(dim, vocab, bias=False)
         head = dim // n_head
         inv_freq = 1.0 / 10000 ** (torch.arange(0, head, 2).float() / head)
