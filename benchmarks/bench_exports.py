@@ -56,8 +56,10 @@ CHECKERS = Path(__file__).resolve().parent / "export_parsers"
 CHECK_TIMEOUT_S = 300
 # torchtitan's llama3 flavors of the zoo presets (its models/llama3 registry)
 FLAVORS = {"llama3-8b": "8B", "llama3-70b": "70B", "llama3.1-405b": "405B"}
-# torchtitan's other models whose flavors have a zoo preset's sizes: (model, flavor)
-MODELS = {"deepseek-v3": ("deepseek_v3", "671B")}
+# torchtitan's other models whose flavors have a zoo preset's sizes: (model, flavor); Mixtral
+# is checked on a Qwen3 MoE (torchtitan has no Mixtral; 0.3 validates the experts' dispatcher)
+MODELS = {"deepseek-v3": ("deepseek_v3", "671B"), "mixtral-8x7b": ("qwen3", "30B_A3B")}
+FLAVORS_02 = {"30B_A3B": "30B-A3B"}  # torchtitan 0.2's spelling of a flavor 0.3 renamed
 # compute capability major of the cluster GPUs (Megatron's validate_args asks CUDA for it)
 GPU_ARCH = {"a100": 8, "h100": 9, "h200": 9, "b200": 10}
 
@@ -202,6 +204,8 @@ def checker_args(target: Target, plan: Plan) -> list[str]:
         args.append(f"--flavor={FLAVORS[plan.model_name]}")
     if framework is Framework.TORCHTITAN and plan.model_name in MODELS:
         model, flavor = MODELS[plan.model_name]
+        if target.version[:2] == (0, 2):
+            flavor = FLAVORS_02.get(flavor, flavor)
         args += [f"--model={model}", f"--flavor={flavor}"]
     if framework is not Framework.DEEPSPEED:
         arch = next(v for k, v in GPU_ARCH.items() if plan.cluster.gpu.startswith(k))

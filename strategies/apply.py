@@ -104,12 +104,12 @@ def parallelize(
     refusal = strategy_refusal(PLANNER, plan.strategy, plan.training)
     if refusal is not None:  # a plan made for another framework (plan.target)
         raise SpecError(f"plan.{refusal.describe()} (plan made for {plan.target}); {refusal.fix}")
+    _check_auxiliary_loss(model, loss_fn, plan)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world_size)
     check_model_against_plan(plan, model)
     check_parameter_dtype(plan, model)
     check_plan_layout(plan, model)
-    _check_auxiliary_loss(model, loss_fn)
     pipeline.check_split(model, plan)
     materialize.check_deferrable(model)
     source = state.weight_source(weights, model) if weights is not None else None
@@ -124,14 +124,24 @@ def parallelize(
     return parallel
 
 
-def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn) -> None:
-    """Refuse the default loss for a model set to add an auxiliary load-balancing loss
-    (a Hugging Face MoE config's ``output_router_logits``): token cross-entropy alone
-    would train without it, silently."""
+def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn, plan: Plan) -> None:
+    """Refuse a model set to add an auxiliary load-balancing loss (a Hugging Face MoE
+    config's ``output_router_logits``) with the default loss (token cross-entropy alone
+    would train without it, silently) or in a pipeline (the last stage's output is its
+    logits, without the routers' loss)."""
     config = getattr(model, "config", None)
-    if loss_fn is not token_cross_entropy or not getattr(config, "output_router_logits", False):
+    if not getattr(config, "output_router_logits", False):
         return
     coefficient = getattr(config, "router_aux_loss_coef", None)
+    if plan.strategy.pp > 1:
+        raise SpecError(
+            f"model.config.output_router_logits = True (router_aux_loss_coef = {coefficient}) "
+            f"under plan.strategy.pp = {plan.strategy.pp}: a pipeline's last stage hands on "
+            "its logits alone, not the routers' load-balancing loss; set "
+            "config.output_router_logits = False to train without it, or use a plan with pp = 1"
+        )
+    if loss_fn is not token_cross_entropy:
+        return
     raise SpecError(
         "model.config.output_router_logits = True: the model adds a load-balancing loss "
         f"(router_aux_loss_coef = {coefficient}), which the default loss (token "

@@ -768,6 +768,8 @@ def test_torchtitan_writes_expert_parallelism_and_names_its_moe_model() -> None:
     assert tables["model"] == {"name": "qwen3"}  # torchtitan's default llama3 has no experts
     options, _ = torchtitan_overrides(plan)
     assert options["--parallelism.expert_parallel_degree"] == ["8"]
+    # 0.3's CUDA graphs take only dispatchers that never sync the CPU; its default does
+    assert "--training.disable_cuda_graphs" in options
     assert "model: torchtitan's qwen3" in to_torchtitan(plan)
     latent = torchtitan_tables(moe_plan(TINY_MLA, dp=8, ep=8, zero=3))
     assert latent["model"] == {"name": "deepseek_v3"}
@@ -801,3 +803,13 @@ def test_expert_parallelism_the_mesh_cannot_split_is_refused_before_any_export()
         assert export_plan(plan, target)
         with pytest.raises(SpecError, match=r"strategy\.ep\(4\) does not divide dp_shard"):
             export_plan(hybrid, target)
+
+
+def test_a_selective_recompute_priced_for_another_framework_is_noted() -> None:
+    """Selective recompute keeps what each framework's policy keeps: an export of a plan
+    priced with another's says so (a Megatron-LM run recomputes core attention alone)."""
+    plan = plan_for(dp=2, recompute="selective")
+    assert plan.target == "planner"
+    assert "# note: selective recompute: Megatron-LM's" in to_megatron(plan)
+    assert "# note: selective recompute: torchtitan's per-op policy" in to_torchtitan(plan)
+    assert "selective recompute" not in to_megatron(plan_for(dp=2, recompute="full"))

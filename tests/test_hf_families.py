@@ -167,6 +167,11 @@ def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dir
     with pytest.raises(SpecError, match=r"output_router_logits = True.*loss_fn="):
         parallelize(handle.module, plan)
     assert parallelize(handle.module, plan, loss_fn=lambda output, targets: output.logits.sum())
+    # a pipeline's last stage returns the logits alone: no loss of one's own can add it
+    stages = Strategy(pp=2, micro_batch_size=BATCH // 2, num_microbatches=2)
+    piped = assemble_plan(handle, Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), TRAINING, stages)
+    with pytest.raises(SpecError, match=r"under plan.strategy.pp = 2: a pipeline's last stage"):
+        parallelize(handle.module, piped, loss_fn=lambda output, targets: output.logits.sum())
 
 
 def test_the_expected_load_dispatch_switches_only_the_tracers_copy(config_dirs):

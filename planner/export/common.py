@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from enum import Enum
 
 from planner.errors import ExportError
-from planner.frameworks import Target, model_refusal, strategy_refusal
-from planner.spec import ModelSpec, Plan, TPStyle
+from planner.frameworks import Framework, Target, model_refusal, parse_target, strategy_refusal
+from planner.spec import ModelSpec, Plan, RecomputeMode, TPStyle
 
 __all__ = [
+    "selective_recompute_note",
     "refuse",
     "header",
     "seq_len",
@@ -96,6 +97,19 @@ def seq_len(plan: Plan) -> int | None:
     if plan.training.seq_len is not None:
         return plan.training.seq_len
     return plan.model.seq_len if plan.model is not None else None
+
+
+def selective_recompute_note(plan: Plan, framework: Framework, policy: str) -> list[str]:
+    """A note where the plan's selective recompute was priced as another framework's than
+    ``framework``'s (``policy``: what its selective recompute keeps)."""
+    planned = parse_target(plan.target, field="plan.target").framework
+    if plan.strategy.recompute is not RecomputeMode.SELECTIVE or planned is framework:
+        return []
+    return [
+        f"selective recompute: {policy}; the plan priced {planned.value}'s (plan --for "
+        f"{framework.value} prices {framework.value}'s, and plan estimate --from this file "
+        "prices what it runs)"
+    ]
 
 
 def check_target(plan: Plan, target: Target) -> None:

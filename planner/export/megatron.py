@@ -40,11 +40,13 @@ from planner.export.common import (
     check_target,
     described_model,
     header,
+    selective_recompute_note,
     seq_len,
     zoo_layers_per_chunk,
 )
 from planner.frameworks import (
     MEGATRON_VOCAB_MULTIPLE,
+    Framework,
     Target,
     megatron_vocab_multiple,
     parse_target,
@@ -80,6 +82,10 @@ def to_megatron(plan: Plan, target: Target | None = None) -> str:
     target = target or parse_target(TARGET)
     check_target(plan, target)
     notes = check_megatron_layout(plan, TARGET) if plan.strategy.tp > 1 else []
+    notes += selective_recompute_note(
+        plan, Framework.MEGATRON,
+        "Megatron-LM's --recompute-granularity selective recomputes core attention alone",
+    )  # fmt: skip
     args = [
         *_parallel_args(plan),
         *_pipeline_args(plan),

@@ -17,7 +17,8 @@ classes of ``torchtitan/distributed/activation_checkpoint.py``). What moved from
 async TP is ``compile.enable_async_tensor_parallel``, sequence parallelism is
 ``parallelism.enable_sequence_parallel`` (so TP without SP runs), the optimizer is
 ``optimizer.param_groups.0.optimizer_name``, the head is ``lm_head`` (``output`` in 0.2),
-``disable_loss_parallel`` and ``selective_ac_option`` are gone, pipelining needs
+``disable_loss_parallel`` and ``selective_ac_option`` are gone, pipelining and expert
+parallelism (its default token dispatcher syncs the CPU) need
 ``training.disable_cuda_graphs`` (``Trainer.Config._validate_cuda_graphs``), and model
 converters (fp8) are part of the ``--config`` function's ``model_spec``, which the command
 line cannot set (:mod:`planner.frameworks` refuses fp8 for 0.3).
@@ -47,6 +48,7 @@ from planner.export.common import (
     check_target,
     described_model,
     header,
+    selective_recompute_note,
     seq_len,
 )
 from planner.frameworks import (
@@ -87,13 +89,10 @@ def to_torchtitan(plan: Plan, target: Target | None = None) -> str:
     mode = plan.strategy.recompute
     if mode is not RecomputeMode.NONE:
         check_recompute_blocks(plan, TARGET)
-    planned = parse_target(plan.target, field="plan.target").framework
-    if mode is RecomputeMode.SELECTIVE and planned is not Framework.TORCHTITAN:
-        notes.append(
-            "selective recompute: torchtitan's per-op policy keeps every other matmul's "
-            f"output and attention's; the plan priced {planned.value}'s (plan --for "
-            "torchtitan prices torchtitan's)"
-        )
+    notes += selective_recompute_note(
+        plan, Framework.TORCHTITAN,
+        "torchtitan's per-op policy keeps every other matmul's output and attention's",
+    )  # fmt: skip
     if plan.stages:
         notes.append(
             "module_fqns_per_model_part names this model's modules (as torchtitan's llama)"
@@ -166,8 +165,8 @@ def _overrides(plan: Plan, target: Target, notes: list[str]) -> str:
         settings["parallelism.enable_sequence_parallel"] = strategy.sequence_parallel
     settings["compile.enable_async_tensor_parallel"] = False
     settings |= {f"training.{key}": value for key, value in _training(plan).items()}
-    if strategy.pp > 1:
-        settings["training.disable_cuda_graphs"] = True  # CUDA graphs do not pipeline yet
+    if strategy.pp > 1 or strategy.ep > 1:  # CUDA graphs pipeline no stage, and take only
+        settings["training.disable_cuda_graphs"] = True  # dispatchers that never sync the CPU
     settings["optimizer.param_groups.0.optimizer_name"] = OPTIMIZERS[plan.training.optimizer]
     notes.append(
         "model converters (fp8) come from the --config function's model_spec: pick one "
