@@ -6,8 +6,9 @@ its own random state. Seeded alike (``torch.manual_seed`` with one seed on every
 they draw the same masks, as Megatron-LM's default generator does; seeded differently
 (``seed + rank``, a common habit for data order) or not at all (torch seeds each
 process at random) they would drop different elements, and the tp ranks' copies of the
-replicated weights would drift apart without an error. :func:`check_same_random_state` compares the ranks' states
-before each training forward of a model with dropout and refuses the step instead.
+replicated weights would drift apart without an error. :func:`check_same_random_state`
+compares the ranks' states before each training forward of a model with dropout and
+refuses the step instead.
 """
 
 from __future__ import annotations

@@ -317,9 +317,8 @@ class MaskBufferGPT(GPT):
 
     def __init__(self, block_size: int = 64) -> None:
         super().__init__(block_size=block_size)
-        for index, block in enumerate(self.transformer.h):
+        for block in self.transformer.h:
             block.__class__ = MaskArgBlock
-            self.transformer.h[index] = block
         mask = torch.ones(block_size, block_size, dtype=torch.bool).tril()
         self.register_buffer("mask", mask, persistent=False)
 
