@@ -54,6 +54,7 @@ __all__ = [
     "blockless_chunk_refusal",
     "model_refusal",
     "parse_target",
+    "pipeline_refusal",
     "strategy_refusal",
     "training_refusal",
 ]
@@ -355,6 +356,25 @@ def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
                 "use an integral rope_theta",
             )
     return None
+
+
+def pipeline_refusal(target: Target, spec: ModelSpec | None, pp: int) -> Refusal | None:
+    """Why ``target`` cannot cut ``spec``'s model into ``pp`` pipeline stages, or ``None``.
+    torchtitan 0.2's ``qwen3`` has no pipelining (its TrainSpec's ``pipelining_fn`` is
+    None: ``train.py`` stops at pp > 1); 0.3's has one. A traced model's pipeline is this
+    runtime's (:func:`planner.modules.pipeline_blocker`)."""
+    if pp == 1 or target.framework is not Framework.TORCHTITAN or target.at_least((0, 3)):
+        return None
+    if spec is None or torchtitan_model(spec) != "qwen3":
+        return None
+    return Refusal(
+        "strategy.pp",
+        pp,
+        f"{target} builds this model as its qwen3 (routed experts, query/key norms, a "
+        "head dim other than hidden / heads or a tied head), which has no pipelining "
+        "(TrainSpec pipelining_fn=None)",
+        "use pp = 1, or target torchtitan==0.3",
+    )
 
 
 def torchtitan_model(spec: ModelSpec) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, CostOptions
@@ -27,6 +27,7 @@ from planner.frameworks import (
     framework_options,
     model_refusal,
     parse_target,
+    pipeline_refusal,
     strategy_refusal,
     training_refusal,
 )
@@ -46,6 +47,7 @@ from planner.solve.stages import partition_stages
 from planner.spec import (
     Candidate,
     Cluster,
+    ModelSpec,
     Plan,
     Prediction,
     Strategy,
@@ -150,8 +152,9 @@ def search_plan(
     limits = model_limits(handle, graph, cluster, layouts)
     headroom_gib = (headroom or Headroom()).gib_of(model.profile.memory_capacity_gib)
     result = search(
-        model, limits, pins=pins, top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy,
-        progress=progress, target=target, memory_headroom_gib=headroom_gib,
+        model, target_limits(limits, target, handle.spec), pins=pins,
+        top_k=_POOL * (top_k + 1), pareto=pareto, lossy=lossy, progress=progress, target=target,
+        memory_headroom_gib=headroom_gib,
     )  # fmt: skip
     best = preferred(result.ranked, tolerance)
     others = [scored for scored in result.ranked if scored is not best]
@@ -278,6 +281,15 @@ def model_limits(
         layout_problem=layouts.why_not,
         num_experts=graph.num_experts,
     )
+
+
+def target_limits(limits: ModelLimits, target: Target, spec: ModelSpec | None) -> ModelLimits:
+    """``limits`` with what ``target`` cannot run of the model besides: its pipelines
+    (:func:`~planner.frameworks.pipeline_refusal`; none runs if two stages do not)."""
+    refusal = pipeline_refusal(target, spec, pp=2)
+    if refusal is None or limits.pipeline_problem:
+        return limits
+    return replace(limits, pipeline_problem=f"{refusal.why}; {refusal.fix}")
 
 
 def selective_recompute_blocker(graph: OpGraph) -> str | None:

@@ -324,6 +324,23 @@ def test_experts_beside_sequence_parallelism_are_planned_for_megatron_only():
     assert not free.strategy.sequence_parallel
 
 
+def test_torchtitan_02_builds_moe_models_as_qwen3_which_it_cannot_pipeline():
+    """torchtitan 0.2's qwen3 has no pipelining_fn (train.py stops at pp > 1), 0.3's
+    has one: the 0.2 search keeps pp at 1 for a model exported as qwen3, and its export
+    of a pipelined plan is refused; llama3 pipelines in both."""
+    pinned = Pins(pp=2, ep=8)
+    with pytest.raises(SpecError, match=r"pp\(2\): torchtitan==0.2 builds this model as"):
+        _plan("mixtral-8x7b", 64, 256, pins=pinned, target="torchtitan==0.2")
+    kept = _plan("mixtral-8x7b", 64, 256, pins=Pins(ep=8), target="torchtitan==0.2")
+    assert kept.strategy.pp == 1
+    pipelined = moe_plan(TINY_MIXTRAL, dp=2, zero=2, ep=2, pp=2, num_microbatches=2)
+    assert "--parallelism.pipeline_parallel_degree" in export_plan(pipelined, "torchtitan==0.3")
+    with pytest.raises(ExportError, match=r"strategy\.pp = 2: torchtitan==0\.2 builds"):
+        export_plan(pipelined, "torchtitan==0.2")
+    dense = plan_for(dp=2, zero=2, pp=2, num_microbatches=2)
+    assert "pipeline_parallel_degree = 2" in export_plan(dense, "torchtitan==0.2")
+
+
 def test_traced_models_cannot_target_frameworks_with_their_own_transformer():
     handle = handle_for_module(gpt())  # a user module: no model description
     cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)

@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from enum import Enum
 
 from planner.errors import ExportError
-from planner.frameworks import Framework, Target, model_refusal, parse_target, strategy_refusal
+from planner.frameworks import (
+    Framework,
+    Target,
+    model_refusal,
+    parse_target,
+    pipeline_refusal,
+    strategy_refusal,
+)
 from planner.spec import ModelSpec, Plan, RecomputeMode, TPStyle
 
 __all__ = [
@@ -116,6 +123,7 @@ def check_target(plan: Plan, target: Target) -> None:
     """Refuse what ``target`` cannot run (:mod:`planner.frameworks`, the rules the
     search restricts itself with under ``--for``)."""
     refusal = model_refusal(target, plan.model)  # a traced model: only where no model is built
+    refusal = refusal or pipeline_refusal(target, plan.model, plan.strategy.pp)
     refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
     if refusal is not None:
         raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, refusal.fix)
