@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -172,6 +173,15 @@ def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dir
     piped = assemble_plan(handle, Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), TRAINING, stages)
     with pytest.raises(SpecError, match=r"under plan.strategy.pp = 2: a pipeline's last stage"):
         parallelize(handle.module, piped, loss_fn=lambda output, targets: output.logits.sum())
+
+
+def test_a_load_balancing_loss_is_priced_without_unknown_operators(config_dirs, caplog):
+    """The routers' auxiliary loss counts tokens per expert (histc): priced by its bytes."""
+    handle = resolve_hf_config(config_dirs["mixtral"])
+    handle.module.config.output_router_logits = True
+    with caplog.at_level(logging.WARNING):
+        trace(handle, seq_len=SEQ)
+    assert "histc" not in caplog.text and "no pricing rule" not in caplog.text
 
 
 def test_the_expected_load_dispatch_switches_only_the_tracers_copy(config_dirs):
