@@ -164,6 +164,9 @@ class OpGraph:
     # whether the model's own attention calls are causal (None: they do not say, e.g. a
     # mask; a formula graph's causality is its spec's)
     attention_causal: bool | None = None
+    # whether its attention calls hand the kernel a mask tensor (which then computes every
+    # block: no causal skipping), as sliding windows and masks of a model's own do
+    attention_masked: bool = False
 
     def segment_type(self, segment: Segment) -> SegmentType:
         return self.types[segment.type_id]
@@ -185,8 +188,9 @@ class OpGraph:
         order. Equal for the same model traced at the same shape; a config edit that keeps
         the parameter shapes (experts per token, heads of another width, the activation)
         or a code edit that rewires them (queries and keys swapped) changes it, and so does
-        the attention's own causality."""
-        digest = hashlib.sha256(f"causal={self.attention_causal};".encode())
+        the attention's own causality and masking."""
+        masked = "masked;" if self.attention_masked else ""
+        digest = hashlib.sha256(f"causal={self.attention_causal};{masked}".encode())
         for segment in self.segments:
             for n in self.types[segment.type_id].nodes:
                 digest.update(

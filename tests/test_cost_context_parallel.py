@@ -34,6 +34,16 @@ def test_without_context_parallelism_both_run_one_kernel_and_exchange_nothing(im
     assert cp_saved_bytes(impl, 1, 2e6, 2) == cp_mask_bytes(impl, 1, True, 4096) == 0.0
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_mask_tensor_makes_every_kernel_compute_every_block(cp: int) -> None:
+    """A causal model that hands its attention a mask skips nothing; the runtime's
+    gathered chunks already compute their key prefixes whole."""
+    masked = cp_kernels(RING, cp, True, 1e6, 2e6, 2, masked=True)
+    assert masked.work_fraction == 1.0 and not masked.causal_kernel
+    gathered = cp_kernels(GATHER, cp, True, 1e6, 2e6, 2, masked=True)
+    assert gathered == (masked if cp == 1 else cp_kernels(GATHER, cp, True, 1e6, 2e6, 2))
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_the_runtime_computes_its_chunks_over_their_key_prefixes_whole(cp: int) -> None:
     """Chunks of n tokens: a rank's two chunks see (i + 1) and (2 cp - i) chunks of keys,

@@ -155,5 +155,8 @@ def test_an_encoders_masked_attention_is_priced_bidirectional(tmp_path):
     cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
     priced = [build_cost_model(g, cluster, training, causal=None) for g in graphs]
     assert [model.options.causal for model in priced] == [False, True]
+    # their export-traced masks are not what their eager forwards hand SDPA (none)
+    assert not any(g.attention_masked or model.options.attention_mask
+                   for g, model in zip(graphs, priced, strict=True))  # fmt: skip
     assert "bidirectional" in (context_parallel_blocker(encoder.module) or "")
     assert context_parallel_blocker(decoder.module) is None

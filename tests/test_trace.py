@@ -373,6 +373,30 @@ def test_a_token_model_of_ones_own_is_priced_with_the_loss_its_step_computes(cap
     assert all(n.kind is not OpKind.LOSS for s in graph.types.values() for n in s.nodes)
 
 
+def test_a_mask_handed_to_the_attention_kernel_is_priced_over_every_block():
+    """SDPA given a mask tensor skips no block, causal or not: nanoGPT with its mask
+    buffer is priced at twice the attention work of ``is_causal``; a Hugging Face
+    model, whose export-traced forward builds the mask its eager forward skips, is not."""
+    from planner.cost.build import build_cost_model
+    from planner.graph import OpKind
+    from planner.spec import Cluster, Training
+
+    training = Training(global_batch_size=4, seq_len=64, dtype="bf16")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    times = []
+    for name in ("gpt", "gpt_mask_buffer"):
+        graph = trace(resolve_model(f"tests.user_models:{name}"), seq_len=64)
+        model = build_cost_model(graph, cluster, training, causal=None)
+        block = graph.segment_type(graph.blocks[0])
+        attention = next(node for node in block.nodes if node.kind is OpKind.ATTENTION)
+        overhead = model.compute.node_time(attention, 0.0).forward_s
+        times.append((graph, model.compute.node_time(attention, 1e6).forward_s - overhead))
+    (causal, causal_s), (masked, masked_s) = times
+    assert (causal.attention_masked, masked.attention_masked) == (False, True)
+    assert causal.digest != masked.digest
+    assert masked_s == pytest.approx(2 * causal_s, rel=1e-6)
+
+
 def test_fp32_tables_beside_half_precision_trace_as_autocast_runs_them():
     """fp32 rotary tables make fp32 queries beside bf16 values; autocast casts them for
     attention at run time, and the trace does the same (meta tensors skip autocast)."""

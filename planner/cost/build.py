@@ -24,16 +24,19 @@ __all__ = ["build_cost_model", "model_options", "spec_graph", "stage_indices"]
 
 
 def model_options(
-    options: CostOptions | None, *, causal: bool | None, profile: HardwareProfile
-) -> CostOptions:
+    options: CostOptions | None, *, causal: bool | None, profile: HardwareProfile,
+    masked: bool = False,
+) -> CostOptions:  # fmt: skip
     """``options`` (default: what ``profile``'s device runs,
     :func:`~planner.cost.options.device_options`) with attention causality set by the
     model: ``causal`` is the model's (``ModelSpec.causal``), or ``None`` when the model
-    does not say (a traced module: the options' own value, a decoder by default)."""
+    does not say (a traced module: the options' own value, a decoder by default);
+    ``masked``: its attention calls pass a mask tensor (``CostOptions.attention_mask``)."""
     chosen = options or device_options(profile.device_kind)
-    if causal is None or chosen.causal == causal:
-        return chosen
-    return chosen.model_copy(update={"causal": causal})
+    update: dict[str, bool] = {"attention_mask": True} if masked else {}
+    if causal is not None and chosen.causal != causal:
+        update["causal"] = causal
+    return chosen.model_copy(update=update) if update else chosen
 
 
 def spec_graph(spec: ModelSpec, training: Training, options: CostOptions | None = None) -> OpGraph:
@@ -75,7 +78,8 @@ def build_cost_model(
     return CostModel(
         graph, cluster, training, profile=profile,
         options=model_options(
-            options, causal=graph.attention_causal if causal is None else causal, profile=profile
+            options, causal=graph.attention_causal if causal is None else causal,
+            profile=profile, masked=graph.attention_masked,
         ),
         tp_layouts=tp_layouts,
     )  # fmt: skip

@@ -9,7 +9,8 @@
   torchao's per GEMM and micro-batch, Transformer Engine's once per tensor, its weights'
   once per step in the optimizer's term); the output layer's GEMM stays in bf16.
 - Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
-  causal (masked blocks are skipped); its backward does 2.5x the forward's work. The
+  causal (masked blocks are skipped, unless the model hands the kernel a mask tensor:
+  ``CostOptions.attention_mask``); its backward does 2.5x the forward's work. The
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
   efficiency is held at 7/12 (3.5 x half / 3 x whole) at most: counted FLOPs never
   outrun the peak (MFU <= 1; of the profiles only the A100s' 0.6 is above it).
@@ -181,7 +182,7 @@ class ComputeModel:
             q, kv = attention_elements(node)
             kernels = cp_kernels(
                 self.options.cp_attention, cp, self.options.causal, q * scale, kv * scale,
-                self.element_bytes,
+                self.element_bytes, masked=self.options.attention_mask,
             )  # fmt: skip
             work = flops * kernels.work_fraction
             efficiency = self.profile.attention_efficiency

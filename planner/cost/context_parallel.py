@@ -59,12 +59,14 @@ class CpKernels:
 
 def cp_kernels(
     impl: CpAttention, cp: int, causal: bool, q_elements: float, kv_elements: float,
-    element_bytes: int,
+    element_bytes: int, *, masked: bool = False,
 ) -> CpKernels:  # fmt: skip
-    """The attention kernels, their work and the traffic beside them (module docstring)."""
-    whole = 0.5 if causal else 1.0
+    """The attention kernels, their work and the traffic beside them (module docstring);
+    ``masked``: the model hands the kernel a mask tensor, so it skips no block."""
+    skips = causal and not masked
+    whole = 0.5 if skips else 1.0
     if cp == 1:
-        return CpKernels(whole, causal, 1)
+        return CpKernels(whole, skips, 1)
     e, f = element_bytes, FP32_BYTES
     if impl is CpAttention.ALL_GATHER:
         if not causal:
@@ -84,7 +86,7 @@ def cp_kernels(
     # K and V joined for rotation; at the end both cast back
     step = (2 * f + e) * n + (2 * f + e) * m + 2 * f * m + 2 * e * m
     backward = cp * step + (f + e) * (n + m)
-    return CpKernels(whole, causal, cp, forward, backward, eager_ops=8 * cp)
+    return CpKernels(whole, skips, cp, forward, backward, eager_ops=8 * cp)
 
 
 def cp_exposed_comm(

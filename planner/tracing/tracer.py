@@ -473,6 +473,15 @@ def _attention_causal(ops: Sequence[RawOp], module: nn.Module) -> bool | None:
     return bool(causal.pop()) if len(causal) == 1 else None
 
 
+def _attention_masked(ops: Sequence[RawOp], module: nn.Module) -> bool:
+    """Whether the model hands its attention kernels a mask tensor, as its own calls say.
+    A Hugging Face model's calls do not: traced by torch.export, it builds the causal
+    mask its eager forward skips (``is_causal`` then), so it is priced unmasked."""
+    if is_hf_model(module):
+        return False
+    return any(op.scalars.get("masked") for op in ops if op.op in ATTENTION_FLAGS)
+
+
 def _warn_unknown_ops(ops: Sequence[RawOp], name: str) -> None:
     unknown = sorted({op.op for op in ops if not is_known(op)})
     if unknown:
@@ -511,6 +520,7 @@ def trace(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
         attention_causal=_attention_causal(ops, root),
+        attention_masked=_attention_masked(ops, handle.module),
     )  # fmt: skip
 
 
