@@ -28,7 +28,7 @@ from planner.spec import (
     Training,
 )
 from planner.staging import modules_around
-from planner.tracing import trace_for_training, traced_inputs
+from planner.tracing import default_seq_len, trace_for_training, traced_inputs
 from planner.validate import check_batch
 from planner.version import __version__
 
@@ -58,6 +58,8 @@ def assemble_plan(
     Raises :class:`SpecError` when the strategy does not make the global batch.
     """
     check_batch(training, strategy)
+    if training.seq_len is None and handle.spec is None:  # the length it was traced at
+        training = training.model_copy(update={"seq_len": default_seq_len(handle)})
     if strategy.tp > 1 and tp_layout is None:
         tp_layout = megatron_layout(handle, training, strategy)
     if strategy.pp > 1 and stages is None:

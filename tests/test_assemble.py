@@ -110,3 +110,17 @@ def test_a_strategy_that_does_not_make_the_global_batch_is_refused() -> None:
         SpecError, match=r"global_batch_size = 16 != dp\(1\) \* micro_batch_size\(2\)"
     ):
         assemble_plan(resolve_model("tiny-gpt"), CLUSTER, TRAINING, Strategy(micro_batch_size=2))
+
+
+def test_a_traced_model_planned_without_a_sequence_length_keeps_the_one_it_was_traced_at():
+    """The README's loop makes ``(batch, plan.seq_len + 1)`` tokens: a module of one's own
+    planned without ``--seq`` records the length its forward was traced with."""
+    handle = resolve_model("tests.user_models:gpt")
+    training = Training(global_batch_size=4, dtype="fp32")
+    plan = assemble_plan(
+        handle, Cluster(gpu="cpu", num_gpus=1), training, Strategy(micro_batch_size=4)
+    )
+    assert plan.seq_len is not None and plan.seq_len == plan.inputs[0].shape[1]
+    zoo = assemble_plan(resolve_model("tiny-llama"), Cluster(gpu="cpu", num_gpus=1), training,
+                        Strategy(micro_batch_size=4))  # fmt: skip
+    assert zoo.training.seq_len is None and zoo.seq_len == zoo.model.seq_len
