@@ -8,7 +8,10 @@ slice or reduce-scatter shrinks it), and the model's forward runs as written. Co
 that cannot run on shards (a view with a hard-coded head count, a fused projection
 split by the full width, positions computed from a sequence shard) fails here, not on
 the cluster; so does a module whose output does not have the local shape the layout
-promises. The failure names the innermost module that was running.
+promises, and an attention call whose queries lost their sequence length or head width
+(a view with ``-1`` for the sequence beside a head count written out folds a head
+shard into the sequence: OPT's ``view(bsz, -1, num_heads, head_dim)``, which runs and
+trains a different model). The failure names the innermost module that was running.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from planner.fqn import expand_patterns
-from planner.graph import OpGraph
+from planner.graph import OpGraph, OpKind
 from planner.models import ModelHandle
 from planner.spec import ModuleTP, shard_dim
 from planner.tracing import DTYPES, prepare_traced_module
@@ -63,7 +68,7 @@ def rehearse(
         concrete = expand_patterns(layout, [n for n in names if n])
         try:
             _shard_parameters(root, prefix, concrete, tp)
-            with _hooks(root, prefix, concrete, tp, expected, stack):
+            with _hooks(root, prefix, concrete, tp, expected, stack), _Attention(graph, stack):
                 fake = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in inputs)
                 root(*fake)
         except _Mismatch as exc:
@@ -217,6 +222,39 @@ def _leave(
         return converted
 
     return hook
+
+
+class _Attention(TorchFunctionMode):
+    """Checks each SDPA call's queries against the trace's: a layout splits attention by
+    heads only, so a rank's queries keep the sequence length and head width they have in
+    the trace (the other dims multiply to the trace's, or a tp-th of it)."""
+
+    def __init__(self, graph: OpGraph, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.traced = {
+            tuple(node.input_shapes[0][-2:])
+            for segment in graph.segments
+            for node in graph.segment_type(segment).nodes
+            if node.kind is OpKind.ATTENTION and node.input_shapes
+        }
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.traced:
+            query = args[0] if args else kwargs["query"]
+            if tuple(query.shape[-2:]) not in self.traced:
+                module = self.stack[-1] if self.stack else ""
+                raise _Mismatch(
+                    module,
+                    f"attention gets queries of local shape {tuple(query.shape)}, whose "
+                    f"(sequence, head width) the trace has as {sorted(self.traced)}: its code "
+                    "folds the heads' shard into another dimension (a view with -1 beside a "
+                    "head count written out)",
+                )
+        return func(*args, **kwargs)
 
 
 class _LocalView(torch.autograd.Function):

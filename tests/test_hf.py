@@ -160,3 +160,28 @@ def test_an_encoders_masked_attention_is_priced_bidirectional(tmp_path):
                    for g, model in zip(graphs, priced, strict=True))  # fmt: skip
     assert "bidirectional" in (context_parallel_blocker(encoder.module) or "")
     assert context_parallel_blocker(decoder.module) is None
+
+
+def test_a_view_that_folds_the_head_shard_into_the_sequence_is_caught(tmp_path):
+    """OPT views its projections as ``(bsz, -1, num_heads, head_dim)``: on a head shard
+    the ``-1`` takes half the sequence, so each head would attend to every other token.
+    It ran and trained another model at tp 2; the rehearsal now compares the queries'
+    shape with the trace's, and no layout shards OPT's attention."""
+    from planner.rehearse import rehearse
+    from planner.spec import ModuleTP
+
+    opt = {
+        "hidden_size": 64, "ffn_dim": 128, "word_embed_proj_dim": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128,
+    }  # fmt: skip
+    handle = resolve_hf_config(_write(tmp_path, "opt", **opt))
+    graph = trace(handle, seq_len=SEQ, dtype="fp32")
+    attention = "model.decoder.layers.*.self_attn."
+    column = ModuleTP(style="colwise", params={"weight": "Shard(0)", "bias": "Shard(0)"},
+                      output=("Shard(-1)", "Shard(-1)"))  # fmt: skip
+    row = ModuleTP(style="rowwise", params={"weight": "Shard(1)"},
+                   input=("Shard(-1)", "Shard(-1)"), output=("Partial()", "Replicate()"))  # fmt: skip
+    layout = {attention + name: column for name in ("q_proj", "k_proj", "v_proj")}
+    failure = rehearse(handle, graph, {**layout, attention + "out_proj": row}, tp=2)
+    assert failure is not None and "folds the heads' shard" in failure.message
+    assert failure.module.endswith("self_attn")
