@@ -17,6 +17,7 @@ trains a different model). The failure names the innermost module that was runni
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def rehearse(
     root, inputs, prefix = prepare_traced_module(handle, 1, graph.seq_len, DTYPES[graph.dtype])
     expected = _output_shapes(graph)
     stack: list[str] = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet(_FAKE_TENSOR_LOG):
         root = root.to_empty(device="cpu")
         names = [name.removeprefix(prefix) for name, _ in root.named_modules()]
         concrete = expand_patterns(layout, [n for n in names if n])
@@ -83,6 +84,21 @@ def rehearse(
                 )
             return RehearsalFailure(stack[-1] if stack else "", tuple(stack), message)
     return None
+
+
+# torch logs the traceback of every operator that fails on fake tensors before raising
+# it; here a failure is an answer (the region is kept whole), reported by the caller
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Mismatch(Exception):

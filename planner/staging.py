@@ -32,7 +32,7 @@ import contextlib
 import copy
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -323,9 +323,12 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 
 def output_logits(output: Any) -> torch.Tensor:
-    """The logits in a model's output: its ``.logits`` (Hugging Face), the output itself,
-    or the first tensor of a tuple (nanoGPT's ``(logits, loss)``)."""
+    """The logits in a model's output: its ``.logits`` (Hugging Face) or ``["logits"]``
+    (a dict), the output itself, or the first tensor of a tuple (nanoGPT's
+    ``(logits, loss)``)."""
     logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
     return logits if isinstance(logits, torch.Tensor) else _first_tensor(output)
 
 

@@ -397,6 +397,15 @@ def test_a_mask_handed_to_the_attention_kernel_is_priced_over_every_block():
     assert masked_s == pytest.approx(2 * causal_s, rel=1e-6)
 
 
+def test_a_module_returning_a_dict_of_logits_is_priced_with_its_loss():
+    """``{"logits": ...}`` as Hugging Face-style modules of one's own return: the trace
+    finds the logits as the runtime does (planner.staging.output_logits)."""
+    graph = trace(resolve_model("tests.user_models:gpt_dict"), seq_len=16)
+    plain = trace(resolve_model("tests.user_models:gpt"), seq_len=16)
+    assert any(n.kind is OpKind.LOSS for s in graph.types.values() for n in s.nodes)
+    assert graph.flops_fwd == plain.flops_fwd
+
+
 def test_fp32_tables_beside_half_precision_trace_as_autocast_runs_them():
     """fp32 rotary tables make fp32 queries beside bf16 values; autocast casts them for
     attention at run time, and the trace does the same (meta tensors skip autocast)."""

@@ -101,6 +101,23 @@ class GPT(nn.Module):
         return (torch.zeros(batch_size, SEQ, dtype=torch.long, device=device),)
 
 
+class DictGPT(GPT):
+    """``GPT`` returning ``{"logits": ...}`` (and the loss beside them given labels)."""
+
+    def forward(  # type: ignore[override]
+        self, idx: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        logits = super().forward(idx)
+        if labels is None:
+            return {"logits": logits}
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"logits": logits, "loss": loss}
+
+
+def gpt_dict() -> DictGPT:
+    return DictGPT()
+
+
 class PositionGPT(GPT):
     """``GPT`` whose forward takes the tokens' positions, as context parallel needs."""
 

@@ -84,9 +84,8 @@ _WRAPPED = "model."  # FQN prefix of the traced model inside the loss wrapper
 
 
 class _WithLoss(nn.Module):
-    """Runs a token model and its cross-entropy loss, so the loss is traced too; a
-    tuple's first item is the logits (nanoGPT's ``(logits, loss)``), as at run time
-    (:func:`planner.staging.output_logits`)."""
+    """Runs a token model and its cross-entropy loss, so the loss is traced too; its
+    logits are found as at run time (:func:`planner.staging.output_logits`)."""
 
     def __init__(self, model: nn.Module, hf: bool) -> None:
         super().__init__()
@@ -97,9 +96,7 @@ class _WithLoss(nn.Module):
         if self.hf:
             logits = self.model(input_ids=tokens, use_cache=False).logits
         else:
-            logits = self.model(tokens)
-        if isinstance(logits, tuple | list):
-            logits = logits[0]
+            logits = output_logits(self.model(tokens))
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
