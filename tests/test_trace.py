@@ -337,6 +337,50 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecError, match=r"a table of 64 positions: use seq_len <= 64"):
         trace(resolve_hf_config(tmp_path), seq_len=100)
+    # rotary tables built in __init__ and indexed by positions, beside or inside the blocks
+    with pytest.raises(SpecError, match=r"positions 0..99 in .*a table of 64 positions"):
+        trace(resolve_model("tests.user_models:llama_rope"), seq_len=100)
+    with pytest.raises(SpecError, match=r"positions 0..99 in 'rope' \(BlockRope\), a table of 64"):
+        trace(handle_for_module(BlockRopeModel()), seq_len=100)
+    assert trace(handle_for_module(BlockRopeModel()), seq_len=64).seq_len == 64
+
+
+class BlockRope(nn.Module):
+    """Rotary tables of 64 positions in each block, indexed by positions made there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cos", torch.ones(64, 8), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.size(1), device=x.device)
+        return x * self.cos[positions].repeat(1, 4)
+
+
+class RopeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope, self.proj = BlockRope(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.rope(x))
+
+
+class BlockRopeModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        self.layers = nn.ModuleList(RopeBlock() for _ in range(2))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.zeros(batch_size, 16, dtype=torch.long),)
 
 
 def test_a_weight_shared_by_blocks_counts_once():

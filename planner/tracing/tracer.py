@@ -27,7 +27,7 @@ import hashlib
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,7 @@ from planner.tracing.ops import (
     VIEW_OPS,
     OpCost,
     RawOp,
+    TensorRef,
     cost_of,
     is_known,
 )
@@ -85,7 +86,8 @@ _WRAPPED = "model."  # FQN prefix of the traced model inside the loss wrapper
 
 class _WithLoss(nn.Module):
     """Runs a token model and its cross-entropy loss, so the loss is traced too; its
-    logits are found as at run time (:func:`planner.staging.output_logits`)."""
+    logits are found as at run time (:func:`planner.staging.output_logits`): a dict's
+    ``"logits"``, a tuple's first item (nanoGPT's ``(logits, loss)``)."""
 
     def __init__(self, model: nn.Module, hf: bool) -> None:
         super().__init__()
@@ -95,8 +97,12 @@ class _WithLoss(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.hf:
             logits = self.model(input_ids=tokens, use_cache=False).logits
-        else:
-            logits = output_logits(self.model(tokens))
+        else:  # structure only: an fx proxy answers any attribute (output_logits reads .logits)
+            logits = self.model(tokens)
+            if isinstance(logits, Mapping):
+                logits = logits["logits"]
+            elif isinstance(logits, tuple | list):
+                logits = logits[0]
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
@@ -246,19 +252,21 @@ _POSITION_KEEPING = VIEW_OPS | CAST_OPS | {"add", "long"}
 
 
 def _check_position_tables(traced: Traced, seq_len: int, prefix: str) -> None:
-    """Refuse a sequence longer than a learned position table: an embedding looked up at
-    indices an ``arange`` made (through views, casts, a scalar offset), with more
-    positions than rows (on meta tensors the lookup cannot fail; on the cluster it would)."""
-    ops = {op.name: op for op in traced.items if isinstance(op, RawOp)}
+    """Refuse a sequence longer than a position table: an embedding, or a constant tensor
+    such as a rotary ``cos_cached`` buffer, looked up at indices an ``arange`` made
+    (through views, casts, a scalar offset), with more positions than rows (on meta
+    tensors the lookup cannot fail; on the cluster it would)."""
+    ops = {op.name: op for op in _raw_ops(traced)}
     for op in ops.values():
-        if op.op != "embedding" or not op.params or not op.activations:
+        lookup = _table_lookup(op)
+        if lookup is None:
             continue
-        source = ops.get(op.activations[0].producer or "")
+        rows, indices = lookup
+        source = ops.get(indices.producer or "")
         while (
             source is not None and source.op in _POSITION_KEEPING and len(source.activations) == 1
         ):
             source = ops.get(source.activations[0].producer or "")
-        rows = op.params[0].shape[0]
         if source is None or source.op != "arange" or math.prod(source.out.shape) <= rows:
             continue
         module = op.module.removeprefix(prefix) or op.module
@@ -267,6 +275,19 @@ def _check_position_tables(traced: Traced, seq_len: int, prefix: str) -> None:
             f"{module!r} ({op.module_class or op.target}), a table of {rows} positions: use seq_len <= "
             f"{rows}, or give the model a longer position table"
         )
+
+
+def _table_lookup(op: RawOp) -> tuple[int, TensorRef] | None:
+    """The rows of the table ``op`` looks up and the indices it looks up: an embedding's
+    weight, or a constant tensor (not computed from the inputs) indexed by a tensor."""
+    if op.op == "embedding" and op.params and op.activations:
+        return op.params[0].shape[0], op.activations[0]
+    if op.op not in ("index", "getitem", "__getitem__") or len(op.args) < 2:
+        return None
+    table, indices = op.args[0], op.args[1]
+    if table.batched or table.param is not None or not table.shape:
+        return None
+    return table.shape[0], indices
 
 
 def _top_module(fqn: str, blocks: frozenset[str]) -> str | None:
