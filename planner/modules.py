@@ -89,7 +89,9 @@ def pipeline_blocker(module: nn.Module) -> str | None:
     if shares_parameters(module):
         return (
             "it has tied weights (shared parameters), which would span the first and the last "
-            "stage; untie them (tied_embeddings = false, tie_word_embeddings = False) or use pp = 1"
+            "stage; untie them (a zoo spec: tied_embeddings = false; a Hugging Face config: "
+            "tie_word_embeddings = false; a module of your own: give its head a weight of its "
+            "own) or use pp = 1"
         )
     return None
 
