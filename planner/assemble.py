@@ -58,9 +58,10 @@ def assemble_plan(
     Raises :class:`SpecError` when the strategy does not make the global batch.
     """
     check_batch(training, strategy)
-    traced_seq = default_seq_len(handle) if handle.spec is None else 1
-    if training.seq_len is None and traced_seq > 1:  # a sequence model: its traced length
-        training = training.model_copy(update={"seq_len": traced_seq})
+    if training.seq_len is None and handle.spec is None:
+        traced_seq = default_seq_len(handle)  # 1: not a sequence model
+        if traced_seq > 1:
+            training = training.model_copy(update={"seq_len": traced_seq})
     if strategy.tp > 1 and tp_layout is None:
         tp_layout = megatron_layout(handle, training, strategy)
     if strategy.pp > 1 and stages is None:
