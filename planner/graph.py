@@ -164,9 +164,10 @@ class OpGraph:
     # whether the model's own attention calls are causal (None: they do not say, e.g. a
     # mask; a formula graph's causality is its spec's)
     attention_causal: bool | None = None
-    # whether its attention calls hand the kernel a mask tensor (which then computes every
-    # block: no causal skipping), as sliding windows and masks of a model's own do
-    attention_masked: bool = False
+    # the share of its attention calls that hand the kernel a mask tensor (which then
+    # computes every block: no causal skipping), as sliding windows and masks of a
+    # model's own do (Gemma 3: its sliding layers once the sequence outgrows the window)
+    masked_attention_share: float = 0.0
 
     def segment_type(self, segment: Segment) -> SegmentType:
         return self.types[segment.type_id]
@@ -189,7 +190,8 @@ class OpGraph:
         the parameter shapes (experts per token, heads of another width, the activation)
         or a code edit that rewires them (queries and keys swapped) changes it, and so does
         the attention's own causality and masking."""
-        masked = "masked;" if self.attention_masked else ""
+        share = self.masked_attention_share
+        masked = "" if share == 0 else "masked;" if share == 1 else f"masked={share!r};"
         digest = hashlib.sha256(f"causal={self.attention_causal};{masked}".encode())
         for segment in self.segments:
             for n in self.types[segment.type_id].nodes:

@@ -156,10 +156,72 @@ def test_an_encoders_masked_attention_is_priced_bidirectional(tmp_path):
     priced = [build_cost_model(g, cluster, training, causal=None) for g in graphs]
     assert [model.options.causal for model in priced] == [False, True]
     # their export-traced masks are not what their eager forwards hand SDPA (none)
-    assert not any(g.attention_masked or model.options.attention_mask
+    assert not any(g.masked_attention_share or model.options.masked_attention_share
                    for g, model in zip(graphs, priced, strict=True))  # fmt: skip
     assert "bidirectional" in (context_parallel_blocker(encoder.module) or "")
     assert context_parallel_blocker(decoder.module) is None
+
+
+def test_sliding_windows_the_sequence_outgrows_are_priced_over_every_block(tmp_path):
+    """Hugging Face hands SDPA a mask on its sliding-window layers once the sequence
+    outgrows the window (``is_causal`` within it), and the kernel then computes every
+    block: a Qwen2 with 3 of its 4 layers sliding is priced with 3/4 of its attention
+    calls masked at 16 tokens (window 8), none at 4; a Llama has none."""
+    from planner.cost.build import build_cost_model
+    from planner.spec import Cluster, Training
+
+    sliding = {
+        **_DECODER, "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8,
+        "max_window_layers": 1,
+    }  # fmt: skip
+    qwen2 = resolve_hf_config(_write(tmp_path, "qwen2", **sliding))
+    llama = resolve_hf_config(_write(tmp_path, "llama", **_DECODER))
+    shares = [trace(qwen2, seq_len=seq).masked_attention_share for seq in (4, SEQ)]
+    assert shares == [0.0, 0.75]
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
+    training = Training(global_batch_size=4, seq_len=SEQ, dtype="bf16")
+    times = []
+    for handle in (llama, qwen2):
+        graph = trace(handle, seq_len=SEQ)
+        model = build_cost_model(graph, cluster, training, causal=None)
+        block = graph.segment_type(graph.blocks[0])
+        attention = next(node for node in block.nodes if node.kind is OpKind.ATTENTION)
+        overhead = model.compute.node_time(attention, 0.0).forward_s
+        times.append(model.compute.node_time(attention, 1e6).forward_s - overhead)
+    causal_s, sliding_s = times
+    assert sliding_s == pytest.approx((0.25 + 0.75 * 2) * causal_s, rel=1e-6)
+
+
+def test_an_alibi_bias_is_a_mask_on_every_attention_call(tmp_path, caplog):
+    """Falcon with ALiBi adds its bias to the mask it hands SDPA at every length: priced
+    masked throughout, its operators (the bias's ``.T``) all known."""
+    import logging
+
+    falcon = {
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": 256, "alibi": True,
+    }  # fmt: skip
+    handle = resolve_hf_config(_write(tmp_path, "falcon", **falcon))
+    with caplog.at_level(logging.WARNING):
+        graph = trace(handle, seq_len=4)
+    assert graph.masked_attention_share == 1.0
+    assert "no pricing rule" not in caplog.text
+
+
+def test_masks_that_cannot_be_counted_on_meta_tensors_are_said(tmp_path, caplog):
+    """BioGPT's forward reads its all-ones padding mask's values (positions, the mask
+    check), which meta tensors do not hold: priced without masks, and the log says so."""
+    import logging
+
+    biogpt = {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 256,
+    }  # fmt: skip
+    handle = resolve_hf_config(_write(tmp_path, "biogpt", **biogpt))
+    with caplog.at_level(logging.WARNING):
+        graph = trace(handle, seq_len=SEQ)
+    assert graph.masked_attention_share == 0.0
+    assert "could not be counted on meta tensors" in caplog.text
 
 
 def test_a_view_that_folds_the_head_shard_into_the_sequence_is_caught(tmp_path):

@@ -25,15 +25,18 @@ __all__ = ["build_cost_model", "model_options", "spec_graph", "stage_indices"]
 
 def model_options(
     options: CostOptions | None, *, causal: bool | None, profile: HardwareProfile,
-    masked: bool = False,
+    masked_share: float = 0.0,
 ) -> CostOptions:  # fmt: skip
     """``options`` (default: what ``profile``'s device runs,
     :func:`~planner.cost.options.device_options`) with attention causality set by the
     model: ``causal`` is the model's (``ModelSpec.causal``), or ``None`` when the model
     does not say (a traced module: the options' own value, a decoder by default);
-    ``masked``: its attention calls pass a mask tensor (``CostOptions.attention_mask``)."""
+    ``masked_share``: the share of its attention calls that pass a mask tensor
+    (``CostOptions.masked_attention_share``)."""
     chosen = options or device_options(profile.device_kind)
-    update: dict[str, bool] = {"attention_mask": True} if masked else {}
+    update: dict[str, bool | float] = (
+        {"masked_attention_share": masked_share} if masked_share else {}
+    )
     if causal is not None and chosen.causal != causal:
         update["causal"] = causal
     return chosen.model_copy(update=update) if update else chosen
@@ -79,7 +82,7 @@ def build_cost_model(
         graph, cluster, training, profile=profile,
         options=model_options(
             options, causal=graph.attention_causal if causal is None else causal,
-            profile=profile, masked=graph.attention_masked,
+            profile=profile, masked_share=graph.masked_attention_share,
         ),
         tp_layouts=tp_layouts,
     )  # fmt: skip

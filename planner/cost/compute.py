@@ -10,7 +10,7 @@
   once per step in the optimizer's term); the output layer's GEMM stays in bf16.
 - Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
   causal (masked blocks are skipped, unless the model hands the kernel a mask tensor:
-  ``CostOptions.attention_mask``); its backward does 2.5x the forward's work. The
+  ``CostOptions.masked_attention_share`` of the calls); its backward does 2.5x the forward's work. The
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
   efficiency is held at 7/12 (3.5 x half / 3 x whole) at most: counted FLOPs never
   outrun the peak (MFU <= 1; of the profiles only the A100s' 0.6 is above it).
@@ -177,24 +177,16 @@ class ComputeModel:
         return elements * (read + fp8)
 
     def _attention_time(self, node: OpNode, scale: float, cp: int) -> OpTime:
-        flops = node.flops_fwd * scale
         if self.options.attention is AttentionKernel.FLASH:
-            q, kv = attention_elements(node)
-            kernels = cp_kernels(
-                self.options.cp_attention, cp, self.options.causal, q * scale, kv * scale,
-                self.element_bytes, masked=self.options.attention_mask,
-            )  # fmt: skip
-            work = flops * kernels.work_fraction
-            efficiency = self.profile.attention_efficiency
-            if kernels.causal_kernel:
-                efficiency = min(efficiency, _CAUSAL_EFFICIENCY_CAP)
-            rate = self.attention_peak * efficiency
-            beside = kernels.eager_ops * (self.kernel_s + self.op_s)
-            forward = work / rate + kernels.calls * self.gemm_s
-            forward += kernels.forward_bytes / self.bandwidth + beside
-            backward = _FLASH_BACKWARD_WORK * work / rate + 2 * kernels.calls * self.gemm_s
-            backward += kernels.backward_bytes / self.bandwidth + 2 * beside
-            return OpTime(forward, backward)
+            share = self.options.masked_attention_share
+            if share in (0.0, 1.0):
+                return self._flash_time(node, scale, cp, masked=share == 1.0)
+            plain, masked = (self._flash_time(node, scale, cp, masked=m) for m in (False, True))
+            return OpTime(
+                (1 - share) * plain.forward_s + share * masked.forward_s,
+                (1 - share) * plain.backward_s + share * masked.backward_s,
+            )
+        flops = node.flops_fwd * scale
         scores = unfused_score_bytes(node, self.element_bytes, dropout=False) * scale
         kept = unfused_score_bytes(node, self.element_bytes, self.options.dropout) * scale
         io = (node.bytes_read + node.bytes_written) * scale
@@ -203,6 +195,25 @@ class ComputeModel:
         dropout = self.memory_time(scores + kept) if self.options.dropout else 0.0
         forward = gemms + softmax + dropout
         backward = 2 * gemms + self.memory_time(3 * scores) + (2 * dropout if dropout else 0.0)
+        return OpTime(forward, backward)
+
+    def _flash_time(self, node: OpNode, scale: float, cp: int, *, masked: bool) -> OpTime:
+        """One fused attention call's time, ``masked``: handed a mask tensor."""
+        q, kv = attention_elements(node)
+        kernels = cp_kernels(
+            self.options.cp_attention, cp, self.options.causal, q * scale, kv * scale,
+            self.element_bytes, masked=masked,
+        )  # fmt: skip
+        work = node.flops_fwd * scale * kernels.work_fraction
+        efficiency = self.profile.attention_efficiency
+        if kernels.causal_kernel:
+            efficiency = min(efficiency, _CAUSAL_EFFICIENCY_CAP)
+        rate = self.attention_peak * efficiency
+        beside = kernels.eager_ops * (self.kernel_s + self.op_s)
+        forward = work / rate + kernels.calls * self.gemm_s
+        forward += kernels.forward_bytes / self.bandwidth + beside
+        backward = _FLASH_BACKWARD_WORK * work / rate + 2 * kernels.calls * self.gemm_s
+        backward += kernels.backward_bytes / self.bandwidth + 2 * beside
         return OpTime(forward, backward)
 
     def _bmm_time(self, flops: float, nbytes: float) -> float:

@@ -122,10 +122,10 @@ class CostOptions(BaseModel):
     # decoder attention (flash kernels skip the masked half); build_cost_model sets it
     # from the model (an encoder's is bidirectional) for the search and plan estimate alike
     causal: bool = True
-    # the model hands its attention a mask tensor (a sliding window, a mask of its own):
-    # the kernel computes every block, causal or not; build_cost_model sets it from the
-    # traced calls
-    attention_mask: bool = False
+    # the share of the model's attention calls that hand the kernel a mask tensor (a
+    # sliding window, a mask of its own): those compute every block, causal or not;
+    # build_cost_model sets it from the trace (OpGraph.masked_attention_share)
+    masked_attention_share: float = Field(default=0.0, ge=0.0, le=1.0)
     dropout: bool = False  # dropout after attention and MLP (masks kept for backward)
     cp_attention: CpAttention = CpAttention.RING  # torch's context_parallel
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward

@@ -68,7 +68,7 @@ VIEW_OPS = frozenset(
     {"view", "reshape", "_unsafe_view", "transpose", "permute", "flatten", "unflatten",
      "unsqueeze", "squeeze", "expand", "expand_as", "contiguous", "getitem", "split",
      "chunk", "unbind", "t", "alias", "slice", "select", "narrow", "detach", "view_as",
-     "identity", "dropout_p0", "movedim", "as_strided", "split_with_sizes"}
+     "identity", "dropout_p0", "movedim", "as_strided", "split_with_sizes", "numpy_T"}
 )  # fmt: skip
 CAST_OPS = frozenset({"float", "half", "bfloat16", "to", "type_as", "type", "_to_copy"})
 _IN_PLACE_OPERATORS = frozenset({"iadd", "isub", "imul", "itruediv"})  # x += y, ... (fx)

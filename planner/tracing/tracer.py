@@ -491,13 +491,53 @@ def _attention_causal(ops: Sequence[RawOp], module: nn.Module) -> bool | None:
     return bool(causal.pop()) if len(causal) == 1 else None
 
 
-def _attention_masked(ops: Sequence[RawOp], module: nn.Module) -> bool:
-    """Whether the model hands its attention kernels a mask tensor, as its own calls say.
-    A Hugging Face model's calls do not: traced by torch.export, it builds the causal
-    mask its eager forward skips (``is_causal`` then), so it is priced unmasked."""
-    if is_hf_model(module):
-        return False
-    return any(op.scalars.get("masked") for op in ops if op.op in ATTENTION_FLAGS)
+def _masked_attention_share(
+    ops: Sequence[RawOp], root: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> float:
+    """The share of the model's attention calls that hand the kernel a mask tensor: a
+    module of one's own as its traced calls say; a Hugging Face model as its eager
+    forward makes them, counted on one forward on the meta ``inputs`` (traced by
+    torch.export it builds every mask its eager forward skips for ``is_causal``, but not
+    a sliding window's once the sequence outgrows it). That forward keeps a KV cache,
+    which builds the same masks: without one transformers reads the positions' values
+    to find packed sequences, which meta tensors do not hold. A model whose forward reads
+    values elsewhere (BioGPT's positions) is priced unmasked, with a warning."""
+    if isinstance(root, _WithLoss) and root.hf:
+        try:
+            with torch.no_grad(), _MaskedCalls() as calls:
+                root.model(input_ids=inputs[0], use_cache=True)
+        except Exception as exc:  # the model's own code, on meta tensors
+            logger.warning(
+                "%s: its attention masks could not be counted on meta tensors (%s: %s); "
+                "it is priced as if it handed SDPA none (is_causal)",
+                type(root.model).__name__, type(exc).__name__, str(exc).split("\n")[0],
+            )  # fmt: skip
+            return 0.0
+        return calls.share
+    flags = [bool(op.scalars.get("masked")) for op in ops if op.op in ATTENTION_FLAGS]
+    return sum(flags) / len(flags) if flags else 0.0
+
+
+class _MaskedCalls(TorchFunctionMode):
+    """Counts ``F.scaled_dot_product_attention`` calls and those given an ``attn_mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = self.masked = 0
+
+    @property
+    def share(self) -> float:
+        return self.masked / self.calls if self.calls else 0.0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self.calls += 1
+            self.masked += mask is not None
+        return func(*args, **kwargs)
 
 
 def _warn_unknown_ops(ops: Sequence[RawOp], name: str) -> None:
@@ -538,7 +578,7 @@ def trace(
         model_name=handle.name, batch_size=batch_size, seq_len=seq, dtype=dtype,
         tracer=traced.tracer, segments=tuple(builder.segments), types=builder.types,
         attention_causal=_attention_causal(ops, root),
-        attention_masked=_attention_masked(ops, handle.module),
+        masked_attention_share=_masked_attention_share(ops, root, inputs),
     )  # fmt: skip
 
 
