@@ -610,6 +610,11 @@ class Cluster(_Doc):
     def num_nodes(self) -> int:
         return max(1, self.num_gpus // self.gpus_per_node)
 
+    def with_gpus(self, num_gpus: int) -> Cluster:
+        """This cluster with ``num_gpus`` GPUs; raises ``ValidationError`` for a count
+        its nodes cannot hold."""
+        return type(self).model_validate({**self.model_dump(), "num_gpus": num_gpus})
+
 
 class Training(_Doc):
     """What is trained per optimizer step and in which precision.

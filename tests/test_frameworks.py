@@ -263,6 +263,19 @@ def test_a_target_whose_candidates_do_not_fit_is_told_so_with_fixes_it_runs():
     )
 
 
+def test_the_gpus_a_no_fit_advises_are_enough():
+    """'About N GPUs' is where the closest candidate, its data parallelism widened, fits:
+    ZeRO-3 shards the states wider, but a gathered layer and the gradient buckets stay
+    (the advice once assumed every state shrank, and each count it gave failed again)."""
+    with pytest.raises(InfeasibleError) as info:
+        _plan("llama3-8b", 2, 4, target="deepspeed")
+    found = re.search(r"about (\d+) GPUs instead of 2 \(dp (\d+)x as wide\)", str(info.value))
+    assert found is not None, str(info.value)
+    gpus, wider = (int(group) for group in found.groups())
+    assert gpus == 2 * wider and wider > 4
+    assert _plan("llama3-8b", gpus, 4 * wider, target="deepspeed").prediction.fits
+
+
 def test_this_runtime_never_plans_zero_bubble_over_resharded_stages():
     """Zero-bubble over ZeRO-3 stages trained wrong here (2.5e-2 off one process in loss
     on tiny-llama at pp 2 x dp 2; ZeRO-2 matched): refused, and the search plans around it."""

@@ -149,6 +149,18 @@ class CostModel:
         self._modes: dict[tuple[object, ...], list[RecomputeMode]] = {}
         self._rank_sums: dict[tuple[object, ...], list[RankSums]] = {}  # tables live as long
 
+    def widened(self, factor: int) -> CostModel:
+        """This model on ``factor`` times the GPUs, each data-parallel rank keeping its
+        batch (a global batch ``factor`` times larger); raises ``ValidationError`` for a
+        count the cluster's nodes cannot hold."""
+        cluster = self.cluster.with_gpus(self.cluster.num_gpus * factor)
+        batch = self.training.global_batch_size * factor
+        training = self.training.model_copy(update={"global_batch_size": batch})
+        return CostModel(
+            self.graph, cluster, training, profile=self.profile, options=self.options,
+            tp_layouts=self._tp_source,
+        )  # fmt: skip
+
     # ----- per segment type -------------------------------------------------------------
 
     def tp_layout(self, tp: int, sequence_parallel: bool) -> TPAssignment:

@@ -57,6 +57,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
+from typing import NamedTuple
+
+from pydantic import ValidationError
 
 from planner.cost import CostModel
 from planner.cost.memory import (
@@ -88,6 +91,7 @@ from planner.solve.lossy import (
     option_name,
 )
 from planner.spec import (
+    Cluster,
     Compression,
     CompressionKind,
     Prediction,
@@ -1036,13 +1040,14 @@ def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> In
     prediction = closest.prediction
     parts = sorted(prediction.memory_gib.items(), key=lambda item: -item[1])
     dominant = ", ".join(f"{name} {gib:.1f}" for name, gib in parts[:3])
-    advice, rest = _fit_advice(model, closest, space.target)
-    kept = (
-        f" ({rest:.1f} GiB per GPU besides the sharded states, which more data-parallel GPUs "
-        "do not shrink)"
-        if rest >= limit
-        else ""
-    )
+    wider = _gpus_to_fit(model, closest.strategy)
+    kept = ""
+    if wider.gpus is None:
+        kept = (
+            f" (on {wider.factor}x the GPUs, its data parallelism as much wider, it would "
+            f"still need {wider.need_gib:.1f} GiB: more of them do not shrink what stays on each)"
+        )
+    advice = _fit_advice(model, closest, space.target, wider.gpus)
     return InfeasibleError(
         f"no strategy fits: the closest, {closest.strategy.describe()}, needs "
         f"{prediction.peak_memory_gib:.1f} GiB per GPU (largest terms, GiB: {dominant}) but a "
@@ -1050,27 +1055,63 @@ def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> In
     )
 
 
-_STATE_TERMS = ("weights", "gradients", "optimizer")  # what ZeRO-3 shards over more ranks
+_WIDEST = 64  # the widest data parallelism the advice tries, in multiples of the GPUs
 
 
-def _fit_advice(model: CostModel, closest: Scored, target: Target) -> tuple[list[str], float]:
-    """What would make ``closest`` fit, each a change it lacks and ``target`` runs: more
-    GPUs where sharding its states wider is enough, recompute, a smaller micro-batch,
-    ZeRO-3, model parallelism, a shorter sequence; and the GiB per GPU besides the states."""
-    prediction, strategy = closest.prediction, closest.strategy
+class _Widening(NamedTuple):
+    """Where a strategy fits with its data parallelism widened: ``gpus`` (``None``: not
+    up to ``factor`` times them, where it needs ``need_gib`` per GPU)."""
+
+    gpus: int | None
+    factor: int
+    need_gib: float
+
+
+def _gpus_to_fit(model: CostModel, strategy: Strategy) -> _Widening:
+    """The fewest GPUs, a multiple of ``strategy``'s that the cluster's nodes hold (up to
+    :data:`_WIDEST` times), at which it fits with its data parallelism widened as far,
+    each rank keeping its batch: ZeRO shards the states wider, a gathered layer or a
+    bucket stays."""
     limit, gpus = model.profile.memory_capacity_gib, model.cluster.num_gpus
-    need = prediction.peak_memory_gib
-    margin = need / (need - prediction.memory_gib.get("allocator_margin", 0.0))
-    states = margin * sum(prediction.memory_gib.get(term, 0.0) for term in _STATE_TERMS)
-    rest = need - states
+
+    def need(factor: int) -> float:
+        shard = None if strategy.dp_shard is None else strategy.dp_shard * factor
+        wider = strategy.model_copy(update={"dp": strategy.dp * factor, "dp_shard": shard})
+        return model.widened(factor).estimate(wider).peak_memory_gib
+
+    factors = [k for k in range(2, _WIDEST + 1) if _holds(model.cluster, gpus * k)]
+    widest = need(factors[-1])  # some multiple up to 64 spans whole nodes
+    if widest > limit:
+        return _Widening(None, factors[-1], widest)
+    low, high = -1, len(factors) - 1  # the need falls as the factor grows
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if need(factors[middle]) > limit else (low, middle)
+    return _Widening(gpus * factors[high], factors[high], need(factors[high]))
+
+
+def _holds(cluster: Cluster, gpus: int) -> bool:
+    try:
+        cluster.with_gpus(gpus)
+    except ValidationError:
+        return False
+    return True
+
+
+def _fit_advice(model: CostModel, closest: Scored, target: Target, wider: int | None) -> list[str]:
+    """What would make ``closest`` fit, each a change it lacks and ``target`` runs: the
+    GPUs at which its data parallelism widened fits (``wider``, :func:`_gpus_to_fit`;
+    ``None``: none up to its widest), recompute, a smaller micro-batch, ZeRO-3, model
+    parallelism, a shorter sequence."""
+    strategy, gpus = closest.strategy, model.cluster.num_gpus
 
     def runs(**change: object) -> bool:
         changed = strategy.model_copy(update=change)
         return strategy_refusal(target, changed, model.training) is None
 
     advice = []
-    if rest < limit:
-        advice.append(f"about {gpus * math.ceil(states / (limit - rest))} GPUs instead of {gpus}")
+    if wider is not None:
+        advice.append(f"about {wider} GPUs instead of {gpus} (dp {wider // gpus}x as wide)")
     if strategy.recompute is not RecomputeMode.FULL:
         full = runs(recompute=RecomputeMode.FULL)
         advice.append("full recompute" if full else f"full recompute (which {target} refuses)")
@@ -1078,6 +1119,6 @@ def _fit_advice(model: CostModel, closest: Scored, target: Target) -> tuple[list
         advice.append("micro-batch 1")
     if strategy.zero < 3 and runs(zero=3):
         advice.append("ZeRO-3")
-    if rest >= limit and runs(tp=2 * strategy.tp, sequence_parallel=True):
+    if wider is None and runs(tp=2 * strategy.tp, sequence_parallel=True):
         advice.append("more GPUs for tensor or pipeline parallelism")
-    return [*advice, "a shorter sequence"], rest
+    return [*advice, "a shorter sequence"]
