@@ -318,6 +318,27 @@ def strategy_refusal(target: Target, strategy: Strategy, training: Training) -> 
     return None
 
 
+def other_takers(
+    target: Target, spec: ModelSpec | None, strategy: Strategy, training: Training
+) -> list[Framework]:
+    """The other frameworks whose latest release builds the model (``spec``: None for a
+    traced module) and runs ``strategy`` with ``training`` as it is, this runtime last."""
+    order = (Framework.TORCHTITAN, Framework.MEGATRON, Framework.DEEPSPEED, Framework.PLANNER)
+    return [
+        framework for framework in order
+        if framework is not target.framework
+        and _takes(Target(framework, RELEASES[framework][-1]), spec, strategy, training)
+    ]  # fmt: skip
+
+
+def _takes(target: Target, spec: ModelSpec | None, strategy: Strategy, training: Training) -> bool:
+    return (
+        model_refusal(target, spec) is None
+        and pipeline_refusal(target, spec, strategy.pp) is None
+        and strategy_refusal(target, strategy, training) is None
+    )
+
+
 def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
     """Why ``target`` cannot build the model (``spec``: None for a traced module)."""
     if target.framework in (Framework.TORCHTITAN, Framework.MEGATRON) and spec is None:
@@ -757,7 +778,7 @@ def _deepspeed_model_parallel(
                 field,
                 size,
                 f"a DeepSpeed config cannot express {what}",
-                "re-plan with --tp 1 --pp 1 --cp 1, or export to torchtitan or megatron",
+                "re-plan with --tp 1 --pp 1 --cp 1",
             )
     return None
 
@@ -773,7 +794,7 @@ def _deepspeed_expert_parallel(
         "DeepSpeed-MoE takes ep_size in model code (deepspeed.moe.layer.MoE(ep_size=...)), "
         "and the config's expert_parallel section (AutoEP, 0.19.6 on) swaps in its own MoE "
         "layers found by module-name presets, which this export does not map the plan onto",
-        "re-plan with --ep 1, or export to torchtitan or megatron",
+        "re-plan with --ep 1",
     )
 
 
@@ -785,7 +806,7 @@ def _deepspeed_recompute(target: Target, strategy: Strategy, training: Training)
         strategy.recompute,
         "a DeepSpeed config cannot switch recompute on (activation_checkpointing only "
         "configures deepspeed.checkpointing.checkpoint, which the model code must call)",
-        "re-plan with --recompute none, or export to torchtitan or megatron",
+        "re-plan with --recompute none",
     )
 
 
@@ -796,7 +817,7 @@ def _deepspeed_precision(target: Target, strategy: Strategy, training: Training)
         "training.dtype",
         training.dtype,
         "the DeepSpeed config has no fp8 training switch",
-        "re-plan with --dtype bf16, or export to torchtitan or megatron",
+        "re-plan with --dtype bf16",
     )
 
 

@@ -553,6 +553,25 @@ def test_a_traced_model_exports_only_where_the_framework_takes_your_model() -> N
     assert '"train_batch_size": 4' in export_plan(plan, "deepspeed")
 
 
+def test_a_refusal_names_only_frameworks_that_run_the_plan_as_it_is() -> None:
+    """DeepSpeed refuses tp: a zoo plan at tp 2 with replicated weights over dp 1 runs on
+    Megatron-LM (torchtitan shards them, ZeRO-0 is refused there), a traced one on none
+    of the frameworks that build their own transformer, only on this runtime."""
+    with pytest.raises(ExportError) as zoo:
+        export_plan(plan_for(tp=2), "deepspeed")
+    assert str(zoo.value).endswith(
+        "re-plan with --tp 1 --pp 1 --cp 1, or export it to megatron as it is"
+    )
+    handle = resolve_model("tests.user_models:gpt")
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    traced = make_plan(handle, cluster, Training(global_batch_size=4, seq_len=16), pins=Pins(tp=2))
+    with pytest.raises(ExportError) as own:
+        export_plan(traced, "deepspeed")
+    assert str(own.value).endswith(
+        "or run it as it is with this runtime (plan run, planner.parallelize)"
+    )
+
+
 def test_megatron_refuses_a_non_megatron_layout_and_encoders() -> None:
     plan = plan_for(tp=2, sequence_parallel=True)
     wo = plan.tp_layout["layers.*.attention.wo"].model_copy(update={"style": TPStyle.COLWISE})

@@ -17,6 +17,7 @@ from planner.frameworks import (
     Framework,
     Target,
     model_refusal,
+    other_takers,
     parse_target,
     pipeline_refusal,
     strategy_refusal,
@@ -123,10 +124,24 @@ def check_target(plan: Plan, target: Target) -> None:
     """Refuse what ``target`` cannot run (:mod:`planner.frameworks`, the rules the
     search restricts itself with under ``--for``)."""
     refusal = model_refusal(target, plan.model)  # a traced model: only where no model is built
-    refusal = refusal or pipeline_refusal(target, plan.model, plan.strategy.pp)
-    refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
     if refusal is not None:
         raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, refusal.fix)
+    refusal = pipeline_refusal(target, plan.model, plan.strategy.pp)
+    refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
+    if refusal is not None:
+        takers = other_takers(target, plan.model, plan.strategy, plan.training)
+        fix = refusal.fix + _elsewhere(takers)
+        raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, fix)
+
+
+def _elsewhere(takers: Sequence[Framework]) -> str:
+    """Where the plan runs as it is: the export targets among ``takers``, else this runtime."""
+    exports = [framework.value for framework in takers if framework is not Framework.PLANNER]
+    if exports:
+        return f", or export it to {' or '.join(exports)} as it is"
+    if Framework.PLANNER in takers:
+        return ", or run it as it is with this runtime (plan run, planner.parallelize)"
+    return ""
 
 
 def described_model(plan: Plan) -> ModelSpec:
