@@ -554,9 +554,9 @@ def test_a_traced_model_exports_only_where_the_framework_takes_your_model() -> N
 
 
 def test_a_refusal_names_only_frameworks_that_run_the_plan_as_it_is() -> None:
-    """DeepSpeed refuses tp: a zoo plan at tp 2 with replicated weights over dp 1 runs on
-    Megatron-LM (torchtitan shards them, ZeRO-0 is refused there), a traced one on none
-    of the frameworks that build their own transformer, only on this runtime."""
+    """DeepSpeed refuses tp: a zoo plan at tp 2 over nothing sharded runs on Megatron-LM
+    (torchtitan's mixed precision comes with FSDP: it would train in fp32), a traced one
+    on none of the frameworks that build their own transformer, only on this runtime."""
     with pytest.raises(ExportError) as zoo:
         export_plan(plan_for(tp=2), "deepspeed")
     assert str(zoo.value).endswith(
