@@ -224,6 +224,19 @@ def test_masks_that_cannot_be_counted_on_meta_tensors_are_said(tmp_path, caplog)
     assert "could not be counted on meta tensors" in caplog.text
 
 
+def test_a_router_with_jitter_is_priced_by_its_bytes(tmp_path, caplog):
+    """PhiMoE's sparse-mixer router samples with jitter (uniform_, exponential_,
+    logical_or, scatter, concat): element-wise ops, priced by their bytes; only its
+    no-grad region, which torch.export wraps as one operator, is named unpriced."""
+    import logging
+
+    phimoe = {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}
+    handle = resolve_hf_config(_write(tmp_path, "phimoe", **phimoe))
+    with caplog.at_level(logging.WARNING):
+        trace(handle, seq_len=SEQ)
+    assert "no pricing rule for wrap_with_set_grad_enabled;" in caplog.text
+
+
 def test_a_view_that_folds_the_head_shard_into_the_sequence_is_caught(tmp_path):
     """OPT views its projections as ``(bsz, -1, num_heads, head_dim)``: on a head shard
     the ``-1`` takes half the sequence, so each head would attend to every other token.

@@ -91,7 +91,9 @@ _PLAIN_ELEMENTWISE = frozenset(
      "full", "empty", "new_ones", "new_zeros", "new_empty", "outer", "triu", "tril", "eq",
      "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "logical_not", "bitwise_not",
      "diff", "floordiv", "floor_divide", "masked_fill_", "mul_", "add_", "argsort", "sort",
-     "topk", "pad", "constant_pad_nd", "div_", "copy_", "scatter_", "histc", "bincount"}
+     "topk", "pad", "constant_pad_nd", "div_", "copy_", "scatter_", "histc", "bincount",
+     "concat", "scatter", "empty_like", "rand_like", "uniform_", "exponential_",
+     "logical_or", "logical_and"}
 )  # fmt: skip
 _LOGSUMEXP_BYTES = 4  # fp32 per query row and head
 _NORM_STATS_BYTES = 8  # fp32 mean and rstd per normalised row
