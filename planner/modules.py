@@ -19,7 +19,7 @@ from planner.errors import PlanMismatchError, SpecError
 from planner.fqn import match_fqns
 from planner.frameworks import PLANNER, Target, blockless_chunk_refusal
 from planner.models import fingerprint, is_hf_model
-from planner.models.moe import is_experts
+from planner.models.moe import is_experts, runs_as_transformers
 from planner.spec import ModuleTP, Plan, shard_dim
 from planner.torch_dtypes import TORCH_DTYPES, dtype_name
 from planner.validate import check_experts, check_heads, check_replication
@@ -152,6 +152,23 @@ def check_parameter_dtype(plan: Plan, module: nn.Module) -> None:
         f"model.to(torch.{torch_name}) before planner.parallelize (a Hugging Face model takes "
         f"its config's torch_dtype: build it with dtype=torch.{torch_name})"
     )
+
+
+def expert_parallel_blocker(module: nn.Module) -> str | None:
+    """Why expert parallelism cannot run ``module``'s experts, or ``None``: it runs
+    transformers' experts forward in place of theirs
+    (:func:`~planner.models.moe.runs_as_transformers`), so an experts module of one's
+    own would train as another model."""
+    for name, child in module.named_modules():
+        if is_experts(child) and not runs_as_transformers(child):
+            return (
+                f"{name!r} ({type(child).__name__}) is an experts module of your own: expert "
+                "parallelism runs transformers' experts forward (each expert's SwiGLU output "
+                "weighted by its routing weight) in place of yours, which may compute "
+                "otherwise; use ep = 1, or subclass planner.models.moe.Experts without "
+                "overriding its forward"
+            )
+    return None
 
 
 def module_experts(module: nn.Module) -> int:

@@ -38,6 +38,7 @@ from planner.models import ModelHandle
 from planner.modules import (
     check_model_against_plan,
     context_parallel_blocker,
+    expert_parallel_blocker,
     pipeline_blocker,
     shares_parameters,
 )
@@ -280,6 +281,7 @@ def model_limits(
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
         num_experts=graph.num_experts,
+        expert_problem=expert_parallel_blocker(handle.module),
     )
 
 

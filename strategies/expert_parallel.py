@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from planner.errors import SpecError
 from planner.models.moe import expert_mlp, is_experts
+from planner.modules import expert_parallel_blocker
 from planner.parallel_dims import ParallelDims
 from planner.spec import Plan
 from strategies.mesh import device_type
@@ -144,6 +145,9 @@ def apply(
     if experts_mesh is None:
         return model
     modules = experts_modules(model)
+    blocker = expert_parallel_blocker(model)
+    if blocker is not None:
+        raise SpecError(f"plan.strategy.ep = {plan.strategy.ep}: {blocker}")
     if not modules and plan.strategy.pp == 1:  # a pipeline chunk may hold dense blocks only
         raise SpecError(
             f"plan.strategy.ep = {plan.strategy.ep} but {type(model).__name__} has no experts "

@@ -22,10 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from planner.assemble import assemble_plan
 from planner.cost.experts import alltoall_bytes
+from planner.errors import SpecError
 from planner.hf import resolve_hf_config
 from planner.layouts import ModelLayouts
 from planner.models import ModelHandle, build, get_preset, handle_for_module
-from planner.modules import check_model_against_plan
+from planner.models.moe import Experts
+from planner.modules import check_model_against_plan, expert_parallel_blocker
 from planner.planning import make_plan
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModuleTP, Plan, RecomputeMode, Strategy, Training
@@ -354,6 +356,31 @@ def _resume_failures(model: str, results: list[Any]) -> list[str]:
     worst = max(abs(a - b) for a, b in zip(results[0], expected, strict=True))
     print(f"{name:<44} max |loss - uninterrupted| = {worst:.2e}")
     return [] if worst <= EXACT else [f"{name}: {results[0]} vs uninterrupted {expected}"]
+
+
+class _OwnExperts(Experts):
+    """Experts that scale each token by its routing weight before the expert (as Llama 4
+    does): grouped weights like transformers', another forward."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        scaled = hidden_states * top_k_weights.sum(dim=-1, keepdim=True)
+        return super().forward(scaled, top_k_index, torch.ones_like(top_k_weights))
+
+
+def test_expert_parallelism_is_refused_for_experts_of_ones_own() -> None:
+    """Expert parallelism runs transformers' experts forward in place of the module's:
+    an experts class of one's own trained as another model at ep 2 (22% off one process
+    in loss), so it is refused with the fix; the zoo's and transformers' are not."""
+    model = build(get_preset("tiny-moe"))
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.__class__ = _OwnExperts
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=8)
+    training = Training(global_batch_size=BATCH, seq_len=SEQ)
+    with pytest.raises(SpecError, match=r"ep\(2\): 'layers\.1\.\S+' \(_OwnExperts\) is an "):
+        make_plan(handle_for_module(model), cluster, training, pins=Pins(ep=2))
+    assert "subclass planner.models.moe.Experts" in (expert_parallel_blocker(model) or "")
+    assert expert_parallel_blocker(build(get_preset("tiny-moe"))) is None
 
 
 @pytest.mark.parametrize("model", OTHER_HF)

@@ -26,13 +26,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Experts", "MoE", "SwiGLU", "expert_mlp", "expected_load_forward", "is_experts"]
+__all__ = [
+    "Experts", "MoE", "SwiGLU", "expert_mlp", "expected_load_forward", "is_experts",
+    "runs_as_transformers",
+]  # fmt: skip
 
 
 def is_experts(module: nn.Module) -> bool:
     """Whether ``module`` holds routed experts as grouped 3-D weights (zoo or transformers)."""
     weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
     return all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights)
+
+
+def runs_as_transformers(module: nn.Module) -> bool:
+    """Whether an experts module's forward is transformers' (the zoo's :class:`Experts`
+    and transformers' own classes): ``forward(hidden_states, top_k_index, top_k_weights)``
+    weighting each expert's SwiGLU output by its routing weight, which expert
+    parallelism runs in its place. A class of one's own may compute otherwise (scale
+    the tokens before the experts, as Llama 4 does)."""
+    kind = type(module)
+    if kind.__module__.split(".")[0] == "transformers":
+        return True
+    return isinstance(module, Experts) and kind.forward is Experts.forward
 
 
 def expert_mlp(

@@ -211,6 +211,7 @@ class ModelLimits:
     max_tp: int | None = None
     layout_problem: Callable[[int, bool], str | None] | None = None
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    expert_problem: str | None = None  # why the runtime cannot split its experts over ranks
 
     def allows_tp(self, tp: int) -> bool:
         return self.tp_blocker(tp) is None
@@ -479,7 +480,7 @@ class _Space:
         experts beside etp 1, etp = tp and a pinned etp where the target runs it
         (:func:`~planner.frameworks.expert_tensor_parallel_refusal`), ``ep x etp``
         dividing ``dp x cp x tp`` (whether a ZeRO sharding allows it is the variants')."""
-        experts = self.limits.num_experts
+        experts = 0 if self.limits.expert_problem else self.limits.num_experts
         eps = [ep for ep in _divisors(experts) if ep > 1] if experts else []
         etps = sorted({1, tp, self.pins.etp or 1})
         pairs = [(1, 1)] + [
@@ -960,6 +961,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         blocker = dims.ddp_blocker(tied=not limits.ddp_over_tp)
         if blocker is not None:
             reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
+    if pins.ep is not None and pins.ep > 1 and limits.expert_problem:
+        reasons.append(f"ep({pins.ep}): {limits.expert_problem}")
     if pins.ep is not None and pins.ep > 1:
         widest = ParallelDims(dp=gpus // (pins.pp or 1), ep=pins.ep)  # every rank of a stage
         blocker = widest.expert_blocker(limits.num_experts)

@@ -93,7 +93,7 @@ _PLAIN_ELEMENTWISE = frozenset(
      "diff", "floordiv", "floor_divide", "masked_fill_", "mul_", "add_", "argsort", "sort",
      "topk", "pad", "constant_pad_nd", "div_", "copy_", "scatter_", "histc", "bincount",
      "concat", "scatter", "empty_like", "rand_like", "uniform_", "exponential_",
-     "logical_or", "logical_and"}
+     "logical_or", "logical_and", "one_hot"}
 )  # fmt: skip
 _LOGSUMEXP_BYTES = 4  # fp32 per query row and head
 _NORM_STATS_BYTES = 8  # fp32 mean and rstd per normalised row
