@@ -474,3 +474,23 @@ def test_a_modules_own_attention_calls_set_the_causality_it_is_priced_with():
     cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=1)
     priced = [build_cost_model(g, cluster, training, causal=None) for g in (decoder, encoder)]
     assert [model.options.causal for model in priced] == [True, False]
+
+
+def test_a_forward_whose_shapes_depend_on_values_is_refused_naming_the_fix():
+    """Experts in an ``nn.ModuleList`` fed by ``torch.where`` (nonzero: its size is the
+    routing's) cannot run on meta tensors: a TraceError (the CLI's ``error:`` line)
+    that names the layout the planner prices, not a traceback."""
+    with pytest.raises(TraceError, match=r"GPT: its forward fails on the meta device .*nonzero"):
+        trace(resolve_model("tests.user_models:gpt_routed"), seq_len=16)
+    with pytest.raises(TraceError, match=r"planner\.models\.moe\.Experts"):
+        trace(resolve_model("tests.user_models:gpt_routed"), seq_len=16)
+
+
+def test_a_tensor_a_module_kept_from_its_last_forward_is_copied_to_meta():
+    """A loss a module stashes as an attribute is part of an autograd graph, which
+    deepcopy refuses; the meta copy the planner prices copies it as a meta tensor."""
+    handle = resolve_model("tests.user_models:gpt_stash")
+    module = handle.module.to_empty(device="cpu")
+    module(torch.zeros(1, 16, dtype=torch.long))
+    assert module.transformer.h[0].mlp.aux_loss.grad_fn is not None
+    assert len(trace(handle, seq_len=16).blocks) == 2

@@ -381,3 +381,51 @@ class ComplexRopeLlama(RopeLlama):
 
 def llama_complex_rope() -> ComplexRopeLlama:
     return ComplexRopeLlama()
+
+
+class RoutedMLP(nn.Module):
+    """Experts in an ``nn.ModuleList``, tokens gathered per expert by ``torch.where``
+    (shapes that depend on the routing), a load-balancing loss kept on the module."""
+
+    def __init__(self, n_embd: int, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(n_embd, experts, bias=False)
+        self.experts = nn.ModuleList([MLP(n_embd) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = self.router(flat).softmax(-1)
+        weight, chosen = probs.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for index, expert in enumerate(self.experts):
+            (rows,) = torch.where(chosen == index)
+            out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
+        self.aux_loss = probs.mean(0).square().sum()
+        return out.view_as(x)
+
+
+class StashGPT(GPT):
+    """nanoGPT whose MLPs keep a tensor of their last forward as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.transformer.h:
+            block.mlp.__class__ = StashMLP
+
+
+class StashMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.aux_loss = out.square().mean()
+        return out
+
+
+def gpt_routed() -> GPT:
+    model = GPT()
+    for block in model.transformer.h:
+        block.mlp = RoutedMLP(block.ln_2.normalized_shape[0])
+    return model
+
+
+def gpt_stash() -> StashGPT:
+    return StashGPT()

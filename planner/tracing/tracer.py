@@ -109,7 +109,9 @@ class _WithLoss(nn.Module):
 def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A training-mode copy of ``module`` on meta, floating tensors in ``dtype``.
 
-    Shared parameters stay shared; the original is not touched.
+    Shared parameters stay shared; the original is not touched. Tensors a module keeps
+    as plain attributes (an auxiliary loss stashed by its last forward, which deepcopy
+    refuses while it is part of an autograd graph) are copied as meta tensors too.
     """
     memo: dict[int, torch.Tensor] = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
@@ -118,6 +120,10 @@ def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         if isinstance(tensor, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = meta
+    for child in module.modules():
+        for value in vars(child).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty_like(value, device="meta")
     return copy.deepcopy(module, memo).train()
 
 
@@ -181,12 +187,32 @@ def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> boo
     goes unpriced: said in a warning)."""
     if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
         return False
-    with torch.no_grad(), _MetaAutocast(_parameter_dtype(model)):
-        logits = output_logits(model(*inputs))
+    try:
+        with torch.no_grad(), _MetaAutocast(_parameter_dtype(model)):
+            logits = output_logits(model(*inputs))
+    except (NotImplementedError, RuntimeError) as exc:  # the model's own code, on meta
+        raise TraceError(_meta_failure(type(model).__name__, exc)) from None
     problem = logits_problem(logits.shape, inputs[0].shape)
     if problem is not None:
         logger.warning("the training loss is not priced: %s", problem)
     return problem is None
+
+
+def _meta_failure(name: str, exc: BaseException) -> str:
+    """Why a model's forward cannot run on meta tensors, and what to change."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    routed = (
+        " (tokens gathered per expert by torch.where or nonzero: hold the experts as "
+        "grouped weights in transformers' layout, planner.models.moe.Experts, which the "
+        "planner prices at their expected load)"
+        if "nonzero" in first
+        else ""
+    )
+    return (
+        f"{name}: its forward fails on the meta device ({type(exc).__name__}: {first[:160]}); "
+        "the planner prices a model from one forward on meta tensors, which hold shapes "
+        f"but no values, so shapes that depend on values cannot be priced{routed}"
+    )
 
 
 class _MetaAutocast(TorchFunctionMode):
