@@ -280,6 +280,7 @@ def model_limits(
         ddp_over_tp=not shares_parameters(handle.module),
         max_tp=min(cluster.gpus_per_node, cluster.num_gpus) if traced else None,
         layout_problem=layouts.why_not,
+        traced=traced,
         num_experts=graph.num_experts,
         expert_problem=expert_parallel_blocker(handle.module),
     )

@@ -175,6 +175,19 @@ def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dir
         parallelize(handle.module, piped, loss_fn=lambda output, targets: output.logits.sum())
 
 
+def test_a_framework_target_plans_a_traced_moe_without_its_unrunnable_layouts(config_dirs):
+    """Mixtral's tokens cannot stay sequence-sharded through its experts, so no layout runs
+    tp 2 with sequence parallelism; a search for DeepSpeed (which runs no tp at all) once
+    priced that candidate on the missing layout and failed, where it plans data parallel."""
+    from planner.planning import make_plan
+
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    handle = resolve_hf_config(config_dirs["mixtral"])
+    training = Training(global_batch_size=8, seq_len=SEQ, dtype="fp32")
+    plan = make_plan(handle, cluster, training, target="deepspeed")
+    assert plan.strategy.tp == 1 and plan.target.startswith("deepspeed")
+
+
 def test_a_load_balancing_loss_is_priced_without_unknown_operators(config_dirs, caplog):
     """The routers' auxiliary loss counts tokens per expert (histc): priced by its bytes."""
     handle = resolve_hf_config(config_dirs["mixtral"])

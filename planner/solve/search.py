@@ -210,6 +210,7 @@ class ModelLimits:
     ddp_over_tp: bool = True  # whether DDP (and its hooks) can run over TP shards: no tied weights
     max_tp: int | None = None
     layout_problem: Callable[[int, bool], str | None] | None = None
+    traced: bool = False  # priced on its trace, with the layouts the sharding ILP finds
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
     expert_problem: str | None = None  # why the runtime cannot split its experts over ranks
 
@@ -559,7 +560,10 @@ class _Space:
             return False
         if sp and self.limits.sequence_blocker(tp, cp, sp) is not None:
             return False
-        return not self.target.is_planner or self.limits.layout_blocker(tp, sp) is None
+        # another framework lays a zoo model out its own way (Megatron-LM runs experts
+        # beside sequence parallelism); a traced model is priced on this runtime's layout
+        other_layout = not self.target.is_planner and not self.limits.traced
+        return other_layout or self.limits.layout_blocker(tp, sp) is None
 
     def variants(
         self, dp: int, tp: int, pp: int, cp: int, experts: _Experts
