@@ -86,6 +86,8 @@ def pipeline_blocker(module: nn.Module) -> str | None:
     that its forward runs as stages."""
     if not find_blocks(module):
         return "the model has no repeated blocks to split into stages"
+    if (problem := router_loss_pipeline_blocker(module)) is not None:
+        return problem
     if shares_parameters(module):
         return (
             "it has tied weights (shared parameters), which would span the first and the last "
@@ -94,6 +96,20 @@ def pipeline_blocker(module: nn.Module) -> str | None:
             "own) or use pp = 1"
         )
     return None
+
+
+def router_loss_pipeline_blocker(module: nn.Module) -> str | None:
+    """Why pipeline stages would train ``module`` without its routers' load-balancing
+    loss (a Hugging Face MoE config's ``output_router_logits``), or ``None``."""
+    config = getattr(module, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    return (
+        f"model.config.output_router_logits = True (router_aux_loss_coef = {coefficient}): "
+        "a pipeline's last stage hands on its logits alone, not the routers' load-balancing "
+        "loss; set config.output_router_logits = False to train without it, or use pp = 1"
+    )
 
 
 def check_model_against_plan(

@@ -36,7 +36,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.errors import SpecError
 from planner.frameworks import PLANNER, strategy_refusal
 from planner.layouts import check_plan_layout
-from planner.modules import check_model_against_plan, check_parameter_dtype
+from planner.modules import (
+    check_model_against_plan,
+    check_parameter_dtype,
+    router_loss_pipeline_blocker,
+)
 from planner.spec import Axis, Plan
 from planner.staging import logits_problem, output_logits
 from planner.validate import validate_plan_for_world
@@ -133,13 +137,9 @@ def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn, plan: Plan) -> None
     if not getattr(config, "output_router_logits", False):
         return
     coefficient = getattr(config, "router_aux_loss_coef", None)
-    if plan.strategy.pp > 1:
-        raise SpecError(
-            f"model.config.output_router_logits = True (router_aux_loss_coef = {coefficient}) "
-            f"under plan.strategy.pp = {plan.strategy.pp}: a pipeline's last stage hands on "
-            "its logits alone, not the routers' load-balancing loss; set "
-            "config.output_router_logits = False to train without it, or use a plan with pp = 1"
-        )
+    staged = router_loss_pipeline_blocker(model)
+    if plan.strategy.pp > 1 and staged is not None:
+        raise SpecError(f"plan.strategy.pp = {plan.strategy.pp}: {staged}")
     if loss_fn is not token_cross_entropy:
         return
     raise SpecError(

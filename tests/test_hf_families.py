@@ -171,8 +171,14 @@ def test_a_load_balancing_loss_the_default_loss_leaves_out_is_refused(config_dir
     # a pipeline's last stage returns the logits alone: no loss of one's own can add it
     stages = Strategy(pp=2, micro_batch_size=BATCH // 2, num_microbatches=2)
     piped = assemble_plan(handle, Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2), TRAINING, stages)
-    with pytest.raises(SpecError, match=r"under plan.strategy.pp = 2: a pipeline's last stage"):
+    with pytest.raises(SpecError, match=r"plan.strategy.pp = 2: model.config.output_router"):
         parallelize(handle.module, piped, loss_fn=lambda output, targets: output.logits.sum())
+    # and the search plans no pipeline for it (it chose pp 2, which then refused to run)
+    from planner.planning import make_plan
+    from planner.solve.search import Pins
+
+    with pytest.raises(SpecError, match=r"pp\(2\): model.config.output_router_logits = True"):
+        make_plan(handle, Cluster(gpu="h100-sxm-80gb", num_gpus=2), TRAINING, pins=Pins(pp=2))
 
 
 def test_a_framework_target_plans_a_traced_moe_without_its_unrunnable_layouts(config_dirs):
