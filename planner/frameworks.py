@@ -216,13 +216,14 @@ PLANNER = Target(Framework.PLANNER, RELEASES[Framework.PLANNER][-1])  # this run
 
 
 def experts_beside_sequence_parallel_refusal(
-    target: Target, *, ep: int, sequence_parallel: bool
+    target: Target, *, ep: int, sequence_parallel: bool, traced: bool = False
 ) -> Refusal | None:
     """Why ``target`` cannot run expert parallelism beside sequence parallelism, or
     ``None``. Megatron-Core routes each rank's sequence shard as it is (the layout the
     cost model prices: no tp collective around the routed experts). This runtime's
     experts take the tokens replicated over tp and split them there; torchtitan gathers
-    the MoE layer's input over tp and reduce-scatters its output, which is not priced."""
+    the MoE layer's input over tp and reduce-scatters its output, which is not priced.
+    The fix names Megatron-LM where it builds the model (``traced``: a traced module)."""
     if ep == 1 or not sequence_parallel or target.framework is Framework.MEGATRON:
         return None
     why = {
@@ -231,9 +232,11 @@ def experts_beside_sequence_parallel_refusal(
         Framework.TORCHTITAN: "torchtitan gathers the MoE layer's input over tp and "
         "reduce-scatters its output, a layout this planner does not price",
     }.get(target.framework, f"{target.framework.value} runs no expert parallelism")
+    megatron = Target(Framework.MEGATRON, RELEASES[Framework.MEGATRON][-1])
+    builds = not traced or model_refusal(megatron, None) is None
     return Refusal(
         "strategy.sequence_parallel", True, f"beside ep({ep}) > 1: {why}",
-        "turn sequence parallelism off, or target megatron",
+        "turn sequence parallelism off" + (", or target megatron" if builds else ""),
     )  # fmt: skip
 
 

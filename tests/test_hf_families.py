@@ -194,6 +194,22 @@ def test_a_framework_target_plans_a_traced_moe_without_its_unrunnable_layouts(co
     assert plan.strategy.tp == 1 and plan.target.startswith("deepspeed")
 
 
+def test_pinned_sequence_parallelism_a_traced_moe_cannot_run_says_why(config_dirs):
+    """Pinned alone, sequence parallelism names the layout that cannot keep it through the
+    experts (not "no mesh divides the heads"); pinned beside ep, the fix offers no
+    Megatron-LM, which cannot build a traced model."""
+    from planner.planning import make_plan
+    from planner.solve.search import Pins
+
+    handle = resolve_hf_config(config_dirs["mixtral"])
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=4)
+    training = Training(global_batch_size=8, seq_len=SEQ, dtype="fp32")
+    with pytest.raises(SpecError, match=r"sequence parallelism at tp 2: no layout keeps"):
+        make_plan(handle, cluster, training, pins=Pins(sequence_parallel=True))
+    with pytest.raises(SpecError, match=r"beside ep\(2\) > 1: .*\(turn sequence parallelism off\)"):
+        make_plan(handle, cluster, training, pins=Pins(tp=2, ep=2, sequence_parallel=True))
+
+
 def test_a_load_balancing_loss_is_priced_without_unknown_operators(config_dirs, caplog):
     """The routers' auxiliary loss counts tokens per expert (histc): priced by its bytes."""
     handle = resolve_hf_config(config_dirs["mixtral"])

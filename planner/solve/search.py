@@ -929,6 +929,12 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             if len(options) == 2 and blockers[False] != blockers[True]:
                 why = f"without sequence parallelism, {blockers[False]}; with it, {why}"
             reasons.append(f"{what} at tp({pins.tp}): {why}")
+    elif pins.sequence_parallel and pins.tp is None and space.target.is_planner:
+        tps = [tp for tp in _divisors(gpus) if tp > 1 and limits.allows_tp(tp)]
+        problems = [limits.layout_blocker(tp, True) for tp in tps]
+        if tps and all(problems):
+            shown = ", ".join(map(str, tps))
+            reasons.append(f"sequence parallelism at tp {shown}: {problems[0]}")
     if pins.pp is not None and pins.pp > 1 and limits.pipeline_problem:
         reasons.append(f"pp({pins.pp}): {limits.pipeline_problem}")
     elif pins.pp is not None and pins.pp * (pins.virtual_stages or 1) > space.max_chunks:
@@ -973,7 +979,8 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         if blocker is not None:
             reasons.append(blocker)
         refusal = experts_beside_sequence_parallel_refusal(
-            space.target, ep=pins.ep, sequence_parallel=pins.sequence_parallel is True
+            space.target, ep=pins.ep, sequence_parallel=pins.sequence_parallel is True,
+            traced=limits.traced,
         ) or expert_tensor_parallel_refusal(
             space.target, ep=pins.ep, etp=pins.etp or 1, tp=pins.tp or pins.etp or 1
         )  # fmt: skip
