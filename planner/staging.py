@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from planner.errors import SpecError, one_line
 from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model
+from planner.models.moe import is_experts
 from planner.modules import find_blocks
 
 __all__ = [
@@ -76,7 +77,8 @@ def build_chunk(model: nn.Module, fqns: Sequence[str]) -> nn.Module:
     blocks = find_blocks(model)
     holder = blocks[0][0].rpartition(".")[0] if blocks else None
     cuts = list(_cuts(model, keep, _ancestors(keep), {fqn for fqn, _ in blocks}))
-    chunk = copy.deepcopy(model, {id(module): None for _, module in cuts})
+    memo: dict[int, Any] = {id(t): t.detach() for t in tensor_attributes(model)}
+    chunk = copy.deepcopy(model, memo | {id(module): None for _, module in cuts})
     for fqn, module in cuts:
         parent_fqn, _, name = fqn.rpartition(".")
         parent = chunk.get_submodule(parent_fqn)
@@ -215,8 +217,31 @@ def _meta_twin(module: nn.Module, *, copy_always: bool = False) -> nn.Module:
     tensors = [*module.parameters(), *module.buffers()]
     if all(t.is_meta for t in tensors) and not copy_always:
         return module
-    memo: dict[int, Any] = {id(t): _meta_like(t) for t in tensors}
+    memo: dict[int, Any] = {id(t): _meta_like(t) for t in [*tensors, *tensor_attributes(module)]}
     return copy.deepcopy(module, memo)
+
+
+def tensor_attributes(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors ``module``'s submodules keep as plain attributes and not also as
+    parameters or buffers (a loss its last forward stashed, which deepcopy refuses while
+    it is part of an autograd graph): a copy takes them detached, or as meta tensors."""
+    registered = {id(t) for t in [*module.parameters(), *module.buffers()]}
+    return [
+        value for child in module.modules() for value in vars(child).values()
+        if isinstance(value, torch.Tensor) and id(value) not in registered
+    ]  # fmt: skip
+
+
+def _priced_twin(module: nn.Module, *, copy_always: bool = False) -> nn.Module:
+    """The meta twin a check runs: its experts, if any, run the expected-load dispatch
+    the tracer prices (a dispatch that gathers tokens per expert, as transformers' and
+    many of one's own do, needs values meta tensors do not hold)."""
+    experts = any(is_experts(m) for m in module.modules())
+    twin = _meta_twin(module, copy_always=copy_always or experts)
+    if experts:
+        kind = getattr(getattr(twin, "config", None), "model_type", type(twin).__name__)
+        expected_load_experts(twin, model_type=str(kind))
+    return twin
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -342,7 +367,7 @@ def token_vocab(handle: ModelHandle, seq_len: int) -> int | None:
     if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
         return None
     rows: list[int] = []
-    model = _meta_twin(handle.module)
+    model = _priced_twin(handle.module)
     with _Derived(inputs[0]) as derived:
 
         def reached(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -508,9 +533,7 @@ def stage_problem(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str | 
             f"{name}'s forward takes {len(inputs)} inputs; pipeline stages hand on token ids only"
         )
     hf = is_hf_model(module)
-    model, ids = _meta_twin(module, copy_always=hf), _on_meta(inputs[0])
-    if hf:  # transformers' expert kernels need values: the twin's run the expected load
-        expected_load_experts(model, model_type=str(getattr(model.config, "model_type", "")))
+    model, ids = _priced_twin(module, copy_always=hf), _on_meta(inputs[0])
     try:
         with _traced(fake=hf):
             problem = _flow_problem(model, ids, blocks)

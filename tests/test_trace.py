@@ -494,3 +494,15 @@ def test_a_tensor_a_module_kept_from_its_last_forward_is_copied_to_meta():
     module(torch.zeros(1, 16, dtype=torch.long))
     assert module.transformer.h[0].mlp.aux_loss.grad_fn is not None
     assert len(trace(handle, seq_len=16).blocks) == 2
+
+
+def test_experts_of_ones_own_are_priced_staged_and_read_on_meta_at_their_expected_load():
+    """Hand-written grouped experts that gather their tokens with torch.where run on meta
+    tensors only as the expected-load dispatch the tracer prices: the pipeline-stage check
+    and the token range ``plan run`` reads used the module's own forward and failed."""
+    from planner.staging import stage_problem, token_vocab
+
+    handle = resolve_model("tests.user_models:gpt_own_moe")
+    assert trace(handle, seq_len=16).num_experts == 4
+    assert stage_problem(handle.module, handle.make_inputs(2, 16)) is None
+    assert token_vocab(handle, 16) == 256  # the token embedding's rows

@@ -429,3 +429,50 @@ def gpt_routed() -> GPT:
 
 def gpt_stash() -> StashGPT:
     return StashGPT()
+
+
+class OwnExperts(nn.Module):
+    """Grouped experts in transformers' layout, written by hand: each expert gathers its
+    tokens with ``torch.where`` (shapes that depend on the routing)."""
+
+    def __init__(self, experts: int, n_embd: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, n_embd) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(experts, n_embd, ffn) * 0.02)
+
+    @staticmethod
+    def _apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in range(self.gate_up_proj.shape[0]):
+            rows, slot = torch.where(top_k_index == expert)
+            gate_up = F.linear(hidden[rows], self.gate_up_proj[expert])
+            y = F.linear(self._apply_gate(gate_up), self.down_proj[expert])
+            out = out.index_add(0, rows, y * top_k_weights[rows, slot, None])
+        return out
+
+
+class OwnMoE(nn.Module):
+    def __init__(self, n_embd: int, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(n_embd, experts, bias=False)
+        self.experts = OwnExperts(experts, n_embd, 2 * n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        self.aux_loss = weights.mean()  # a loss kept on the module, as some MoEs do
+        return self.experts(flat, chosen, weights / weights.sum(-1, keepdim=True)).view_as(x)
+
+
+def gpt_own_moe() -> GPT:
+    model = GPT()
+    for block in model.transformer.h:
+        block.mlp = OwnMoE(block.ln_2.normalized_shape[0])
+    return model

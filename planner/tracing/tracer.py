@@ -43,7 +43,7 @@ from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model, resolve_model
 from planner.modules import declared_causality, find_blocks
 from planner.spec import DType, Family, TracedInput, Training
-from planner.staging import logits_problem, output_logits
+from planner.staging import logits_problem, output_logits, tensor_attributes
 from planner.torch_dtypes import TORCH_DTYPES
 from planner.tracing.fx import (
     BlockCall,
@@ -120,10 +120,8 @@ def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         if isinstance(tensor, nn.Parameter):
             meta = nn.Parameter(meta, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = meta
-    for child in module.modules():
-        for value in vars(child).values():
-            if isinstance(value, torch.Tensor) and id(value) not in memo:
-                memo[id(value)] = torch.empty_like(value, device="meta")
+    for value in tensor_attributes(module):
+        memo[id(value)] = torch.empty_like(value, device="meta")
     return copy.deepcopy(module, memo).train()
 
 
