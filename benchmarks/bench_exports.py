@@ -26,6 +26,9 @@ after a ``:``, any directories to put on its ``PYTHONPATH`` (Megatron-LM's
 A release without its variable is reported ``no parser`` (its exports still run).
 
     python benchmarks/bench_exports.py [--jobs 2] [--only PLAN_LABEL ...]
+
+Each release's exports run in one parser process that imports the framework once and
+checks each export in a child forked from it (``export_parsers/forked.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,40 +200,56 @@ class Outcome:
     detail: str = ""
 
 
-def checker_args(target: Target, plan: Plan) -> list[str]:
-    """The checker script and the launch facts it needs from the plan."""
+def checker_job(target: Target, plan: Plan) -> dict[str, object]:
+    """The launch facts a checker needs from the plan (the export's path is added)."""
     framework = target.framework
-    args = [f"--world-size={plan.strategy.world_size}"]
+    job: dict[str, object] = {"world_size": plan.strategy.world_size}
     if framework is Framework.TORCHTITAN and plan.model_name in FLAVORS:
-        args.append(f"--flavor={FLAVORS[plan.model_name]}")
+        job["flavor"] = FLAVORS[plan.model_name]
     if framework is Framework.TORCHTITAN and plan.model_name in MODELS:
         model, flavor = MODELS[plan.model_name]
         if target.version[:2] == (0, 2):
             flavor = FLAVORS_02.get(flavor, flavor)
-        args += [f"--model={model}", f"--flavor={flavor}"]
+        job |= {"model": model, "flavor": flavor}
     if framework is not Framework.DEEPSPEED:
-        arch = next(v for k, v in GPU_ARCH.items() if plan.cluster.gpu.startswith(k))
-        args.append(f"--gpu-arch={arch}")
-    return [str(CHECKERS / f"{framework.value}_check.py"), *args]
+        job["gpu_arch"] = next(v for k, v in GPU_ARCH.items() if plan.cluster.gpu.startswith(k))
+    return job
 
 
-def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome:
-    """Feed ``text`` (the export of ``plan`` for ``target``) to ``parser``."""
+def run_parsers(
+    parser: Parser, target: Target, exports: Sequence[tuple[Plan, str]]
+) -> list[Outcome]:
+    """Feed each ``(plan, text)`` (``text`` the export of ``plan`` for ``target``) to
+    ``parser``: one checker process, each export in a child forked from it
+    (``export_parsers/forked.py``)."""
     with tempfile.TemporaryDirectory(prefix="export-check-") as folder:
-        path = Path(folder) / "export"
-        path.write_text(text)
+        jobs = []
+        for index, (plan, text) in enumerate(exports):
+            path = Path(folder) / f"export-{index}"
+            path.write_text(text)
+            jobs.append({"export": str(path), **checker_job(target, plan)})
+        (Path(folder) / "jobs.json").write_text(json.dumps(jobs))
         environment = os.environ | {"PYTHONPATH": parser.path, "OMP_NUM_THREADS": "1"}
-        script, *options = checker_args(target, plan)
-        command = [parser.python, script, str(path), *options]
+        script = str(CHECKERS / f"{target.framework.value}_check.py")
+        command = [parser.python, script, "--jobs", "jobs.json", "--results", "results.json"]
         done = subprocess.run(
             command, capture_output=True, text=True, env=environment, cwd=folder,
-            timeout=CHECK_TIMEOUT_S, check=False,
+            timeout=CHECK_TIMEOUT_S * len(jobs), check=False,
         )  # fmt: skip
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = done.stderr.strip().splitlines()[-3:]
-        raise RuntimeError(f"{target} checker failed ({done.returncode}): {' | '.join(tail)}")
-    result = json.loads(lines[-1])
+        results = Path(folder) / "results.json"
+        if done.returncode != 0 or not results.exists():
+            tail = done.stderr.strip().splitlines()[-3:]
+            raise RuntimeError(f"{target} checker failed ({done.returncode}): {' | '.join(tail)}")
+        found = json.loads(results.read_text())
+    return [
+        _outcome(target, plan, result) for (plan, _), result in zip(exports, found, strict=True)
+    ]
+
+
+def _outcome(target: Target, plan: Plan, result: dict[str, object]) -> Outcome:
+    """What a checker's ``result`` for ``plan``'s export says."""
+    if result["ok"] is None:
+        raise RuntimeError(f"{target} checker crashed on {plan.model_name}: {result['crash']}")
     dims = ParallelDims.of(plan.strategy)  # EP groups: ep ranks etp apart
     ours = list(range(0, dims.expert_group, dims.etp))
     if result["ok"] and result.get("expert_group", ours) != ours:
@@ -242,30 +262,41 @@ def run_parser(parser: Parser, target: Target, plan: Plan, text: str) -> Outcome
     return Outcome("rejected", f"{result['version']} {result['stage']}: {result['error']}")
 
 
-def outcome(target: Target, plan: Plan) -> Outcome:
-    """Export ``plan`` to ``target`` and, if that worked, parse it with the release."""
-    try:
-        text = export_plan(plan, target)
-    except ExportError as error:
-        return Outcome("refused", str(error).split(": ", 1)[-1])
+def outcomes(target: Target, plans: Sequence[Plan]) -> list[Outcome]:
+    """Export each of ``plans`` to ``target`` and feed the exports that worked to the
+    release's parser, all in one checker process (:func:`run_parsers`)."""
+    found: list[Outcome | None] = []
+    exports: list[tuple[Plan, str]] = []
+    for plan in plans:
+        try:
+            exports.append((plan, export_plan(plan, target)))
+            found.append(None)
+        except ExportError as error:
+            found.append(Outcome("refused", str(error).split(": ", 1)[-1]))
     parser = Parser.find(target)
     if parser is None:
-        return Outcome("no parser", f"set {variable(target)}")
-    return run_parser(parser, target, plan, text)
+        parsed = [Outcome("no parser", f"set {variable(target)}")] * len(exports)
+    else:
+        parsed = run_parsers(parser, target, exports) if exports else []
+    answers = iter(parsed)
+    return [outcome if outcome is not None else next(answers) for outcome in found]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=2, help="parsers run at once")
+    parser.add_argument("--jobs", type=int, default=2, help="releases checked at once")
     parser.add_argument("--only", nargs="+", metavar="LABEL", help="plans to run (labels)")
     args = parser.parse_args(argv)
     cases = [case for case in CASES if not args.only or case.label in args.only]
     started = time.perf_counter()
     plans = {case.label: case.plan() for case in cases}
     planned = time.perf_counter()
-    jobs = [(label, target) for label in plans for target in targets()]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda job: outcome(job[1], plans[job[0]]), jobs))
+        checked = pool.map(lambda target: outcomes(target, list(plans.values())), targets())
+        per_target = dict(zip(targets(), checked, strict=True))
+    jobs = [(label, target) for label in plans for target in targets()]
+    labels = list(plans)
+    results = [per_target[target][labels.index(label)] for label, target in jobs]
     print(f"{'plan':<18} {'strategy':<44} {'target':<19} verdict")
     for (label, target), result in zip(jobs, results, strict=True):
         strategy = plans[label].strategy.describe()
@@ -282,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{target!s:<19} " + " ".join(f"{count[v]:>9}" for v in verdicts))
     print(
         f"\n{len(plans)} plans in {planned - started:.0f} s, {len(jobs)} exports checked in "
-        f"{time.perf_counter() - planned:.0f} s ({args.jobs} at once)"
+        f"{time.perf_counter() - planned:.0f} s ({args.jobs} releases at once, each release's "
+        "exports two at a time in one parser process)"
     )
     return 1 if any(result.verdict == "rejected" for result in results) else 0
 

@@ -22,8 +22,9 @@ device's compute capability (``get_device_arch_version``, and
 ``torch.cuda.get_device_capability`` for ``--moe-grouped-gemm``); this script answers
 ``--gpu-arch`` instead (8 A100, 9 H100, 10 B200).
 
-Prints one JSON line, ``{"ok": true, "expert_group": [...], ...}`` or ``{"ok": false, "stage": ..., "error": ...}``;
-exits 0 either way (1 only if this script itself breaks).
+Prints one JSON line (``--jobs JOBS.json --results RESULTS.json``: writes a list of them,
+forked.py), ``{"ok": true, "expert_group": [...], ...}`` or ``{"ok": false, "stage": ...,
+"error": ...}``; exits 0 either way (1 only if this script itself breaks).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import shlex
 import sys
 import warnings
 from pathlib import Path
+
+from forked import run_jobs
 
 _ENV = re.compile(r"^#\s*env:\s*([A-Z_][A-Z0-9_]*)=(\S*)", re.MULTILINE)
 # What a launch adds; --no-rope-fusion because the fused RoPE kernel needs Transformer
@@ -67,23 +70,21 @@ def _expert_group(args: argparse.Namespace) -> list[int]:
     return dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("export", type=Path)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--gpu-arch", type=int, default=9, help="compute capability major")
-    options = parser.parse_args()
-    text = options.export.read_text()
+def check_job(job: dict) -> dict:
+    """One export (``job``: its path, world size and GPU architecture). Megatron-LM is
+    imported here, after the export's launch environment is set, as a launch does."""
+    text = Path(job["export"]).read_text()
+    gpu_arch = job.get("gpu_arch", 9)
     environment = dict(_ENV.findall(text))
     os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    os.environ |= environment | {"WORLD_SIZE": str(options.world_size), "RANK": "0"}
+    os.environ |= environment | {"WORLD_SIZE": str(job["world_size"]), "RANK": "0"}
 
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
     import megatron.training.arguments as arguments
     from megatron.core import package_info
 
-    arguments.get_device_arch_version = lambda: options.gpu_arch
-    arguments.torch.cuda.get_device_capability = lambda *device: (options.gpu_arch, 0)
+    arguments.get_device_arch_version = lambda: gpu_arch
+    arguments.torch.cuda.get_device_capability = lambda *device: (gpu_arch, 0)
     result: dict[str, object] = {
         "framework": "megatron",
         "version": package_info.__version__,
@@ -111,7 +112,24 @@ def main() -> int:
             tail = [line for line in captured.getvalue().splitlines() if "error" in line]
             message = tail[-1] if tail else message
         result |= {"ok": False, "stage": stage, "error": message[:2000]}
-    print(json.dumps(result))
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export", type=Path, nargs="?")
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--gpu-arch", type=int, default=9, help="compute capability major")
+    parser.add_argument("--jobs", type=Path, help="a JSON list of jobs (forked.py)")
+    parser.add_argument("--results", type=Path, help="where --jobs writes its results")
+    options = parser.parse_args()
+    if options.jobs is not None:
+        return run_jobs(options.jobs, options.results, check_job)
+    job = {
+        "export": str(options.export), "world_size": options.world_size,
+        "gpu_arch": options.gpu_arch,
+    }  # fmt: skip
+    print(json.dumps(check_job(job)))
     return 0
 
 

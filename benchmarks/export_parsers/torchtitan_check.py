@@ -4,6 +4,7 @@ Run with the Python of a venv that has torchtitan 0.2.x or 0.3.x (and torch), no
 planner's::
 
     python torchtitan_check.py EXPORT --world-size 64 [--model llama3] [--flavor 8B] [--gpu-arch 9]
+    python torchtitan_check.py --jobs JOBS.json --results RESULTS.json  # many (forked.py)
 
 Steps, each torchtitan's own code, in the trainer's order (``torchtitan/train.py`` in 0.2,
 ``torchtitan/trainer.py`` in 0.3):
@@ -25,8 +26,9 @@ Steps, each torchtitan's own code, in the trainer's order (``torchtitan/train.py
    ``spmd_types`` backend leaves plain-tensor parameters that ``fully_shard`` refuses on
    torch 2.13's CPU build, even for a plain FSDP config.
 
-Prints one JSON line: ``{"ok": true, "version": ..., "stages": [...]}`` or ``{"ok": false,
-"stage": ..., "error": ...}``; exits 0 either way (1 only if this script itself breaks).
+Prints one JSON line (``--jobs``: writes a list of them): ``{"ok": true, "version": ...,
+"stages": [...]}`` or ``{"ok": false, "stage": ..., "error": ...}``; exits 0 either way (1
+only if this script itself breaks).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from forked import run_jobs
 
 VERSION = importlib.metadata.version("torchtitan")
 V03 = not VERSION.startswith(("0.0.", "0.1.", "0.2."))
@@ -255,29 +258,54 @@ def check(
     return done
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("export", type=Path)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--flavor", help="torchtitan flavor (llama3: 8B, 70B, 405B)")
-    parser.add_argument("--model", default="llama3", help="torchtitan model (deepseek_v3, ...)")
-    parser.add_argument("--gpu-arch", type=int, default=9, help="compute capability major")
-    args = parser.parse_args()
+def check_job(job: dict) -> dict:
+    """One export (``job``: its path and launch facts, as the command line gives them)."""
     os.environ.setdefault("LOCAL_RANK", "0")
     result: dict[str, object] = {"framework": "torchtitan", "version": VERSION}
     try:
-        result |= {
-            "ok": True,
-            "stages": check(
-                args.export.read_text(), args.world_size, args.flavor, args.gpu_arch, args.model
-            ),
-        }
+        stages = check(
+            Path(job["export"]).read_text(), job["world_size"], job.get("flavor"),
+            job.get("gpu_arch", 9), job.get("model") or "llama3",
+        )  # fmt: skip
+        result |= {"ok": True, "stages": stages}
     except Rejected as rejected:
         message = f"{type(rejected.error).__name__}: {rejected.error}".strip()
         result |= {"ok": False, "stage": rejected.stage, "error": message[:2000]}
         if os.environ.get("EXPORT_CHECK_TRACEBACK"):
             traceback.print_exception(rejected.error, file=sys.stderr)
-    print(json.dumps(result))
+    return result
+
+
+def _preload() -> None:
+    """What every check imports, imported once before the jobs fork (forked.py)."""
+    import torchtitan.config
+    import torchtitan.distributed
+
+    if V03:
+        import torchtitan.trainer
+    else:
+        import torchtitan.protocols.train_spec
+        import torchtitan.train  # noqa: F401
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export", type=Path, nargs="?")
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--flavor", help="torchtitan flavor (llama3: 8B, 70B, 405B)")
+    parser.add_argument("--model", default="llama3", help="torchtitan model (deepseek_v3, ...)")
+    parser.add_argument("--gpu-arch", type=int, default=9, help="compute capability major")
+    parser.add_argument("--jobs", type=Path, help="a JSON list of jobs (forked.py)")
+    parser.add_argument("--results", type=Path, help="where --jobs writes its results")
+    args = parser.parse_args()
+    if args.jobs is not None:
+        _preload()
+        return run_jobs(args.jobs, args.results, check_job)
+    job = {
+        "export": str(args.export), "world_size": args.world_size, "flavor": args.flavor,
+        "model": args.model, "gpu_arch": args.gpu_arch,
+    }  # fmt: skip
+    print(json.dumps(check_job(job)))
     return 0
 
 
