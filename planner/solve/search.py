@@ -49,6 +49,7 @@ fields, in the order :class:`_Group` declares them).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import logging
 import math
@@ -1088,6 +1089,7 @@ def _gpus_to_fit(model: CostModel, strategy: Strategy) -> _Widening:
     bucket stays."""
     limit, gpus = model.profile.memory_capacity_gib, model.cluster.num_gpus
 
+    @functools.cache  # each factor is a cost model of its own: price it once
     def need(factor: int) -> float:
         shard = None if strategy.dp_shard is None else strategy.dp_shard * factor
         wider = strategy.model_copy(update={"dp": strategy.dp * factor, "dp_shard": shard})
