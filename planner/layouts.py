@@ -190,6 +190,15 @@ class ModelLayouts:
         if sequence_parallel and (whole := self.why_not(tp, False)) is not None:
             return whole  # what keeps the weights whole keeps sequence parallelism out too
         layout = self.layout(tp, sequence_parallel)
+        if (
+            sequence_parallel
+            and layout is not None
+            and _same_modules(layout, self.layout(tp, False))
+        ):
+            return (
+                "sequence parallelism would shard nothing: its layout is tp's alone (no "
+                f"block boundary keeps a residual stream split along a sequence); {_WITHOUT_SP}"
+            )
         if layout is not None and not layout.shards_parameters:
             others = _unsplittable_matrices(self.handle.module)
             held = (
@@ -296,6 +305,10 @@ class ModelLayouts:
             if fqn and fqn not in blocks and not any(r.startswith(fqn + ".") for r in blocks):
                 return fqn
         return None
+
+
+def _same_modules(layout: TPLayout, other: TPLayout | None) -> bool:
+    return other is not None and layout.modules == other.modules
 
 
 _WITHOUT_SP = (

@@ -8,6 +8,12 @@ output, a reduce-scatter's or all-reduce's input, an all-to-all's input).
 all-to-all) are not functional collectives and are left out. It tracks no modules:
 ``CommDebugMode``'s module tracker breaks on a module called twice in one forward (an
 activation module applied per expert).
+
+Gloo has no all-to-all: on CPU, DTensor moves a shard to another dimension
+(``Shard(a) -> Shard(b)``) with an all-gather and keeps its chunk
+(``torch.distributed.tensor._collective_utils.shard_dim_alltoall``). That all-gather
+is counted as the all-to-all it stands for (NCCL runs one), so the count is the
+cluster's on any backend.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, placement_types
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CollectiveBytes"]
@@ -39,6 +45,23 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: Counter[tuple[str, str]] = Counter()
+        self._all_to_all = False  # inside DTensor's shard-to-shard move
+
+    def __enter__(self) -> CollectiveBytes:
+        self._moves = placement_types.shard_dim_alltoall
+        placement_types.shard_dim_alltoall = self._shard_to_shard
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        placement_types.shard_dim_alltoall = self._moves
+        super().__exit__(*exc)
+
+    def _shard_to_shard(self, local: torch.Tensor, *args: Any) -> torch.Tensor:
+        self._all_to_all = True
+        try:
+            return self._moves(local, *args)
+        finally:
+            self._all_to_all = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):
@@ -48,7 +71,9 @@ class CollectiveBytes(TorchDispatchMode):
             return out
         packet = str(func._overloadpacket)
         kind = _FUNCTIONAL.get(packet.rsplit(".", 1)[-1]) if "_c10d_functional" in packet else None
-        if kind is not None:
+        if kind is not None and self._all_to_all:  # gloo's all-gather for an all-to-all
+            self.bytes[("all_to_all", _phase())] += _nbytes(out)  # the whole array
+        elif kind is not None:
             array = out if kind == "all_gather" else args[0]
             self.bytes[(kind, _phase())] += _nbytes(array)
         return out

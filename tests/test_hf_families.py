@@ -27,8 +27,9 @@ from planner.graph import OpGraph
 from planner.hf import resolve_hf_config
 from planner.layouts import ModelLayouts
 from planner.modules import check_model_against_plan
-from planner.planning import trace_for_training
+from planner.planning import make_plan, trace_for_training
 from planner.solve.layout import Roofline
+from planner.solve.search import Pins
 from planner.spec import Cluster, Plan, Strategy, TPStyle, Training, load_document
 from planner.tracing import trace
 from planner.validate import validate_plan_for_world
@@ -301,4 +302,101 @@ def test_families_match_single_process_on_two_ranks(config_dirs, tmp_path):
         print(f"{name:<28} max |loss - reference| = {worst:.2e} (bound {EXACT:.0e})")
         if worst > EXACT:
             failures.append(f"{name}: {losses} vs reference {expected}")
+    assert not failures, "\n".join(failures)
+
+
+# --- more families: every parallelism at once --------------------------------------------
+
+_HEAD_DIM = {"head_dim": 16}
+_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Families beside the ones above, each as its config's own code runs it (tensor parallel
+# layouts of Phi-3's fused projections and OLMo2's norms: tests/test_tp_matrix.py), with
+# heads untied (Gemma and Cohere tie theirs by default, which a pipeline refuses)
+MORE_FAMILIES = {
+    "qwen3": {**_DECODER, **_HEAD_DIM},
+    "gemma2": {**_DECODER, **_HEAD_DIM, "sliding_window": 8, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3_text": {**_DECODER, **_HEAD_DIM, "sliding_window": 8},
+    "cohere": _DECODER,
+    "stablelm": _DECODER,
+    "starcoder2": {**_DECODER, "sliding_window": None},
+    "granite": _DECODER,
+    "qwen3_moe": {**_DECODER, **_HEAD_DIM, **_EXPERTS, "decoder_sparse_step": 1},
+    "olmoe": {**_DECODER, **_EXPERTS},
+}  # fmt: skip
+MORE_FAMILIES = {
+    family: {**fields, "tie_word_embeddings": False} for family, fields in MORE_FAMILIES.items()
+}
+
+
+def _searched(path: str, world_size: int, pins: Pins, device: str) -> str:
+    """The plan the search emits for ``pins`` on ``world_size`` ranks of ``device``, in
+    two micro-batches, trained with SGD (Adam would magnify fp32 rounding towards the
+    bound, as it does for Mixtral above)."""
+    cluster = Cluster(gpu=device, num_gpus=world_size, gpus_per_node=world_size)
+    training = Training(
+        **{**TRAINING.model_dump(), "micro_batch_size": BATCH // 2, "optimizer": "sgd"}
+    )
+    return make_plan(resolve_hf_config(path), cluster, training, pins=pins).model_dump_json()
+
+
+def test_norms_scaling_by_one_plus_weight_run_on_shards(tmp_path):
+    """Gemma's norms scale by ``1 + weight``, an operator of the weight alone, before
+    meeting the activations: the weight stays whole with a partial gradient (summed once
+    per micro-batch), so its q/k norms keep the heads split and attention runs on
+    shards (they were replicated, and attention computed whole on every rank)."""
+    device = str(write_tp_pays(tmp_path))
+    path = _write(tmp_path, "gemma3_text", **MORE_FAMILIES["gemma3_text"])
+    plan = Plan.model_validate_json(
+        _searched(path, 2, Pins(dp=1, tp=2, pp=1, sequence_parallel=False), device)
+    )
+    norms = {fqn: entry for fqn, entry in plan.tp_layout.items() if fqn.endswith("_norm")}
+    assert {e.style for e in norms.values()} == {TPStyle.SEQUENCE_PARALLEL}, norms
+    q_norm = norms["model.layers.*.self_attn.q_norm"]
+    assert q_norm.params == {"weight": "Replicate()"}
+    assert q_norm.input == ("Shard(1)", "Shard(1)")  # (batch, heads, seq, head_dim)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_more_families_match_single_process_under_tensor_and_pipeline_parallelism(tmp_path):
+    """Each family trains on four gloo ranks as one process does with the same two
+    micro-batches: two pipeline stages of two tensor-parallel ranks each (the search's
+    layout, schedule and expert parallelism), and each dense family as two
+    data-parallel replicas (DDP and FSDP2 by turns) of two tensor-parallel ranks."""
+    device = str(write_tp_pays(tmp_path))
+    paths = {family: _write(tmp_path, family, **fields) for family, fields in MORE_FAMILIES.items()}
+    meshes = {"tp2 x pp2": (1, 2, 2), "dp2 x tp2": (2, 2, 1)}  # (dp, tp, pp)
+    plans = {
+        (family, mesh): _searched(
+            path, 4, Pins(dp=dp, tp=tp, pp=pp, cp=1, zero=3 * (i % 2) if dp > 1 else None), device
+        )
+        for i, (family, path) in enumerate(paths.items())
+        for mesh, (dp, tp, pp) in meshes.items()
+        # MoE under dp x tp: tests/test_tp_matrix.py (Mixtral), test_runtime_expert_parallel
+        if pp > 1 or "experts" not in json.dumps(MORE_FAMILIES[family])
+    }
+    for (family, mesh), plan_json in plans.items():
+        strategy = Plan.model_validate_json(plan_json).strategy
+        assert (strategy.dp, strategy.tp, strategy.pp) == meshes[mesh], family
+    per_case = {}
+    for mesh in meshes:  # a launch each: the ranks' later plans hung after pipelined ones
+        cases = {
+            f"{f} {m}": functools.partial(_train, paths[f], plan)
+            for (f, m), plan in plans.items()
+            if m == mesh
+        }
+        per_case.update(run_on_ranks(4, cases, tmp_path))
+    one_process = Pins(dp=1, tp=1, pp=1)
+    references = {f: _train(p, _searched(p, 1, one_process, device), 0) for f, p in paths.items()}
+    failures = []
+    for name, ranks in per_case.items():
+        if any(isinstance(losses, str) for losses in ranks):
+            failures.append(f"{name}: {ranks}")
+            continue
+        expected = references[name.split()[0]]
+        worst = max(abs(a - b) for losses in ranks for a, b in zip(losses, expected, strict=True))
+        print(f"{name:<22} max |loss - reference| = {worst:.2e} (bound {EXACT:.0e})")
+        if worst > EXACT:
+            failures.append(f"{name}: {ranks} vs reference {expected}")
     assert not failures, "\n".join(failures)

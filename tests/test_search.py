@@ -357,6 +357,14 @@ def test_a_micro_batch_that_divides_no_ranks_share_is_named_with_the_sizes_that_
     )
 
 
+def test_a_micro_batch_given_twice_differently_says_so():
+    """The training settings say 8 per micro-batch, the pins 4: not "8 divides no share"."""
+    training = Training(global_batch_size=8, seq_len=16, micro_batch_size=8)
+    cluster = Cluster(gpu="h100-sxm-80gb", num_gpus=2)
+    with pytest.raises(SpecError, match=r"micro_batch_size is 8 in the training settings and 4 in"):
+        make_plan(resolve_model("tiny-llama"), cluster, training, pins=Pins(micro_batch_size=4))
+
+
 class _ClampedMLP(nn.Module):
     """An MLP that clips its input projection in place (as OLMo's ``clip_qkv`` does)."""
 
@@ -385,3 +393,21 @@ def test_selective_recompute_is_not_offered_where_a_kept_matmul_output_is_modifi
         make_plan(handle, cluster, training, pins=Pins(recompute=RecomputeMode.SELECTIVE))
     costed = search_plan(handle, cluster, training).costed
     assert costed and all(s.strategy.recompute is not RecomputeMode.SELECTIVE for s in costed)
+
+
+def test_pinned_sequence_parallelism_that_would_shard_nothing_says_so(tmp_path):
+    """An MLP has no blocks and no sequence: its sequence-parallel layout is its tensor
+    parallel one, so a pinned ``sequence_parallel`` would only rename the plan (and its
+    price assume split activations that are not); the search says so, and tp runs."""
+    from planner.models import ModelHandle
+    from planner.models.small import MLPStack
+    from tests.devices import write_tp_pays
+
+    model = MLPStack((64, 256, 64))
+    handle = ModelHandle("mlp", "test", model, lambda b, s: (torch.randn(b, 64),))
+    cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
+    training = Training(global_batch_size=8, dtype="fp32")
+    with pytest.raises(SpecError, match=r"sequence parallelism would shard nothing.*--no-seq"):
+        make_plan(handle, cluster, training, pins=Pins(tp=2, sequence_parallel=True))
+    plan = make_plan(handle, cluster, training, pins=Pins(tp=2))
+    assert plan.strategy.tp == 2 and not plan.strategy.sequence_parallel

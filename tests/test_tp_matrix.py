@@ -3,7 +3,8 @@ the project did not write, against one process.
 
 Models: the zoo's GPT and Llama, a nanoGPT-style user module (fused ``c_attn``, blocks
 in an ``nn.ModuleList``) and its tied variant, and tiny Hugging Face Llama (also with
-tied embeddings), Qwen2, Mistral, GPT-2, GPT-NeoX, Falcon and Mixtral configs. Plans: what ``make_plan`` emits with the
+tied embeddings), Qwen2, Mistral, GPT-2, GPT-NeoX, Falcon, Mixtral, Phi-3, OLMo2 and
+Gemma 3 configs. Plans: what ``make_plan`` emits with the
 tensor-parallel degree and sequence parallelism pinned (the expert-parallel degree is
 the search's: for Mixtral it spreads the experts over the tp ranks), at tp 2 and 4 and dp 2 x tp 2
 (DDP, or FSDP2 where DDP cannot keep tied weights over TP shards), on a test device where tensor parallelism pays even for tiny layers (slow compute, a
@@ -16,9 +17,10 @@ fast link). Every plan must
   at DTensor's collectives (:class:`strategies.comm_bytes.CollectiveBytes`).
 
 Sequence parallelism is offered for every model but Mixtral, whose mixture-of-experts
-block has no module boundary to re-shard its output at, and Falcon, which modifies its
+block has no module boundary to re-shard its output at, Falcon, which modifies its
 MLP's output in place (the rehearsal refuses a layout that would hand it on as a view of
-``DTensor.to_local()``). (GPT-2 reshapes its output to
+``DTensor.to_local()``), and OLMo2, whose residual stream enters attention with no norm
+before it. (GPT-2 reshapes its output to
 the whole sequence in its own code: its sequence-parallel region ends at the last block.)
 """
 
@@ -69,6 +71,12 @@ HF = {
     "gpt_neox": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                  "num_attention_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64},
     "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # fused projections: q, k and v in one ``qkv_proj``, gate and up in one ``gate_up_proj``
+    "phi3": {**_DECODER, "pad_token_id": 0},
+    # norms after attention and MLP, and q/k norms over every head at once
+    "olmo2": _DECODER,
+    # norms that scale by ``1 + weight``, computed from the weight alone; sliding windows
+    "gemma3_text": {**_DECODER, "head_dim": 16, "sliding_window": 8},
     # attention and MLP side by side, then ``mlp_output += attention_output`` in place
     "falcon": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_kv_heads": 4, "vocab_size": VOCAB, "new_decoder_architecture": True,
@@ -84,7 +92,9 @@ MODELS = ["zoo-gpt", "zoo-llama", "nanogpt", "nanogpt-tied", *(f"hf-{f}" for f i
 MESHES = [(1, 2), (1, 4), (2, 2)]  # (dp, tp)
 # Falcon adds to its MLP's output in place, which a sequence-parallel boundary there
 # would hand on as a view of DTensor.to_local() that autograd will not let it modify.
-NO_SEQUENCE_PARALLEL = {"hf-mixtral", "hf-mixtral-ep1", "hf-falcon"}
+# OLMo2 normalises after attention, so its residual stream enters q/k/v as it is: no
+# norm to end a sequence-parallel region at (the layout ILP says so).
+NO_SEQUENCE_PARALLEL = {"hf-mixtral", "hf-mixtral-ep1", "hf-falcon", "hf-olmo2"}
 
 
 @pytest.fixture(scope="module")

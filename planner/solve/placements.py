@@ -320,8 +320,14 @@ class StrategyBuilder:
             return self._loss()
         if kind is OpKind.OTHER and self.inputs:
             log.info("%s (%s): operator of unknown kind, replicated only", node.name, node.target)
-        if kind in (OpKind.CONV, OpKind.LOSS, OpKind.OTHER, OpKind.EMBEDDING) or not self.inputs:
+        if kind in (OpKind.CONV, OpKind.LOSS, OpKind.OTHER, OpKind.EMBEDDING):
             return [self._replicate()]
+        if not self.inputs:  # a parameter read on its own (Gemma's ``weight.float()``)
+            return (
+                [self._replicate(), self._partial_grad()]
+                if node.param_count
+                else [self._replicate()]
+            )
         if _mixes_positions(node):
             log.info(
                 "%s (%s): mixes positions along a dim, replicated only", node.name, node.target
@@ -485,8 +491,23 @@ class StrategyBuilder:
             return range(len(out) - 2)  # batch dims of a parameter-free matmul
         return range(len(out))
 
+    def _partial_grad(self) -> OpStrategy:
+        """Whole forward, partial gradient: a parameter, or what is computed from
+        parameters alone (Gemma's ``1 + weight``), feeding operators that run on shards;
+        its gradient is summed where it reaches a parameter (one all-reduce per
+        micro-batch, as a sequence-parallel norm's weight)."""
+        count, params = len(self.inputs), self.node.param_count
+        return OpStrategy(
+            "R/P", (REPLICATE,) * count, (PARTIAL,) * count, REPLICATE, PARTIAL,
+            param_elements=float(params),
+            comms=(replicated_grad_comm(self.node),) if params else (),
+            style=TPStyle.SEQUENCE_PARALLEL if params else None,
+        )  # fmt: skip
+
     def _follow(self) -> list[OpStrategy]:
         strategies = [self._replicate()]
+        if all(not t.batched and t.needs_grad for t in self.inputs):  # parameters' own ops
+            strategies.append(self._partial_grad())
         maps = [dim_map(self.node, t.shape, i == 0) for i, t in enumerate(self.inputs)]
         for d in self._shardable_dims():
             strategy = self._follow_dim(d, maps)
