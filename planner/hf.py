@@ -100,7 +100,10 @@ def _build_model(transformers: ModuleType, config: Any, device: torch.device) ->
         except ValueError as exc:
             if not any(word in str(exc).lower() for word in _SDPA_WORDS):
                 raise SpecError(
-                    f"{config.model_type} config does not build a causal LM: {exc}"
+                    f"{config.model_type} config does not build a causal LM "
+                    f"({str(exc).splitlines()[0]}): --hf-config plans "
+                    "decoder-only token models; give an encoder-decoder or another model "
+                    "as a module:function that builds it"
                 ) from None
             logger.warning("%s has no SDPA attention; using eager attention", config.model_type)
             return auto.from_config(config, attn_implementation="eager")

@@ -10,6 +10,7 @@ Module paths (FQNs) in layouts may use ``*`` for one path component, as in
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -23,6 +24,8 @@ from planner.models.moe import is_experts, runs_as_transformers
 from planner.spec import ModuleTP, Plan, shard_dim
 from planner.torch_dtypes import TORCH_DTYPES, dtype_name
 from planner.validate import check_experts, check_heads, check_replication
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "find_blocks",
@@ -140,9 +143,29 @@ def check_model_against_plan(
         _check_context_parallel_model(plan, module)
     _check_tied(plan, module, expanded)
     check_replication(plan, tied=shares_parameters(module))
+    if plan.strategy.dp > 1:
+        _warn_batch_statistics(plan, module)
     if plan.strategy.ep > 1:
         check_experts(plan, module_experts(module))
     return expanded
+
+
+def _warn_batch_statistics(plan: Plan, module: nn.Module) -> None:
+    """Say that batch norms normalise over each rank's micro-batch (as under DDP), so
+    the losses differ from one process's on the whole batch."""
+    norms = [
+        name for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+    ]  # fmt: skip
+    if norms:
+        more = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
+        log.warning(
+            "batch norm %r%s normalises over each rank's micro-batch of %d samples (as "
+            "under DDP), not over the %d of a step: the losses differ from one process's; "
+            "to match it, convert them (torch.nn.SyncBatchNorm.convert_sync_batchnorm, on "
+            "GPUs) or use GroupNorm or LayerNorm",
+            norms[0], more, plan.strategy.micro_batch_size, plan.training.global_batch_size,
+        )  # fmt: skip
 
 
 def check_parameter_dtype(plan: Plan, module: nn.Module) -> None:

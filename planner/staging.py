@@ -47,6 +47,7 @@ from planner.hf import expected_load_experts
 from planner.models import ModelHandle, is_hf_model
 from planner.models.moe import is_experts
 from planner.modules import find_blocks
+from planner.torch_dtypes import dtype_name
 
 __all__ = [
     "STAGE_IDS",
@@ -531,6 +532,12 @@ def stage_problem(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str | 
     if len(inputs) != 1:
         return (
             f"{name}'s forward takes {len(inputs)} inputs; pipeline stages hand on token ids only"
+        )
+    if inputs[0].is_floating_point() or inputs[0].ndim != 2:
+        return (
+            f"{name} takes a {dtype_name(inputs[0].dtype)} input of shape "
+            f"{tuple(inputs[0].shape)}, not token ids (batch, seq): pipeline stages run "
+            "token models, trained with a loss per token"
         )
     hf = is_hf_model(module)
     model, ids = _priced_twin(module, copy_always=hf), _on_meta(inputs[0])

@@ -465,6 +465,21 @@ def test_a_plan_keeps_its_headroom_free():
     assert any("memory headroom" in note for note in roomy.solver.notes)
 
 
+def test_a_headroom_that_leaves_no_fit_is_named_in_the_advice():
+    """The headroom is what the plan may not use: a headroom as large as the GPU is
+    refused naming the option, and a no-fit counts only what it leaves (the advice's GPU
+    count too, which was priced against the whole GPU and never fit)."""
+    with pytest.raises(SpecError, match=r"headroom = 200 GiB per GPU leaves nothing of a h100"):
+        _plan("llama3-8b", 8, 64, headroom=Headroom(gib=200))
+    with pytest.raises(InfeasibleError) as refused:
+        _plan("llama3-70b", 8, 64, headroom=Headroom(gib=20))
+    message = str(refused.value)
+    assert "has 79 GiB, 59 with 20 GiB kept free (--memory-headroom)" in message
+    gpus = int(re.search(r"about (\d+) GPUs instead of 8", message).group(1))  # type: ignore[union-attr]
+    wider = _plan("llama3-70b", gpus, 64, headroom=Headroom(gib=20))
+    assert wider.prediction.peak_memory_gib <= wider.prediction.memory_limit_gib - 20
+
+
 def test_every_framework_has_rules_and_releases():
     for framework in Framework:
         assert str(parse_target(framework.value)).startswith(framework.value)

@@ -260,3 +260,37 @@ def test_a_view_that_folds_the_head_shard_into_the_sequence_is_caught(tmp_path):
     failure = rehearse(handle, graph, {**layout, attention + "out_proj": row}, tp=2)
     assert failure is not None and "folds the heads' shard" in failure.message
     assert failure.module.endswith("self_attn")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "table"),
+    [
+        ("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64}, "model.decoder.embed_positions"),
+        ("bert", {"intermediate_size": 128}, "bert.embeddings.position_embeddings"),
+    ],
+)  # fmt: skip
+def test_a_sequence_longer_than_a_learned_position_table_is_refused(
+    tmp_path, model_type, fields, table
+):
+    """OPT counts positions with a cumulative sum, BERT slices a buffer of them: neither
+    lookup fails on meta tensors (BERT's failed later, as a tracing error), and the
+    cluster's would; the plan is refused naming the table and the longest sequence."""
+    path = _write(
+        tmp_path, model_type, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=32, vocab_size=256, **fields,
+    )  # fmt: skip
+    handle = resolve_hf_config(path)
+    with pytest.raises(SpecError, match=rf"seq_len 64 looks up positions 0..63 in .{table}. .* <= 32"):
+        trace(handle, seq_len=64)
+    assert trace(handle, seq_len=32).flops_fwd > 0
+
+
+def test_an_encoder_decoder_config_is_refused_in_one_line_with_the_way_to_plan_it(tmp_path):
+    """T5 builds no causal LM; transformers' error goes on to list every config class it
+    knows (about 200): the refusal keeps its first line and says what to do."""
+    path = _write(tmp_path, "t5", d_model=32, num_layers=1, num_heads=2, d_ff=64, d_kv=16)
+    with pytest.raises(SpecError) as refused:
+        resolve_hf_config(path)
+    message = str(refused.value)
+    assert "t5 config does not build a causal LM" in message and "module:function" in message
+    assert "\n" not in message and "GPT2Config" not in message

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from planner.cli import main
 from planner.cost import graph_from_spec
-from planner.errors import SpecError
+from planner.errors import SpecError, TraceError
 from planner.graph import OpKind, OpRole
 from planner.models import build, resolve_model
 from planner.models.moe import Experts, MoE
@@ -310,6 +311,21 @@ def test_hf_moe_configs_trace_with_the_marks(tmp_path, model_type):
     assert totals[OpRole.EXPERTS][0] == moe_layers * 2 * 16 * 2 * 3 * 64 * 32
     grouped = [n.gemm for n in moe.nodes if n.role is OpRole.EXPERTS and n.kind is OpKind.MATMUL]
     assert grouped == [(8, 64, 4, 64), (8, 64, 4, 32)]
+
+
+def test_a_config_whose_sizes_disagree_is_named_not_blamed_on_tracing(tmp_path):
+    """DeepSeek-V3's latent attention keeps a key and value per query head: a config
+    with fewer key/value heads (copied from a dense model) fails in transformers' own
+    forward, and the error says so and where, not how to make a forward traceable."""
+    pytest.importorskip("transformers")
+    from planner.hf import resolve_hf_config
+
+    path = Path(_hf_config(tmp_path, "deepseek_v3"), "config.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_key_value_heads": 2}))
+    with pytest.raises(
+        TraceError, match=r"deepseek_v3: its forward fails \(RuntimeError: .*\) in "
+    ):
+        trace(resolve_hf_config(path.parent), seq_len=16)
 
 
 def test_hf_experts_in_another_layout_are_refused_naming_the_field(tmp_path):

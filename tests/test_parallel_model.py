@@ -188,3 +188,30 @@ def test_one_shot_plans_a_hugging_face_model_at_the_training_length() -> None:
     tokens = torch.randint(0, 256, (4, 49))
     loss = parallel.step(*parallel.local_batch(tokens[:, :-1], tokens[:, 1:]))
     assert torch.isfinite(loss)
+
+
+class _NormedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x))
+
+
+def test_batch_norms_under_data_parallelism_say_they_normalise_per_rank(caplog) -> None:
+    """Each data-parallel rank's batch norm sees its own micro-batch, as under DDP: a
+    model with one does not match one process, and the check says so and how to."""
+    from planner.models import ModelHandle
+    from planner.modules import check_model_against_plan
+
+    handle = ModelHandle("user", "test", _NormedMLP(), lambda b, s: (torch.randn(b, 8),))
+    cluster, training = Cluster(gpu="cpu", num_gpus=2), Training(global_batch_size=8)
+    plan = assemble_plan(handle, cluster, training, Strategy(dp=2, micro_batch_size=4))
+    check_model_against_plan(plan, handle.module)
+    assert "batch norm 'norm' normalises over each rank's micro-batch of 4 samples" in caplog.text
+    assert "convert_sync_batchnorm" in caplog.text
+    caplog.clear()
+    one = assemble_plan(handle, cluster.with_gpus(1), training, Strategy(micro_batch_size=8))
+    check_model_against_plan(one, handle.module)
+    assert "batch norm" not in caplog.text

@@ -240,6 +240,37 @@ def test_a_forward_that_cannot_run_as_stages_gets_no_pipeline_plan(
     assert plan.strategy.pp == 1
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class _FloatStack(nn.Module):
+    """Blocks fed by a float input (features, images): no tokens to stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_model_of_float_inputs_is_told_pipelines_run_token_models() -> None:
+    """Not "logits of shape (2, 8) for token ids of shape (2, 8)": it takes no tokens."""
+    problem = stage_problem(_FloatStack(), (torch.randn(2, 8),))
+    assert problem == (
+        "_FloatStack takes a fp32 input of shape (2, 8), not token ids (batch, seq): "
+        "pipeline stages run token models, trained with a loss per token"
+    )
+
+
 def test_the_same_model_with_a_plain_forward_passes_the_check() -> None:
     module = _LM("plain")
     assert stage_problem(module, module.example_inputs(2)) is None

@@ -259,8 +259,29 @@ def test_a_list_of_bare_layers_is_not_a_list_of_blocks():
     assert find_blocks(model) == []
 
 
-def test_untraceable_model_raises_trace_error_with_advice():
-    with pytest.raises(TraceError, match=r"(?s)could not trace model 'user'.*node 'proj'.*Fix:"):
+def test_untraceable_model_raises_trace_error_with_advice(monkeypatch):
+    """A forward both tracers fail on, though it runs: each tracer's reason and the fix."""
+    import planner.tracing.tracer as tracer
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported construct")
+
+    monkeypatch.setattr(tracer, "trace_fx", refuse)
+    monkeypatch.setattr(tracer, "trace_export", refuse)
+    with pytest.raises(
+        TraceError, match=r"(?s)could not trace model 'user'.*torch.fx: .*unsupported.*Fix:"
+    ):
+        trace(_user_handle(_Broken(), 8))
+
+
+def test_a_forward_that_fails_on_its_own_says_where_not_how_to_trace():
+    """Shapes that disagree fail the model's own forward, whatever the tracer: the
+    error names the model's line and the failure, not tracing advice."""
+    with pytest.raises(
+        TraceError,
+        match=r"user: its forward fails \(RuntimeError: .*\) in forward\(\) at test_trace.py:\d+, "
+        r"whatever the tracer: check the model's code or its config",
+    ):
         trace(_user_handle(_Broken(), 5))  # inputs 5 wide, the layer takes 8
 
 

@@ -389,6 +389,12 @@ class _Space:
         self.cluster = model.cluster
         self.training = model.training
         self.headroom_gib = headroom_gib
+        if headroom_gib >= model.profile.memory_capacity_gib:
+            raise SpecError(
+                f"memory headroom = {headroom_gib:.3g} GiB per GPU leaves nothing of a "
+                f"{model.cluster.gpu}'s {model.profile.memory_capacity_gib:.3g} GiB: keep "
+                "less free (--memory-headroom)"
+            )
         self.capacity = (model.profile.memory_capacity_gib - headroom_gib) * _GIB
         self.over_memory = 0  # candidates dropped by the memory bound
         self.enumerated = 0  # candidates that passed it
@@ -1006,6 +1012,13 @@ def _micro_batch_reason(training: Training, pins: Pins, space: _Space) -> list[s
     """Why a given micro-batch size leaves no mesh: it divides no data-parallel rank's
     share of the global batch (``[]`` when none is given, or it is not the reason)."""
     micro = training.micro_batch_size or pins.micro_batch_size
+    if None not in (training.micro_batch_size, pins.micro_batch_size) and (
+        training.micro_batch_size != pins.micro_batch_size
+    ):
+        return [
+            f"micro_batch_size is {training.micro_batch_size} in the training settings and "
+            f"{pins.micro_batch_size} in the pins; give it in one place"
+        ]
     dps = sorted({dp for dp, *_ in space.meshes()})
     if micro is None or not dps or any(space.micro_batches(dp) for dp in dps):
         return []
@@ -1046,16 +1059,21 @@ def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> In
         lean = _cost(model, space.leanest.strategy(model.training.global_batch_size))
         if lean is not None:
             closest = _less_memory(closest, lean)
-    limit = model.profile.memory_capacity_gib
+    limit = model.profile.memory_capacity_gib - space.headroom_gib
+    has = f"has {model.profile.memory_capacity_gib:.0f} GiB" + (
+        f", {limit:.0f} with {space.headroom_gib:.3g} GiB kept free (--memory-headroom)"
+        if space.headroom_gib
+        else ""
+    )
     if closest is None:
         return InfeasibleError(
-            f"no strategy fits {model.cluster.num_gpus} x {model.cluster.gpu} "
-            f"({limit:.0f} GiB each); use more GPUs or a GPU with more memory"
+            f"no strategy fits {model.cluster.num_gpus} x {model.cluster.gpu}, which {has}; "
+            "use more GPUs or a GPU with more memory"
         )
     prediction = closest.prediction
     parts = sorted(prediction.memory_gib.items(), key=lambda item: -item[1])
     dominant = ", ".join(f"{name} {gib:.1f}" for name, gib in parts[:3])
-    wider = _gpus_to_fit(model, closest.strategy)
+    wider = _gpus_to_fit(model, closest.strategy, limit)
     kept = ""
     if wider.gpus is None:
         kept = (
@@ -1066,7 +1084,7 @@ def _nothing_fits(model: CostModel, space: _Space, closest: Scored | None) -> In
     return InfeasibleError(
         f"no strategy fits: the closest, {closest.strategy.describe()}, needs "
         f"{prediction.peak_memory_gib:.1f} GiB per GPU (largest terms, GiB: {dominant}) but a "
-        f"{model.cluster.gpu} has {limit:.0f} GiB{kept}. To fit: " + ", or ".join(advice)
+        f"{model.cluster.gpu} {has}{kept}. To fit: " + ", or ".join(advice)
     )
 
 
@@ -1082,12 +1100,12 @@ class _Widening(NamedTuple):
     need_gib: float
 
 
-def _gpus_to_fit(model: CostModel, strategy: Strategy) -> _Widening:
+def _gpus_to_fit(model: CostModel, strategy: Strategy, limit: float) -> _Widening:
     """The fewest GPUs, a multiple of ``strategy``'s that the cluster's nodes hold (up to
-    :data:`_WIDEST` times), at which it fits with its data parallelism widened as far,
-    each rank keeping its batch: ZeRO shards the states wider, a gathered layer or a
-    bucket stays."""
-    limit, gpus = model.profile.memory_capacity_gib, model.cluster.num_gpus
+    :data:`_WIDEST` times), at which it fits in ``limit`` GiB per GPU with its data
+    parallelism widened as far, each rank keeping its batch: ZeRO shards the states
+    wider, a gathered layer or a bucket stays."""
+    gpus = model.cluster.num_gpus
 
     @functools.cache  # each factor is a cost model of its own: price it once
     def need(factor: int) -> float:

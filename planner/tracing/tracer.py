@@ -27,9 +27,11 @@ import hashlib
 import itertools
 import logging
 import math
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +201,12 @@ def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> boo
 def _meta_failure(name: str, exc: BaseException) -> str:
     """Why a model's forward cannot run on meta tensors, and what to change."""
     first = str(exc).splitlines()[0] if str(exc) else ""
+    if "meta" not in first.lower():  # not the meta device's limits: the model's own error
+        return (
+            f"{name}: its forward fails ({type(exc).__name__}: {first[:160]}){_where(exc)}, "
+            "whatever the tracer: check the model's code or its config (sizes that must "
+            "agree, such as heads and key/value heads)"
+        )
     routed = (
         " (tokens gathered per expert by torch.where or nonzero: hold the experts as "
         "grouped weights in transformers' layout, planner.models.moe.Experts, which the "
@@ -211,6 +219,22 @@ def _meta_failure(name: str, exc: BaseException) -> str:
         "the planner prices a model from one forward on meta tensors, which hold shapes "
         f"but no values, so shapes that depend on values cannot be priced{routed}"
     )
+
+
+_NOT_THE_MODELS = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+
+
+def _where(exc: BaseException) -> str:
+    """Where in the model's code ``exc`` was raised: its last frame outside torch and
+    the planner (" in function() at file:line"), or nothing."""
+    frames = [
+        frame for frame in traceback.extract_tb(exc.__traceback__)
+        if not frame.filename.startswith(_NOT_THE_MODELS)
+    ]  # fmt: skip
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" in {frame.name}() at {Path(frame.filename).name}:{frame.lineno}"
 
 
 class _MetaAutocast(TorchFunctionMode):
@@ -261,6 +285,9 @@ def _run_front_ends(
     try:
         return trace_export(root, inputs, blocks)
     except Exception as export_error:
+        broken = _eager_failure(root, inputs)
+        if broken is not None:  # the model's own code fails, traced or not
+            raise TraceError(_meta_failure(name, broken)) from None
         raise TraceError(
             f"could not trace model {name!r}.\n  torch.fx: {fx_reason}\n"
             f"  torch.export: {error_summary(export_error)}\n"
@@ -268,6 +295,42 @@ def _run_front_ends(
             "torch.where; return tensors), check that the example inputs match forward()'s "
             "arguments, or describe the model as a ModelSpec JSON file."
         ) from None
+
+
+def _eager_forward(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """One eager forward of the traced module on its meta inputs. A Hugging Face model
+    keeps a KV cache, which builds the same masks: without one transformers reads the
+    positions' values to find packed sequences, which meta tensors do not hold."""
+    with torch.no_grad(), _MetaAutocast(_parameter_dtype(root)):
+        if isinstance(root, _WithLoss) and root.hf:
+            root.model(input_ids=inputs[0], use_cache=True)
+        else:
+            root(*inputs)
+
+
+def _eager_failure(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Exception | None:
+    """What the model's own forward raises on the meta inputs, if anything (a config
+    whose shapes disagree fails there too, not only in the tracers)."""
+    try:
+        _eager_forward(root, inputs)
+    except Exception as exc:  # the model's own code: any error it raises is the answer
+        return exc
+    return None
+
+
+def _check_learned_positions(model: nn.Module, seq_len: int) -> None:
+    """Refuse a sequence longer than a Hugging Face model's learned position table (an
+    embedding beside the token embedding with the config's ``max_position_embeddings``
+    rows, after OPT's offset): its positions come from a cumulative sum (OPT) or a
+    sliced buffer (BERT), which meta tensors pass through; the cluster's lookup fails."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not is_hf_model(model) or not isinstance(limit, int) or seq_len <= limit:
+        return
+    tokens = cast(Any, model).get_input_embeddings()
+    for fqn, module in model.named_modules():
+        rows = getattr(module, "num_embeddings", 0) - getattr(module, "offset", 0)
+        if isinstance(module, nn.Embedding) and module is not tokens and rows == limit:
+            raise _too_long(seq_len, seq_len, fqn, type(module).__name__, limit)
 
 
 # Ops between an arange and a position embedding that keep one position per token: views,
@@ -294,11 +357,18 @@ def _check_position_tables(traced: Traced, seq_len: int, prefix: str) -> None:
         if source is None or source.op != "arange" or math.prod(source.out.shape) <= rows:
             continue
         module = op.module.removeprefix(prefix) or op.module
-        raise SpecError(
-            f"seq_len {seq_len} looks up positions 0..{math.prod(source.out.shape) - 1} in "
-            f"{module!r} ({op.module_class or op.target}), a table of {rows} positions: use seq_len <= "
-            f"{rows}, or give the model a longer position table"
+        raise _too_long(
+            seq_len, math.prod(source.out.shape), module, op.module_class or op.target, rows
         )
+
+
+def _too_long(seq_len: int, positions: int, table: str, kind: str, rows: int) -> SpecError:
+    """A sequence that looks up ``positions`` positions in a table of ``rows``."""
+    return SpecError(
+        f"seq_len {seq_len} looks up positions 0..{positions - 1} in {table!r} ({kind}), a "
+        f"table of {rows} positions: use seq_len <= {rows}, or give the model a longer "
+        "position table"
+    )
 
 
 def _table_lookup(op: RawOp) -> tuple[int, TensorRef] | None:
@@ -522,14 +592,12 @@ def _masked_attention_share(
     module of one's own as its traced calls say; a Hugging Face model as its eager
     forward makes them, counted on one forward on the meta ``inputs`` (traced by
     torch.export it builds every mask its eager forward skips for ``is_causal``, but not
-    a sliding window's once the sequence outgrows it). That forward keeps a KV cache,
-    which builds the same masks: without one transformers reads the positions' values
-    to find packed sequences, which meta tensors do not hold. A model whose forward reads
-    values elsewhere (BioGPT's positions) is priced unmasked, with a warning."""
+    a sliding window's once the sequence outgrows it). A model whose forward reads
+    values (BioGPT's positions) is priced unmasked, with a warning."""
     if isinstance(root, _WithLoss) and root.hf:
         try:
-            with torch.no_grad(), _MaskedCalls() as calls:
-                root.model(input_ids=inputs[0], use_cache=True)
+            with _MaskedCalls() as calls:
+                _eager_forward(root, inputs)
         except Exception as exc:  # the model's own code, on meta tensors
             logger.warning(
                 "%s: its attention masks could not be counted on meta tensors (%s: %s); "
@@ -584,6 +652,7 @@ def trace(
     """
     seq = seq_len if seq_len is not None else default_seq_len(handle)
     _check_arguments(handle, batch_size, seq, dtype)
+    _check_learned_positions(handle.module, seq)
     root, inputs, prefix = prepare_traced_module(handle, batch_size, seq, DTYPES[dtype])
     blocks = dict(find_blocks(root))
     traced = _run_front_ends(root, inputs, blocks, handle.name)
