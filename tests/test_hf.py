@@ -280,7 +280,9 @@ def test_a_sequence_longer_than_a_learned_position_table_is_refused(
         max_position_embeddings=32, vocab_size=256, **fields,
     )  # fmt: skip
     handle = resolve_hf_config(path)
-    with pytest.raises(SpecError, match=rf"seq_len 64 looks up positions 0..63 in .{table}. .* <= 32"):
+    with pytest.raises(
+        SpecError, match=rf"seq_len 64 looks up positions 0..63 in .{table}. .* <= 32"
+    ):
         trace(handle, seq_len=64)
     assert trace(handle, seq_len=32).flops_fwd > 0
 
