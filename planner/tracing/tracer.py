@@ -188,8 +188,7 @@ def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> boo
     if len(inputs) != 1 or inputs[0].is_floating_point() or inputs[0].ndim != 2:
         return False
     try:
-        with torch.no_grad(), _MetaAutocast(_parameter_dtype(model)):
-            logits = output_logits(model(*inputs))
+        logits = output_logits(_eager_forward(model, inputs))
     except (NotImplementedError, RuntimeError) as exc:  # the model's own code, on meta
         raise TraceError(_meta_failure(type(model).__name__, exc)) from None
     problem = logits_problem(logits.shape, inputs[0].shape)
@@ -297,15 +296,15 @@ def _run_front_ends(
         ) from None
 
 
-def _eager_forward(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-    """One eager forward of the traced module on its meta inputs. A Hugging Face model
-    keeps a KV cache, which builds the same masks: without one transformers reads the
-    positions' values to find packed sequences, which meta tensors do not hold."""
+def _eager_forward(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Any:
+    """One eager forward of a module (the traced one, or the model it wraps) on its meta
+    inputs, and its output. A Hugging Face model keeps a KV cache, which builds the same
+    masks: without one transformers reads the positions' values to find packed
+    sequences, which meta tensors do not hold."""
     with torch.no_grad(), _MetaAutocast(_parameter_dtype(root)):
         if isinstance(root, _WithLoss) and root.hf:
-            root.model(input_ids=inputs[0], use_cache=True)
-        else:
-            root(*inputs)
+            return root.model(input_ids=inputs[0], use_cache=True)
+        return root(*inputs)
 
 
 def _eager_failure(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Exception | None:
