@@ -110,6 +110,7 @@ def parallelize(
     that knows its plan (``.plan``): ``local_batch(inputs, targets)`` cuts a global
     batch to this rank's share, ``step(inputs, targets) -> loss`` runs forward and
     backward over the plan's micro-batches (and pipeline schedule),
+    ``evaluate(inputs, targets) -> loss`` the forward alone (eval mode, no gradients),
     ``clip_grad_norm_(max_norm)`` clips by the whole model's norm, ``parameters()`` feeds
     the optimizer, and ``parallel(inputs)`` runs the forward (``pp = 1``).
     One-shot form: pass ``cluster`` (``num_gpus`` = the world size) and ``training``

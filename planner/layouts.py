@@ -196,7 +196,7 @@ class ModelLayouts:
             and _same_modules(layout, self.layout(tp, False))
         ):
             return (
-                "sequence parallelism would shard nothing: its layout is tp's alone (no "
+                "it would shard nothing, its layout being tp's alone (no "
                 f"block boundary keeps a residual stream split along a sequence); {_WITHOUT_SP}"
             )
         if layout is not None and not layout.shards_parameters:

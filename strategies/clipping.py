@@ -68,34 +68,51 @@ def _sharded_grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad if info is None else _unflatten_tensor(param.grad, info)
 
 
+# A set of mesh axes a gradient is sharded over: each axis's name and its group's ranks.
+_Axes = tuple[tuple[str, tuple[int, ...]], ...]
+
+
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of all gradients, whole (not per shard): one all-reduce per sharding.
 
     Partial-sum DTensor gradients (sequence-parallel norms) are reduced first. Local
     shards are then summed per set of sharded mesh axes, and each sum is all-reduced over
-    those axes only; replicated gradients need no communication.
+    those axes only; replicated gradients need no communication. The sets are told apart
+    by their axes' names and ranks, and reduced in that order, not by the group objects
+    a gradient's mesh holds: equal meshes built apart (a second plan in the process) hold
+    distinct groups of the same ranks, which would order the all-reduces differently on
+    different ranks and leave them waiting on each other.
     """
-    sums: dict[tuple[dist.ProcessGroup, ...], torch.Tensor] = {}
+    sums: dict[_Axes, torch.Tensor] = {}
+    groups: dict[_Axes, tuple[dist.ProcessGroup, ...]] = {}
     for grad in grads:
-        groups: tuple[dist.ProcessGroup, ...] = ()
+        axes: _Axes = ()
         local = grad
         if isinstance(grad, DTensor):
             whole = _without_partial(grad)
             mesh = whole.device_mesh
-            groups = tuple(
-                mesh.get_group(dim)
-                for dim, placement in enumerate(whole.placements)
-                if not placement.is_replicate()
+            dims = [d for d, p in enumerate(whole.placements) if not p.is_replicate()]
+            names = mesh.mesh_dim_names or tuple(map(str, range(mesh.ndim)))
+            held = tuple(mesh.get_group(d) for d in dims)
+            axes = tuple(
+                (names[d], tuple(dist.get_process_group_ranks(g)))
+                for d, g in zip(dims, held, strict=True)
             )
+            # of groups with the same ranks, the one every member picks alike
+            groups[axes] = min(groups.get(axes, held), held, key=_group_names)
             local = whole.to_local()
         squares = local.detach().float().pow(2).sum()
-        sums[groups] = sums[groups] + squares if groups in sums else squares
+        sums[axes] = sums[axes] + squares if axes in sums else squares
     total = torch.zeros((), device=device)
-    for groups, value in sums.items():
-        for group in groups:
-            dist.all_reduce(value, group=group)
-        total += value
+    for axes in sorted(sums):
+        for group in groups.get(axes, ()):
+            dist.all_reduce(sums[axes], group=group)
+        total += sums[axes]
     return total
+
+
+def _group_names(groups: tuple[dist.ProcessGroup, ...]) -> tuple[str, ...]:
+    return tuple(group.group_name for group in groups)
 
 
 def _without_partial(grad: DTensor) -> DTensor:

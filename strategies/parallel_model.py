@@ -255,11 +255,15 @@ class ParallelModel:
         return sequence_shards(self.plan, self.rank, *tensors)
 
     def _check_local(self, tensor: torch.Tensor, where: str, *, whole: bool) -> None:
-        """On the first training call: at most this rank's share of the global batch (all
-        of it when ``whole``), and under context parallel its share of each sequence."""
+        """On the first training call, :meth:`_check_share`."""
         if self._checked or not self.training:
             return
         self._checked = True
+        self._check_share(tensor, where, whole=whole)
+
+    def _check_share(self, tensor: torch.Tensor, where: str, *, whole: bool) -> None:
+        """At most this rank's share of the global batch (all of it when ``whole``), and
+        under context parallel its share of each sequence."""
         strategy, seq, local = self.plan.strategy, self.plan.seq_len, self._local_batch_size
         batch = tensor.shape[0] if tensor.ndim else 0
         if batch > local or (whole and batch != local):
@@ -316,6 +320,28 @@ class ParallelModel:
                 loss = self._accumulate(inputs, targets)
         return _global_mean(loss)
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of this rank's share of a global batch (as :meth:`step` takes
+        it), forward only: without gradients, in eval mode (no dropout, batch norms on
+        their running statistics; the model's mode is restored after), over the plan's
+        micro-batches (the pipeline schedule's forwards when ``pp > 1``) in the plan's
+        precision; a detached float32 scalar, equal on every rank."""
+        self._check_share(inputs, "parallel.evaluate(inputs, targets)", whole=True)
+        device = torch.device(device_type())
+        inputs, targets = inputs.to(device), targets.to(device)
+        training = self.training
+        self.eval()
+        try:
+            with self._autocast(), torch.no_grad():
+                runner = self.runner
+                if runner is not None:
+                    loss = runner.evaluate(inputs, targets)
+                else:
+                    loss = self._mean_loss(inputs, targets)
+        finally:
+            self.train(training)
+        return _global_mean(loss)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to a global L2 norm of ``max_norm`` (the whole model's, on every
         mesh); returns the norm before clipping, equal on every rank."""
@@ -347,6 +373,15 @@ class ParallelModel:
                 loss.backward()
             losses.append(full_value(loss).float())
         return torch.stack(losses).sum()
+
+    def _mean_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean micro-batch loss of a forward over the plan's micro-batches."""
+        model, count = self.module, self.plan.strategy.num_microbatches
+        losses = []
+        with loss_context(self.plan):
+            for x, y in zip(inputs.chunk(count), targets.chunk(count), strict=True):
+                losses.append(full_value(self.loss_fn(model(x), y)).float())
+        return torch.stack(losses).mean()
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Local SGD's periodic averaging, after any optimizer step over this model."""

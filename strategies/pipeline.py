@@ -18,6 +18,7 @@ and weight gradients to fill the bubble) over the plan's chunks; all run on gloo
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -174,19 +175,33 @@ class PipelineRunner:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all micro-batches; the mean loss, on every pp rank."""
+        return self._run(
+            functools.partial(self.schedule.step, return_outputs=False), inputs, targets
+        )
+
+    def _run(
+        self, schedule: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """One pass of ``schedule`` (the schedule's step or eval) over this rank's batch;
+        the mean micro-batch loss, on every pp rank."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs: dict[str, Any] = {STAGE_IDS: inputs}
         if self.has_last:
             kwargs |= {"target": targets, "losses": losses}
         with self.loss_context():
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            schedule(*args, **kwargs)
         if self.has_last:
             loss = torch.stack([full_value(value) for value in losses]).mean().float()
         else:
             loss = torch.zeros((), device=torch.device(device_type()))
         dist.all_reduce(loss, group=self.group)
         return loss
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward of all micro-batches without gradients; the mean loss, on every pp rank."""
+        with torch.no_grad():
+            return self._run(self.schedule.eval, inputs, targets)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain.from_iterable(module.parameters() for module in self.modules)

@@ -323,7 +323,15 @@ MORE_FAMILIES = {
     "granite": _DECODER,
     "qwen3_moe": {**_DECODER, **_HEAD_DIM, **_EXPERTS, "decoder_sparse_step": 1},
     "olmoe": {**_DECODER, **_EXPERTS},
+    # latent attention, a dense first layer, a shared expert and group-limited routing
+    "deepseek_v3": {**_DECODER, "num_key_value_heads": 4, "intermediate_size": 96,
+                    "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
+                    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                    "v_head_dim": 16, "n_group": 2, "topk_group": 1, "rope_scaling": None},
 }  # fmt: skip
+# Mixtral's experts layout under dp x tp: tests/test_tp_matrix.py, test_runtime_expert_parallel
+_EXPERTS_AS_MIXTRALS = {"qwen3_moe", "olmoe"}
 MORE_FAMILIES = {
     family: {**fields, "tie_word_embeddings": False} for family, fields in MORE_FAMILIES.items()
 }
@@ -359,34 +367,43 @@ def test_norms_scaling_by_one_plus_weight_run_on_shards(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_more_families_match_single_process_under_tensor_and_pipeline_parallelism(tmp_path):
+def test_more_families_match_single_process_under_tensor_pipeline_and_context_parallelism(
+    tmp_path,
+):
     """Each family trains on four gloo ranks as one process does with the same two
     micro-batches: two pipeline stages of two tensor-parallel ranks each (the search's
-    layout, schedule and expert parallelism), and each dense family as two
-    data-parallel replicas (DDP and FSDP2 by turns) of two tensor-parallel ranks."""
+    layout, schedule and expert parallelism), and each dense family and DeepSeek-V3 as
+    two data-parallel replicas (DDP and FSDP2 by turns) of two tensor-parallel ranks;
+    DeepSeek-V3's latent attention also as two data-parallel replicas (the other of
+    the two) of two context-parallel ranks."""
     device = str(write_tp_pays(tmp_path))
     paths = {family: _write(tmp_path, family, **fields) for family, fields in MORE_FAMILIES.items()}
-    meshes = {"tp2 x pp2": (1, 2, 2), "dp2 x tp2": (2, 2, 1)}  # (dp, tp, pp)
+    meshes = {"tp2 x pp2": (1, 2, 2, 1), "dp2 x tp2": (2, 2, 1, 1), "dp2 x cp2": (2, 1, 1, 2)}
+    wanted = {
+        "tp2 x pp2": set(paths),
+        "dp2 x tp2": set(paths) - _EXPERTS_AS_MIXTRALS,
+        "dp2 x cp2": {"deepseek_v3"},
+    }
     plans = {
         (family, mesh): _searched(
-            path, 4, Pins(dp=dp, tp=tp, pp=pp, cp=1, zero=3 * (i % 2) if dp > 1 else None), device
+            path,
+            4,
+            Pins(dp=dp, tp=tp, pp=pp, cp=cp, zero=3 * ((i + cp) % 2) if dp > 1 else None),
+            device,
         )
         for i, (family, path) in enumerate(paths.items())
-        for mesh, (dp, tp, pp) in meshes.items()
-        # MoE under dp x tp: tests/test_tp_matrix.py (Mixtral), test_runtime_expert_parallel
-        if pp > 1 or "experts" not in json.dumps(MORE_FAMILIES[family])
+        for mesh, (dp, tp, pp, cp) in meshes.items()
+        if family in wanted[mesh]
     }
     for (family, mesh), plan_json in plans.items():
         strategy = Plan.model_validate_json(plan_json).strategy
-        assert (strategy.dp, strategy.tp, strategy.pp) == meshes[mesh], family
-    per_case = {}
-    for mesh in meshes:  # a launch each: the ranks' later plans hung after pipelined ones
-        cases = {
-            f"{f} {m}": functools.partial(_train, paths[f], plan)
-            for (f, m), plan in plans.items()
-            if m == mesh
-        }
-        per_case.update(run_on_ranks(4, cases, tmp_path))
+        assert (strategy.dp, strategy.tp, strategy.pp, strategy.cp) == meshes[mesh], family
+    # one launch: each rank trains one plan after another (gradient clipping once waited
+    # forever in the second of a pipelined and a data-parallel plan: strategies/clipping.py)
+    cases = {
+        f"{f} {m}": functools.partial(_train, paths[f], plan) for (f, m), plan in plans.items()
+    }
+    per_case = run_on_ranks(4, cases, tmp_path)
     one_process = Pins(dp=1, tp=1, pp=1)
     references = {f: _train(p, _searched(p, 1, one_process, device), 0) for f, p in paths.items()}
     failures = []

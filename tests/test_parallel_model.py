@@ -215,3 +215,53 @@ def test_batch_norms_under_data_parallelism_say_they_normalise_per_rank(caplog) 
     one = assemble_plan(handle, cluster.with_gpus(1), training, Strategy(micro_batch_size=8))
     check_model_against_plan(one, handle.module)
     assert "batch norm" not in caplog.text
+
+
+class _DropoutLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.embed(tokens)))
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.zeros(batch_size, 8, dtype=torch.long),)
+
+
+def test_a_module_without_example_inputs_planned_in_one_shot_names_the_fix() -> None:
+    training = Training(global_batch_size=4, micro_batch_size=2, seq_len=8, dtype="fp32")
+    module = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    with pytest.raises(SpecError, match=r"Sequential has no example inputs .* \(token ids of"):
+        planner.parallelize(
+            module, cluster=Cluster(gpu="h100-sxm-80gb", num_gpus=1), training=training
+        )
+
+
+def test_evaluate_is_the_eval_mode_loss_without_gradients_and_keeps_the_mode() -> None:
+    """``evaluate`` turns dropout off for its forward, builds no graph, leaves no gradient
+    and hands the model back in the mode it found it; the batch is step's."""
+    torch.manual_seed(0)
+    module = _DropoutLM()
+    training = Training(global_batch_size=4, micro_batch_size=2, seq_len=8, dtype="fp32")
+    parallel = planner.parallelize(
+        module, cluster=Cluster(gpu="h100-sxm-80gb", num_gpus=1), training=training
+    )
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    inputs, targets = parallel.local_batch(tokens[:, :-1], tokens[:, 1:])
+    loss = parallel.evaluate(inputs, targets)
+    assert parallel.training and not loss.requires_grad
+    assert all(p.grad is None for p in parallel.parameters())
+    module.eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(
+            module(inputs).flatten(0, 1), targets.flatten()
+        )
+    assert float(loss) == pytest.approx(float(expected), abs=1e-6)
+    assert float(parallel.evaluate(inputs, targets)) == float(loss)  # no dropout: the same
+    with pytest.raises(
+        SpecError, match=r"parallel.evaluate\(inputs, targets\): inputs have batch 2"
+    ):
+        parallel.evaluate(inputs[:2], targets[:2])

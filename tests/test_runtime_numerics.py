@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -206,18 +207,23 @@ class Case:
 
 
 def train(case: Case, world_size: int, rank: int) -> dict[str, Any]:
-    """Losses of ``STEPS`` steps of ``case`` (the global mean), this rank's state keys and,
+    """Losses of ``STEPS`` steps of ``case`` (the global mean), ``evaluate``'s loss on a
+    held-out batch halfway (training goes on after it), this rank's state keys and,
     after the last step, a digest of each parameter it holds (whole, gathered)."""
     plan = case.plan(world_size)
     model = build_handle(case.apply_to or case.model).module
     parallel = parallelize(model, plan)
     trainer = Trainer(parallel, lr=LR, max_grad_norm=CLIP)
-    losses = []
+    losses, eval_loss = [], None
     for step in range(STEPS):
+        if step == STEPS // 2:
+            held_out = synthetic_batch(VOCAB, BATCH, SEQ, seed=1, step=step)
+            eval_loss = float(parallel.evaluate(*local_slice(plan, rank, *held_out)))
         inputs, targets = synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step)
         losses.append(trainer.step(*local_slice(plan, rank, inputs, targets)))
     return {
         "losses": losses,
+        "eval_loss": eval_loss,
         "state_keys": sorted(parallel.state_dict()),
         "parameters": parameter_digests(parallel),
     }
@@ -430,10 +436,15 @@ def _compare(cases: list[Case], per_case: dict[str, list[Any]]) -> list[str]:
         failures += parameter_failures(case, results)
         losses = results[0]["losses"]
         expected = reference(case.model, case.optimizer)
-        worst = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
+        held_out = results[0]["eval_loss"], reference_run(case.model, case.optimizer)["eval_loss"]
+        worst = max(
+            abs(a - b)
+            for a, b in zip((*losses, held_out[0]), (*expected, held_out[1]), strict=True)
+        )
         print(f"{case.name:<40} max |loss - reference| = {worst:.2e} (bound {case.bound:.0e})")
         if worst > case.bound:
-            failures.append(f"{case.name}: {losses} vs reference {expected}")
+            failures.append(f"{case.name}: {losses}, evaluate {held_out[0]} vs reference "
+                            f"{expected}, evaluate {held_out[1]}")  # fmt: skip
         if case.bound > EXACT and not losses[-1] < losses[0]:
             failures.append(f"{case.name}: loss did not decrease: {losses}")
     return failures
@@ -450,7 +461,8 @@ def _consistent_ranks(case: Case, results: list[dict[str, Any]]) -> list[str]:
     """All ranks report the same losses; pipeline and tensor-parallel ranks' state dicts
     cover the whole model."""
     failures = []
-    if any(result["losses"] != results[0]["losses"] for result in results):
+    key = itemgetter("losses", "eval_loss")
+    if any(key(result) != key(results[0]) for result in results):
         failures.append(f"{case.name}: ranks disagree on the loss: {results}")
     if case.strategy.get("pp", 1) > 1 or case.strategy.get("tp", 1) > 1:
         held = {k.removeprefix("module.") for r in results for k in r["state_keys"]}  # DDP's

@@ -196,6 +196,12 @@ def _printed_losses(stdout: str) -> list[float]:
     return [float(m) for m in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)]
 
 
+def _held_out_loss(stdout: str) -> float:
+    found = re.search(r"^held-out loss (\S+)", stdout, re.M)
+    assert found, f"the loop printed no held-out loss:\n{stdout}"
+    return float(found.group(1))
+
+
 def _llama_plans(tmp_path: Path, pins: dict[str, planner.Pins]) -> tuple[Path, dict[str, Path]]:
     """An HF Llama config directory and, for each name, the plan the search makes with
     those pins (4 GPUs; ``one process``: 1 GPU)."""
@@ -220,8 +226,8 @@ def test_the_readme_training_loop_runs_a_pipeline_and_resumes_under_another_plan
 ):
     """The README's loop, copied from the README, builds an HF Llama on meta from its
     config and trains it under torchrun on 4 ranks: 2 steps under a pp2 x dp2 plan the
-    search made, saved, then resumed under a pp2 x cp2 plan for a third step. The losses
-    equal one process's uninterrupted run."""
+    search made, saved, then resumed under a pp2 x cp2 plan for a third step. The losses,
+    and the held-out loss it evaluates then, equal one process's uninterrupted run."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     pins = {"pp2 x dp2": planner.Pins(pp=2, dp=2), "pp2 x cp2": planner.Pins(pp=2, cp=2)}
     config, plans = _llama_plans(tmp_path, pins)
@@ -241,3 +247,5 @@ def test_the_readme_training_loop_runs_a_pipeline_and_resumes_under_another_plan
     assert distributed == pytest.approx(_printed_losses(single), abs=1e-5)
     worst = max(abs(a - b) for a, b in zip(distributed, _printed_losses(single), strict=True))
     print(f"README loop pp2 x dp2, resumed under pp2 x cp2: max |loss - one process| = {worst:.2e}")
+    held_out = [_held_out_loss(out) for out in (resumed, single)]
+    assert held_out[0] == pytest.approx(held_out[1], abs=1e-5)

@@ -407,7 +407,9 @@ def test_pinned_sequence_parallelism_that_would_shard_nothing_says_so(tmp_path):
     handle = ModelHandle("mlp", "test", model, lambda b, s: (torch.randn(b, 64),))
     cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
     training = Training(global_batch_size=8, dtype="fp32")
-    with pytest.raises(SpecError, match=r"sequence parallelism would shard nothing.*--no-seq"):
+    with pytest.raises(
+        SpecError, match=r"sequence parallelism at tp\(2\): it would shard nothing, .*--no-seq"
+    ):
         make_plan(handle, cluster, training, pins=Pins(tp=2, sequence_parallel=True))
     plan = make_plan(handle, cluster, training, pins=Pins(tp=2))
     assert plan.strategy.tp == 2 and not plan.strategy.sequence_parallel

@@ -217,7 +217,7 @@ def test_a_module_without_example_inputs_is_checked_with_the_inputs_its_plan_tra
     bare = GPT()
     bare.example_inputs = None  # type: ignore[assignment,method-assign]
     check_plan_layout(plan, bare)
-    with pytest.raises(SpecError, match="without example inputs"):
+    with pytest.raises(SpecError, match="gpt has no example inputs to be traced with"):
         check_plan_layout(plan.model_copy(update={"inputs": ()}), bare)
 
 

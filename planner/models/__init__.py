@@ -112,10 +112,7 @@ def _from_module(name: str, source: str, module: nn.Module, inputs: object) -> M
     if inputs is None:
         example = getattr(module, "example_inputs", None)
         if not callable(example):
-            raise SpecError(
-                f"model {source!r} returned a module without example inputs: return "
-                "(module, example_inputs) or give the module an example_inputs(batch_size) method"
-            )
+            raise SpecError(_without_example_inputs(name, source))
         if _takes_seq_len(example):  # example_inputs(batch_size, seq_len): the user sizes them
             return ModelHandle(name, source, module, lambda b, s: tuple(example(b, s)))
         first = tuple(example(1))
@@ -128,6 +125,22 @@ def _from_module(name: str, source: str, module: nn.Module, inputs: object) -> M
         name, source, module, lambda b, s: _at_seq_len(source, fixed, s),
         example_seq_len=_token_seq_len(fixed),
     )  # fmt: skip
+
+
+def _without_example_inputs(name: str, source: str) -> str:
+    """Why a module without example inputs cannot be traced, and the fix for where it came
+    from (``"module"``: built by the caller and handed over, else a ``module:function``)."""
+    method = "an example_inputs(batch_size) method returning its forward's arguments"
+    if source == "module":
+        return (
+            f"{name} has no example inputs to be traced with: give it {method} (token ids "
+            "of shape (batch_size, seq_len) for a language model), or plan it from a "
+            "module:function returning (module, example_inputs) and apply that plan"
+        )
+    return (
+        f"model {source!r} returned a module without example inputs: return "
+        f"(module, example_inputs) or give the module {method}"
+    )
 
 
 def _takes_seq_len(function: Callable[..., object]) -> bool:
