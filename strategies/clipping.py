@@ -77,11 +77,12 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
 
     Partial-sum DTensor gradients (sequence-parallel norms) are reduced first. Local
     shards are then summed per set of sharded mesh axes, and each sum is all-reduced over
-    those axes only; replicated gradients need no communication. The sets are told apart
-    by their axes' names and ranks, and reduced in that order, not by the group objects
-    a gradient's mesh holds: equal meshes built apart (a second plan in the process) hold
-    distinct groups of the same ranks, which would order the all-reduces differently on
-    different ranks and leave them waiting on each other.
+    those axes only, in the order of the first gradient on each set (the same on every
+    rank), over that gradient's groups; replicated gradients need no communication. The
+    sets are told apart by their axes' names and ranks, not by the group objects a
+    gradient's mesh holds: equal meshes built apart (a later plan in the process) hold
+    distinct groups of the same ranks, and gradients of one set may carry either, which
+    would pair different all-reduces on different ranks and leave them waiting.
     """
     sums: dict[_Axes, torch.Tensor] = {}
     groups: dict[_Axes, tuple[dist.ProcessGroup, ...]] = {}
@@ -98,21 +99,16 @@ def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tens
                 (names[d], tuple(dist.get_process_group_ranks(g)))
                 for d, g in zip(dims, held, strict=True)
             )
-            # of groups with the same ranks, the one every member picks alike
-            groups[axes] = min(groups.get(axes, held), held, key=_group_names)
+            groups.setdefault(axes, held)
             local = whole.to_local()
         squares = local.detach().float().pow(2).sum()
         sums[axes] = sums[axes] + squares if axes in sums else squares
     total = torch.zeros((), device=device)
-    for axes in sorted(sums):
+    for axes in sums:
         for group in groups.get(axes, ()):
             dist.all_reduce(sums[axes], group=group)
         total += sums[axes]
     return total
-
-
-def _group_names(groups: tuple[dist.ProcessGroup, ...]) -> tuple[str, ...]:
-    return tuple(group.group_name for group in groups)
 
 
 def _without_partial(grad: DTensor) -> DTensor:
