@@ -263,8 +263,8 @@ class ParallelModel:
 
     def _check_share(self, tensor: torch.Tensor, where: str, *, whole: bool) -> None:
         """At most this rank's share of the global batch (all of it when ``whole``), and
-        under context parallel its share of each sequence."""
-        strategy, seq, local = self.plan.strategy, self.plan.seq_len, self._local_batch_size
+        under context parallel its share of each sequence (:meth:`_check_length`)."""
+        strategy, local = self.plan.strategy, self._local_batch_size
         batch = tensor.shape[0] if tensor.ndim else 0
         if batch > local or (whole and batch != local):
             raise SpecError(
@@ -272,13 +272,32 @@ class ParallelModel:
                 f"{self.plan.training.global_batch_size} over dp({strategy.dp}) is {local} "
                 "sequences; cut each global batch with parallel.local_batch(inputs, targets)"
             )
+        self._check_length(tensor, where)
+
+    def _check_length(self, tensor: torch.Tensor, where: str) -> None:
+        """Under context parallel or a pipeline, sequences of the plan's length: context
+        parallel cuts the plan's sequences, and pipeline stages pass on activations of
+        the shape of their first call (any other fails in the transfer, on some ranks)."""
+        strategy, seq = self.plan.strategy, self.plan.seq_len
         cp = strategy.cp
-        if cp > 1 and seq is not None and (tensor.ndim < 2 or tensor.shape[1] != seq // cp):
+        if seq is None or (cp == 1 and strategy.pp == 1):
+            return
+        length = tensor.shape[1] if tensor.ndim >= 2 else None
+        if length == seq // cp:
+            return
+        if cp > 1 and length == seq:
             raise SpecError(
                 f"{where}: inputs have shape {tuple(tensor.shape)} but under cp({cp}) each "
                 f"rank holds {seq // cp} of the {seq} tokens of a sequence; cut each global "
                 "batch with parallel.local_batch(inputs, targets)"
             )
+        what = f"context parallel over cp({cp}) cuts" if cp > 1 else "pipeline stages run"
+        held = f" ({seq // cp} tokens on each rank, as parallel.local_batch cuts them)"
+        raise SpecError(
+            f"{where}: inputs have shape {tuple(tensor.shape)} but {what} sequences of the "
+            f"plan's seq_len, {seq} tokens{held if cp > 1 else ''}: give sequences of "
+            f"{seq} tokens (pad or cut them), or plan with that length (plan --seq)"
+        )
 
     @property
     def _local_batch_size(self) -> int:
@@ -309,6 +328,8 @@ class ParallelModel:
         pipeline schedule when ``pp > 1``), in the plan's precision; returns the mean loss
         of the global batch (a detached float32 scalar, equal on every rank)."""
         self._check_local(inputs, "parallel.step(inputs, targets)", whole=True)
+        if self.runner is not None:  # on every call: each must match the first's shapes
+            self._check_length(inputs, "parallel.step(inputs, targets)")
         self._check_dropout()
         device = torch.device(device_type())
         inputs, targets = inputs.to(device), targets.to(device)

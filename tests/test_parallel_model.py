@@ -265,3 +265,36 @@ def test_evaluate_is_the_eval_mode_loss_without_gradients_and_keeps_the_mode() -
         SpecError, match=r"parallel.evaluate\(inputs, targets\): inputs have batch 2"
     ):
         parallel.evaluate(inputs[:2], targets[:2])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shape", "message"),
+    [
+        (
+            Strategy(pp=2, num_microbatches=2, micro_batch_size=2),
+            (4, 8),
+            r"pipeline stages run sequences of the plan's seq_len, 16 tokens: give sequences",
+        ),
+        (
+            Strategy(cp=2, micro_batch_size=4),
+            (4, 4),
+            r"context parallel over cp\(2\) cuts sequences of the plan's seq_len, 16 tokens "
+            r"\(8 tokens on each rank",
+        ),
+        (Strategy(cp=2, micro_batch_size=4), (4, 16), r"each rank holds 8 of the 16 tokens"),
+    ],
+)
+def test_sequences_of_another_length_are_refused_where_the_plan_fixes_it(
+    strategy: Strategy, shape: tuple[int, int], message: str
+) -> None:
+    """Pipeline stages pass on activations of their first call's shape (another length
+    aborted the job in gloo or left ranks waiting), and context parallelism cuts the
+    plan's sequences: both refuse another length on every rank, before any transfer."""
+    training = Training(global_batch_size=4, seq_len=16, dtype="fp32")
+    cluster = Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2)
+    plan = assemble_plan(resolve_model("tiny-gpt"), cluster, training, strategy)
+    module = resolve_model("tiny-gpt", device="cpu", seed=0).module
+    parallel = ParallelModel(plan, module, mesh=None, loss_fn=torch.nn.functional.cross_entropy)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(SpecError, match=message):
+        parallel.evaluate(tokens, tokens)
