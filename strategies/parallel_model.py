@@ -23,7 +23,7 @@ parallel, fails with the fix instead of training wrong.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -327,19 +327,13 @@ class ParallelModel:
         """Forward and backward of this rank's batch over the plan's micro-batches (the
         pipeline schedule when ``pp > 1``), in the plan's precision; returns the mean loss
         of the global batch (a detached float32 scalar, equal on every rank)."""
-        self._check_local(inputs, "parallel.step(inputs, targets)", whole=True)
-        if self.runner is not None:  # on every call: each must match the first's shapes
-            self._check_length(inputs, "parallel.step(inputs, targets)")
+        where = "parallel.step(inputs, targets)"
+        if self.runner is not None:  # every call: the schedule keeps its first call's shapes
+            self._check_share(inputs, where, whole=True)
+        else:
+            self._check_local(inputs, where, whole=True)
         self._check_dropout()
-        device = torch.device(device_type())
-        inputs, targets = inputs.to(device), targets.to(device)
-        with self._autocast():
-            runner = self.runner
-            if runner is not None:
-                loss = runner.step(inputs, targets)
-            else:
-                loss = self._accumulate(inputs, targets)
-        return _global_mean(loss)
+        return self._global_loss(inputs, targets, PipelineRunner.step, self._accumulate)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of this rank's share of a global batch (as :meth:`step` takes
@@ -348,19 +342,30 @@ class ParallelModel:
         micro-batches (the pipeline schedule's forwards when ``pp > 1``) in the plan's
         precision; a detached float32 scalar, equal on every rank."""
         self._check_share(inputs, "parallel.evaluate(inputs, targets)", whole=True)
-        device = torch.device(device_type())
-        inputs, targets = inputs.to(device), targets.to(device)
         training = self.training
         self.eval()
         try:
-            with self._autocast(), torch.no_grad():
-                runner = self.runner
-                if runner is not None:
-                    loss = runner.evaluate(inputs, targets)
-                else:
-                    loss = self._mean_loss(inputs, targets)
+            with torch.no_grad():
+                return self._global_loss(inputs, targets, PipelineRunner.evaluate, self._mean_loss)
         finally:
             self.train(training)
+
+    def _global_loss(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        pipelined: Callable[[PipelineRunner, torch.Tensor, torch.Tensor], torch.Tensor],
+        local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The global batch's mean loss of ``pipelined`` (with this rank's runner) or
+        ``local``, run on this rank's batch on its device under the plan's autocast."""
+        device = torch.device(device_type())
+        inputs, targets = inputs.to(device), targets.to(device)
+        with self._autocast():
+            runner = self.runner
+            loss = (
+                pipelined(runner, inputs, targets) if runner is not None else local(inputs, targets)
+            )
         return _global_mean(loss)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -199,9 +199,9 @@ class PipelineRunner:
         return loss
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward of all micro-batches without gradients; the mean loss, on every pp rank."""
-        with torch.no_grad():
-            return self._run(self.schedule.eval, inputs, targets)
+        """Forward of all micro-batches (the schedule's eval); the mean loss, on every pp
+        rank. Call it under ``torch.no_grad()``."""
+        return self._run(self.schedule.eval, inputs, targets)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return itertools.chain.from_iterable(module.parameters() for module in self.modules)
