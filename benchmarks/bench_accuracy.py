@@ -20,8 +20,8 @@ Per-source conventions and software facts (from each row's ``notes``):
 - Megatron-LM H100 table: TFLOP/s per GPU with Megatron model FLOPs
   ``72 B s l h^2 (1 + s/6h + V/12lh)``; flags say overlapped grad reduce / param
   gather (hence the distributed optimizer, ZeRO-1) and TP communication overlap.
-  Not stated, assumed: micro-batch 1, sequence parallel with TP, flash attention, no
-  recompute, 1F1B.
+  Not stated, assumed: micro-batch 1, sequence parallel with TP, flash attention (as
+  Transformer Engine runs it on Hopper: cuDNN's kernel), no recompute, 1F1B.
 - torchtitan Llama 3.1: tokens/s per GPU; step = local tokens / TPS; FSDP2 (ZeRO-3)
   over the dp axis, flash attention (SDPA), torch.compile and AsyncTP when noted,
   fp32 gradient reduction; pipeline micro-batches = pp (torchtitan's default then);
@@ -37,7 +37,9 @@ configuration lies in the search space), and how many published configurations a
 predicted to fit. Each row is priced with its framework's kernels (Megatron-Core's:
 ``planner.frameworks.KERNELS``) and its fine-grained recompute modules. A row whose
 model preset, GPU profile or expert layout the planner lacks is listed as skipped with
-the reason.
+the reason. Dense Megatron-Bridge rows (``benchmarks/data/dense_runs.csv``, the same
+columns; fp8 Llama 3 runs on H100, B200 and GB200, held out: nothing was fitted on them)
+follow in the same form.
 
 ``--write-error-bands`` measures, on every priced row (dense, MoE and the MLPerf rows of
 ``bench_mlperf.py``), the error band of
@@ -55,6 +57,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,7 @@ from planner.spec import ErrorBandTable, ModelSpec, Prediction
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CSV = REPO.parent / "shared" / "data" / "published_runs.csv"
 MOE_CSV = REPO / "benchmarks" / "data" / "moe_runs.csv"
+DENSE_CSV = REPO / "benchmarks" / "data" / "dense_runs.csv"  # Megatron-Bridge's, held out
 
 GPUS = {
     "A100-SXM-80GB": "a100-sxm-80gb",
@@ -183,6 +187,8 @@ def megatron_case(row: dict[str, str], source: str) -> Case:
          "grad_reduce_bytes": 2 if _precision(row) == "fp16" else 4}
     )  # fmt: skip
     options["optimizer_impl"] = KERNELS[Framework.MEGATRON]["optimizer_impl"]  # Apex FusedAdam
+    if modern:  # Transformer Engine's attention: cuDNN's kernel on Hopper
+        options["flash_impl"] = KERNELS[Framework.MEGATRON]["flash_impl"]
     config = {
         "model": model,
         "cluster": {"gpu": GPUS[row["gpu"]], "num_gpus": n, "gpus_per_node": 8},
@@ -446,14 +452,20 @@ def moe_measured_step(row: dict[str, str], spec: ModelSpec) -> float:
     return flops / (_int(row["n_gpus"]) * float(row["measured_tflops_per_gpu"]) * 1e12)
 
 
-def _moe_recompute(text: str) -> tuple[str, dict[str, Any]]:
-    """The row's recompute as this planner's mode and options: Megatron's fine-grained
-    ``selective(layernorm,moe_act)`` is ``selective`` over those recompute modules."""
+def _moe_recompute(text: str) -> tuple[str, dict[str, Any], int | None]:
+    """The row's recompute as this planner's mode, options and recomputed blocks per
+    stage: Megatron's fine-grained ``selective(layernorm,moe_act)`` is ``selective`` over
+    those recompute modules; its ``full(N)`` (``--recompute-method block``) recomputes
+    the first N blocks of each stage."""
     if text in ("", "none", "full"):
-        return text or "none", {}
+        return text or "none", {}, None
+    blocks = re.fullmatch(r"full\((\d+)\)", text)
+    if blocks:
+        return "full", {}, int(blocks.group(1))
     modules = re.fullmatch(r"selective\((.*)\)", text)
-    assert modules is not None, f"recompute {text!r}: none, full or selective(modules)"
-    return "selective", {"selective": "modules", "recompute_modules": modules.group(1).split(",")}
+    assert modules is not None, f"recompute {text!r}: none, full, full(N) or selective(modules)"
+    options = {"selective": "modules", "recompute_modules": modules.group(1).split(",")}
+    return "selective", options, None
 
 
 def _moe_skip(row: dict[str, str]) -> str | None:
@@ -478,11 +490,11 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     """The row as a RunConfig dict: Megatron-Core rows with its fused kernels and
     overlaps, FSDP rows (zero=3) with flash attention and overlapped gathers."""
     tp, pp, virtual = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["virtual_stages"], 1)
-    recompute, recompute_options = _moe_recompute(row["recompute"])
+    recompute, recompute_options, recompute_blocks = _moe_recompute(row["recompute"])
     strategy = {
         "dp": _int(row["dp"]), "tp": tp, "pp": pp, "cp": _int(row["cp"], 1), "ep": _int(row["ep"], 1),
         "etp": _int(row["etp"], 1), "zero": _int(row["zero"]), "sequence_parallel": tp > 1,
-        "recompute": recompute, **_schedule(pp, virtual),
+        "recompute": recompute, "recompute_blocks": recompute_blocks, **_schedule(pp, virtual),
         "compression": {"kind": "bf16" if row["grad_reduce"] == "bf16" else "none"},
     }  # fmt: skip
     options: dict[str, Any] = {
@@ -533,7 +545,8 @@ def _accounted_stages(row: dict[str, str], chunks: int) -> list[list[str]]:
 def moe_case(row: dict[str, str]) -> MoeCase:
     label = (
         f"{row['model']} {_int(row['n_gpus'])}x{row['gpu'].split('-')[0]} tp{row['tp']} "
-        f"pp{row['pp']} ep{row['ep']} dp{row['dp']}"
+        f"pp{row['pp']}{' cp' + row['cp'] if _int(row['cp'], 1) > 1 else ''} ep{row['ep']} "
+        f"dp{row['dp']}"
     )
     skipped = _moe_skip(row)
     if skipped is not None:
@@ -626,10 +639,11 @@ def _search_text(result: MoeResult) -> str:
     )
 
 
-def moe_report(path: Path, with_search: bool = True) -> None:
-    """Print the MoE rows: error per row, mean |error| per precision, the search check."""
+def runs_report(path: Path, kind: str = "MoE", with_search: bool = True) -> None:
+    """Print a table of Megatron-Core-style rows (``kind``: MoE or dense): error per row,
+    mean |error| per precision, the search check."""
     cases = load_moe_cases(path)
-    print(f"\nMoE rows ({path.name}): predicted vs measured step time")
+    print(f"\n{kind} rows ({path.name}): predicted vs measured step time")
     print(f"{'run':<52}{'prec':<6}{'meas s':>9}{'pred s':>9}{'err':>8}{'fits':>6}  search")
     errors: dict[str, list[float]] = defaultdict(list)
     fitting = 0
@@ -653,10 +667,12 @@ def moe_report(path: Path, with_search: bool = True) -> None:
             )
     for precision, group in sorted(errors.items()):
         mean, worst = _stats(group)
-        print(f"MoE {precision}: {len(group)} rows, mean |err| {mean:.1%}, max |err| {worst:.1%}")
+        print(
+            f"{kind} {precision}: {len(group)} rows, mean |err| {mean:.1%}, max |err| {worst:.1%}"
+        )
     priced = sum(len(group) for group in errors.values())
-    print(f"MoE rows priced: {priced}/{len(cases)}")
-    print(f"MoE published configurations estimated as fitting: {fitting}/{priced}")
+    print(f"{kind} rows priced: {priced}/{len(cases)}")
+    print(f"{kind} published configurations estimated as fitting: {fitting}/{priced}")
     if with_search:
         n = checks["searched"]
         print(f"search: published config in the space {checks['in space']}/{n}; "
@@ -666,9 +682,9 @@ def moe_report(path: Path, with_search: bool = True) -> None:
 # --- error bands --------------------------------------------------------------------
 
 
-def residuals(csv_path: Path, moe_path: Path) -> list[Residual]:
-    """Every priced published run (dense, MoE and MLPerf's, ``bench_mlperf.py``) with its
-    prediction and measurements."""
+def residuals(csv_path: Path, *run_paths: Path) -> list[Residual]:
+    """Every priced published run (the shared CSV's, the Megatron-Core tables at
+    ``run_paths`` and MLPerf's, ``bench_mlperf.py``) with its prediction and measurements."""
     import bench_mlperf  # imports this module's helpers: imported on use
 
     found = [
@@ -680,7 +696,7 @@ def residuals(csv_path: Path, moe_path: Path) -> list[Residual]:
         prediction = estimate_run(case.config)
         found.append(Residual(prediction, case.measured_step_s, case.measured_memory_gib,
                               case.config["cluster"]["gpu"]))  # fmt: skip
-    for moe in load_moe_cases(moe_path):
+    for moe in (case for path in run_paths for case in load_moe_cases(path)):
         outcome = moe.skipped or moe_result(moe, with_search=False)
         if isinstance(outcome, str) or moe.measured_step_s is None:
             continue
@@ -708,9 +724,9 @@ def print_bands(table: ErrorBandTable) -> None:
               f"{memory.mean_abs:.1%}, max {memory.max_abs:.1%}")  # fmt: skip
 
 
-def write_error_bands(csv_path: Path, moe_path: Path, out: Path) -> ErrorBandTable:
+def write_error_bands(csv_path: Path, run_paths: Sequence[Path], out: Path) -> ErrorBandTable:
     """Measure the bands on every priced run and write them to ``out`` atomically."""
-    table = fit_error_bands(residuals(csv_path, moe_path))
+    table = fit_error_bands(residuals(csv_path, *run_paths))
     text = dumps_json(table.model_dump(mode="json"), what=f"error bands {out}")
     write_text_atomic(out, text + "\n")
     return table
@@ -723,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         "--fit", action="store_true", help="fit matmul_efficiency per GPU on half a source's rows"
     )
     parser.add_argument("--moe-csv", type=Path, default=MOE_CSV, help="MoE runs CSV")
+    parser.add_argument("--dense-csv", type=Path, default=DENSE_CSV,
+                        help="dense Megatron-Core runs CSV (held out)")  # fmt: skip
     parser.add_argument("--moe-only", action="store_true", help="report the MoE rows only")
     parser.add_argument("--no-moe-search", action="store_true", help="skip the search per MoE row")
     parser.add_argument(
@@ -732,11 +750,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.write_error_bands is not None:
-        print_bands(write_error_bands(args.csv, args.moe_csv, args.write_error_bands))
+        tables = (args.moe_csv, args.dense_csv)
+        print_bands(write_error_bands(args.csv, tables, args.write_error_bands))
         print(f"wrote {args.write_error_bands}")
         return 0
     if args.moe_only:
-        moe_report(args.moe_csv, with_search=not args.no_moe_search)
+        runs_report(args.moe_csv, with_search=not args.no_moe_search)
         return 0
     if not args.csv.is_file():
         print(f"no published runs at {args.csv}; pass --csv PATH", file=sys.stderr)
@@ -760,7 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         fit_matmul_efficiency(cases)
     if args.moe_csv.is_file():
-        moe_report(args.moe_csv, with_search=not args.no_moe_search)
+        runs_report(args.moe_csv, with_search=not args.no_moe_search)
+    if args.dense_csv.is_file():
+        runs_report(args.dense_csv, "Dense", with_search=not args.no_moe_search)
     return 0
 
 

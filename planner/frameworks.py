@@ -97,7 +97,11 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # torchtitan's default fused AdamW, Megatron-Core's and DeepSpeed's FusedAdam. Context
 # parallel attention: this runtime gathers keys and values whole
 # (strategies.context_parallel); torchtitan (torch's context_parallel) and Megatron-Core
-# (Transformer Engine) pass them around a ring, CostOptions' default.
+# (Transformer Engine) pass them around a ring, CostOptions' default. Fused attention:
+# PyTorch SDPA's FlashAttention-2, except Megatron-Core's Transformer Engine, which prefers
+# cuDNN's kernel on Hopper and later (NVIDIA/NeMo PR 9188, memory_optimizations.rst: "when
+# both implementations are applicable, Transformer Engine prefers cuDNN flash attention on
+# Hopper+ architectures").
 KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.PLANNER: {
         "selective": "matmuls", "optimizer_impl": "for-loop", "cp_attention": "all-gather",
@@ -106,7 +110,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
-        "grads_persist": True, "optimizer_impl": "fused",
+        "grads_persist": True, "optimizer_impl": "fused", "flash_impl": "cudnn",
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",

@@ -150,7 +150,10 @@ class HardwareProfile(_Frozen):
     matmul_efficiency: Fraction  # large GEMMs in training, fraction of peak
     matmul_overhead_us: Latency  # fixed cost per GEMM (launch, tail waves)
     fp8_matmul_ratio: Fraction | None = None  # fp8 GEMMs' efficiency over bf16's (None: 1)
-    attention_efficiency: Fraction  # fused (flash) attention, of peak
+    attention_efficiency: Fraction  # fused (flash) attention, of peak: FlashAttention-2
+    # cuDNN's fused attention (Transformer Engine's choice on Hopper and later), of peak
+    # (None: as attention_efficiency)
+    cudnn_attention_efficiency: Fraction | None = None
     memory_capacity_gib: Capacity  # usable by the framework
     memory_bandwidth_GBps: Bandwidth
     memory_efficiency: Fraction  # achieved fraction for streaming ops

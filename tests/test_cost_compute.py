@@ -63,6 +63,36 @@ def test_flash_causal_halves_attention_and_unfused_is_slower():
     assert unfused.forward_s > full.forward_s
 
 
+def test_cudnn_attention_runs_at_its_own_efficiency_where_the_profile_gives_one():
+    """Transformer Engine's cuDNN kernel (Megatron-Core's on Hopper) at the profile's
+    cudnn_attention_efficiency; a profile without one (A100) prices it as FlashAttention-2."""
+    node = _attention_node()
+    overhead = H100.matmul_overhead_us * 1e-6
+    sdpa, cudnn = (
+        ComputeModel(H100, DType.BF16, CostOptions(causal=False, flash_impl=impl)).node_time(
+            node, ONE
+        )
+        for impl in ("sdpa", "cudnn")
+    )
+    assert H100.cudnn_attention_efficiency is not None
+    ratio = H100.cudnn_attention_efficiency / H100.attention_efficiency
+    assert (sdpa.forward_s - overhead) == pytest.approx(ratio * (cudnn.forward_s - overhead))
+    assert A100.cudnn_attention_efficiency is None
+    a100 = (
+        ComputeModel(A100, DType.BF16, CostOptions(flash_impl=impl)).node_time(node, ONE)
+        for impl in ("sdpa", "cudnn")
+    )
+    assert len(set(a100)) == 1
+
+
+def test_megatron_core_prices_cudnn_attention_and_the_others_flash_attention_2():
+    from planner.frameworks import Framework, framework_options
+
+    chosen = {f: framework_options(f, CostOptions()).flash_impl for f in Framework}
+    assert chosen.pop(Framework.MEGATRON) == "cudnn"
+    assert set(chosen.values()) == {"sdpa"}
+
+
 def test_causal_flash_never_counts_more_than_the_peak():
     """The convention counts causal attention whole (forward + 2x backward) where the
     kernel runs half of it (forward + 2.5x backward): the efficiency is held at 7/12, so

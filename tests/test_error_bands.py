@@ -43,7 +43,7 @@ def test_the_shipped_bands_are_what_the_benchmark_measures_now():
         pytest.skip(f"published runs CSV not present at {bench.DEFAULT_CSV}")
     from planner.cost.error_band import fit_error_bands
 
-    measured = fit_error_bands(bench.residuals(bench.DEFAULT_CSV, bench.MOE_CSV))
+    measured = fit_error_bands(bench.residuals(bench.DEFAULT_CSV, bench.MOE_CSV, bench.DENSE_CSV))
     stale = f"the cost model or the data changed: re-measure the bands with `{COMMAND}`"
     assert _rounded(measured.model_dump()) == _rounded(shipped_table().model_dump()), stale
     assert sum(b.runs for b in measured.step) >= 60  # every priced dense and MoE row

@@ -8,7 +8,8 @@
   linear layers' casts as memory traffic (:class:`~planner.cost.options.Fp8Linear`:
   torchao's per GEMM and micro-batch, Transformer Engine's once per tensor, its weights'
   once per step in the optimizer's term); the output layer's GEMM stays in bf16.
-- Fused (flash) attention: ``F / (peak * attention_efficiency)``, half the work when
+- Fused (flash) attention: ``F / (peak * attention_efficiency)`` (cuDNN's kernel at the
+  profile's ``cudnn_attention_efficiency``: :func:`flash_efficiency`), half the work when
   causal (masked blocks are skipped, unless the model hands the kernel a mask tensor:
   ``CostOptions.masked_attention_share`` of the calls); its backward does 2.5x the forward's work. The
   FLOP convention counts causal attention whole (3x the forward), so a causal kernel's
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost.context_parallel import cp_kernels
-from planner.cost.options import AttentionKernel, CostOptions, Fp8Linear, Fp8Scaling
+from planner.cost.options import AttentionKernel, CostOptions, FlashImpl, Fp8Linear, Fp8Scaling
 from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
@@ -41,6 +42,7 @@ from planner.spec import DType
 
 __all__ = [
     "OpTime", "ComputeModel", "attention_elements", "unfused_score_bytes", "fp8_weight_cast_bytes",
+    "flash_efficiency",
 ]  # fmt: skip
 
 _MATMUL_KINDS = (OpKind.MATMUL, OpKind.CONV)
@@ -91,6 +93,14 @@ def fp8_weight_cast_bytes(params: float, options: CostOptions, dtype: DType) -> 
     return params * (dtype.activation_bytes + 2 * fp8)
 
 
+def flash_efficiency(profile: HardwareProfile, impl: FlashImpl) -> float:
+    """The fraction of peak ``impl``'s fused attention reaches, forward and backward:
+    cuDNN's where the profile gives it, else FlashAttention-2's."""
+    if impl is FlashImpl.CUDNN and profile.cudnn_attention_efficiency is not None:
+        return profile.cudnn_attention_efficiency
+    return profile.attention_efficiency
+
+
 class ComputeModel:
     """Prices operators; ``scale`` is the node's work on one GPU relative to the traced
     batch-1 node (micro-batch tokens over the context- and tensor-parallel split)."""
@@ -105,6 +115,7 @@ class ComputeModel:
         half = DType.BF16 if self.fp8 else dtype  # attention and the output layer
         self.half_matmul_rate = profile.peak_flops(half) * profile.matmul_efficiency_for(half)
         self.attention_peak = profile.peak_flops(half)
+        self._flash_efficiency = flash_efficiency(profile, options.flash_impl)
         self.bandwidth = profile.memory_bandwidth_GBps * 1e9 * profile.memory_efficiency
         self.kernel_s = profile.kernel_overhead_us * 1e-6
         self.gemm_s = profile.matmul_overhead_us * 1e-6
@@ -205,7 +216,7 @@ class ComputeModel:
             self.element_bytes, masked=masked,
         )  # fmt: skip
         work = node.flops_fwd * scale * kernels.work_fraction
-        efficiency = self.profile.attention_efficiency
+        efficiency = self._flash_efficiency
         if kernels.causal_kernel:
             efficiency = min(efficiency, _CAUSAL_EFFICIENCY_CAP)
         rate = self.attention_peak * efficiency

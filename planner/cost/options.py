@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "AttentionKernel",
     "CpAttention",
+    "FlashImpl",
     "SelectivePolicy",
     "RecomputeModule",
     "ExpertChoice",
@@ -34,6 +35,16 @@ DDP_BUCKET_MIB = 25.0  # torch.nn.parallel.DistributedDataParallel bucket_cap_mb
 class AttentionKernel(StrEnum):
     FLASH = "flash"  # fused kernel; scores never reach memory; causal skips half the work
     UNFUSED = "unfused"  # scores materialised: batched GEMMs + softmax + dropout in memory
+
+
+class FlashImpl(StrEnum):
+    """Which fused attention kernel a flash run calls (the profile prices each)."""
+
+    # FlashAttention-2, as PyTorch SDPA's flash backend and flash-attn 2 run it
+    SDPA = "sdpa"
+    # cuDNN fused attention, which Transformer Engine prefers on Hopper and later
+    # (Megatron-Core, NeMo): of the FlashAttention-3 class there
+    CUDNN = "cudnn"
 
 
 class CpAttention(StrEnum):
@@ -119,6 +130,7 @@ class CostOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: AttentionKernel = AttentionKernel.FLASH
+    flash_impl: FlashImpl = FlashImpl.SDPA  # the fused kernel a flash run calls
     # decoder attention (flash kernels skip the masked half); build_cost_model sets it
     # from the model (an encoder's is bidirectional) for the search and plan estimate alike
     causal: bool = True
