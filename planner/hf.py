@@ -42,6 +42,8 @@ __all__ = ["resolve_hf_config", "expected_load_experts"]
 logger = logging.getLogger(__name__)
 # How transformers' refusal of SDPA attention names it (the message varies by model).
 _SDPA_WORDS = ("sdpa", "scaled_dot_product_attention")
+_ATTENTION_WORDS = (*_SDPA_WORDS, "attn_implementation", "attention implementation", "flex")
+_FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")  # as SDPA
 
 
 def _transformers() -> ModuleType:
@@ -92,12 +94,27 @@ def _build_config(transformers: ModuleType, data: dict[str, Any], file: Path) ->
         ) from None
 
 
-def _build_model(transformers: ModuleType, config: Any, device: torch.device) -> torch.nn.Module:
+def _build_model(
+    transformers: ModuleType, config: Any, device: torch.device, file: Path, requested: str | None
+) -> torch.nn.Module:
+    """The causal LM as ``AutoModelForCausalLM.from_config(config)`` builds it: with the
+    attention implementation the config asks for, else SDPA where the family has it and
+    eager where it does not (transformers' own default). FlashAttention kernels, which
+    need a GPU and their package, are traced as SDPA: the same fused attention, priced
+    alike (``CostOptions.flash_impl``)."""
     auto = transformers.AutoModelForCausalLM
+    traced = "sdpa" if requested is None or requested in _FLASH_KERNELS else requested
     with torch.device(device):
         try:
-            return auto.from_config(config, attn_implementation="sdpa")
-        except ValueError as exc:
+            return auto.from_config(config, attn_implementation=traced)
+        except (ValueError, ImportError) as exc:
+            if requested is not None and any(w in str(exc).lower() for w in _ATTENTION_WORDS):
+                raise SpecError(
+                    f"hf-config {str(file)!r}: attn_implementation = {requested!r}: "
+                    f"{str(exc).splitlines()[0]}; remove attn_implementation (transformers "
+                    "then builds SDPA attention where the family has it, else eager) or set "
+                    "it to 'eager'"
+                ) from None
             if not any(word in str(exc).lower() for word in _SDPA_WORDS):
                 raise SpecError(
                     f"{config.model_type} config does not build a causal LM "
@@ -127,7 +144,8 @@ def resolve_hf_config(path: str | Path, *, device: str | torch.device = "meta") 
     transformers = _transformers()
     config = _build_config(transformers, data, file)
     device = torch.device(device)
-    model = _build_model(transformers, config, device)
+    requested = data.get("attn_implementation") or data.get("_attn_implementation")
+    model = _build_model(transformers, config, device, file, requested)
     check_expert_layouts(model, model_type=data["model_type"])  # priceable, or refused now
     name = str(data.get("_name_or_path") or file.parent.name or data["model_type"])
     return ModelHandle(name, str(path), model, _token_inputs(device))

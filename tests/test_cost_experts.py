@@ -180,6 +180,13 @@ def test_search_chooses_ep_and_explains_it() -> None:
     assert f"ep{best.ep}" in text and "link" in text and "GiB per GPU instead of" in text
 
 
+def test_a_small_models_trade_off_keeps_its_figures_from_rounding_to_nothing() -> None:
+    from planner.cost.experts import _figure
+
+    assert [_figure(v, 1) for v in (0.0, 0.0123, 107.34)] == ["0.0", "0.012", "107.3"]
+    assert [_figure(v, 2) for v in (90.191, 0.004)] == ["90.19", "0.004"]
+
+
 def test_published_moe_layouts_lie_in_the_search_space() -> None:
     model = _model(MIXTRAL, 64, 256)
     limits = _limits(MIXTRAL, model)

@@ -296,3 +296,24 @@ def test_an_encoder_decoder_config_is_refused_in_one_line_with_the_way_to_plan_i
     message = str(refused.value)
     assert "t5 config does not build a causal LM" in message and "module:function" in message
     assert "\n" not in message and "GPT2Config" not in message
+
+
+def test_the_attention_implementation_a_config_asks_for_is_what_is_built(tmp_path):
+    """What transformers builds from the config is what is traced and priced: its
+    attn_implementation, or SDPA where the family has it; FlashAttention kernels (a GPU
+    package) are traced as SDPA; one the family cannot build is refused naming the field."""
+    eager = resolve_hf_config(_write(tmp_path, "llama", **_DECODER, attn_implementation="eager"))
+    assert eager.module.config._attn_implementation == "eager"
+    (tmp_path / "llama").rename(tmp_path / "eager")
+    for asked in (None, "flash_attention_2"):
+        fields = _DECODER if asked is None else {**_DECODER, "attn_implementation": asked}
+        built = resolve_hf_config(_write(tmp_path, "llama", **fields))
+        assert built.module.config._attn_implementation == "sdpa"
+        (tmp_path / "llama").rename(tmp_path / f"as-{asked}")
+    gemma2 = {**_DECODER, "head_dim": 16, "attn_implementation": "sdpa"}
+    with pytest.raises(
+        SpecError, match=r"attn_implementation = 'sdpa': Gemma2ForCausalLM .*'eager'"
+    ):
+        resolve_hf_config(_write(tmp_path, "gemma2", **gemma2))
+    with pytest.raises(SpecError, match=r"attn_implementation = 'magic'"):
+        resolve_hf_config(_write(tmp_path, "llama", **_DECODER, attn_implementation="magic"))

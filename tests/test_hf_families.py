@@ -323,6 +323,8 @@ MORE_FAMILIES = {
     "granite": _DECODER,
     "qwen3_moe": {**_DECODER, **_HEAD_DIM, **_EXPERTS, "decoder_sparse_step": 1},
     "olmoe": {**_DECODER, **_EXPERTS},
+    "phi3": {**_DECODER, "pad_token_id": 0},
+    "olmo2": _DECODER,
     # latent attention, a dense first layer, a shared expert and group-limited routing
     "deepseek_v3": {**_DECODER, "num_key_value_heads": 4, "intermediate_size": 96,
                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -332,6 +334,9 @@ MORE_FAMILIES = {
 }  # fmt: skip
 # Mixtral's experts layout under dp x tp: tests/test_tp_matrix.py, test_runtime_expert_parallel
 _EXPERTS_AS_MIXTRALS = {"qwen3_moe", "olmoe"}
+_TP_MATRIX = {"phi3", "olmo2"}  # dp x tp in tests/test_tp_matrix.py
+# context parallelism refuses Gemma-2's eager attention and Gemma-3's sliding windows
+_NO_CONTEXT_PARALLEL = {"gemma2", "gemma3_text"}
 MORE_FAMILIES = {
     family: {**fields, "tie_word_embeddings": False} for family, fields in MORE_FAMILIES.items()
 }
@@ -372,17 +377,17 @@ def test_more_families_match_single_process_under_tensor_pipeline_and_context_pa
 ):
     """Each family trains on four gloo ranks as one process does with the same two
     micro-batches: two pipeline stages of two tensor-parallel ranks each (the search's
-    layout, schedule and expert parallelism), and each dense family and DeepSeek-V3 as
-    two data-parallel replicas (DDP and FSDP2 by turns) of two tensor-parallel ranks;
-    DeepSeek-V3's latent attention also as two data-parallel replicas (the other of
-    the two) of two context-parallel ranks."""
+    layout, schedule and expert parallelism); each dense family and DeepSeek-V3 as two
+    data-parallel replicas (DDP and FSDP2 by turns) of two tensor-parallel ranks; and
+    each family whose attention context parallelism runs as two data-parallel replicas
+    (the other of the two) of two context-parallel ranks."""
     device = str(write_tp_pays(tmp_path))
     paths = {family: _write(tmp_path, family, **fields) for family, fields in MORE_FAMILIES.items()}
     meshes = {"tp2 x pp2": (1, 2, 2, 1), "dp2 x tp2": (2, 2, 1, 1), "dp2 x cp2": (2, 1, 1, 2)}
     wanted = {
         "tp2 x pp2": set(paths),
-        "dp2 x tp2": set(paths) - _EXPERTS_AS_MIXTRALS,
-        "dp2 x cp2": {"deepseek_v3"},
+        "dp2 x tp2": set(paths) - _EXPERTS_AS_MIXTRALS - _TP_MATRIX,
+        "dp2 x cp2": set(paths) - _NO_CONTEXT_PARALLEL,
     }
     plans = {
         (family, mesh): _searched(

@@ -153,6 +153,9 @@ def test_pins_that_cannot_hold_name_the_factors():
         search(model, limits, pins=Pins(tp=4, pp=8))
     with pytest.raises(SpecError, match=r"zero\(0\): pp\(2\) > 1: DDP cannot run under a pipeline"):
         search(model, limits, pins=Pins(zero=0, pp=2, dp=8))
+    uneven, limits = _setup(gpus=4, batch=8, seq=2046)  # 2046 tokens: not 2 cp chunks of 4
+    with pytest.raises(SpecError, match=r"seq_len 2046 is not divisible by 2 \* cp\(2\) = 4"):
+        search(uneven, limits, pins=Pins(cp=2, dp=2))
 
 
 def test_pins_that_do_not_apply_are_errors_not_ignored():

@@ -249,7 +249,15 @@ def expert_tradeoff(model: CostModel, strategy: Strategy) -> str:
     return (
         f"ep{ep}: {experts // ep} of {experts} experts per rank{split}; the "
         f"dispatch and combine all-to-alls run over {group} on the "
-        f"{link.name} link ({per_step / 1e9:.2f} GB per rank per step, "
+        f"{link.name} link ({_figure(per_step / 1e9, 2)} GB per rank per step, "
         f"{with_ep.breakdown_s.get('comm_ep', 0.0):.3f} s exposed); model states "
-        f"{after:.1f} GiB per GPU instead of {before:.1f} at ep 1"
+        f"{_figure(after, 1)} GiB per GPU instead of {_figure(before, 1)} at ep 1"
     )
+
+
+def _figure(value: float, decimals: int) -> str:
+    """``value`` to ``decimals`` places, or to two significant digits where that would
+    round it to nothing (a small model's states)."""
+    if value == 0 or abs(value) >= 10**-decimals:
+        return f"{value:.{decimals}f}"
+    return f"{value:.2g}"

@@ -968,6 +968,10 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             reasons.append(blocker)
     if pins.cp is not None and pins.cp > 1 and limits.context_parallel_problem:
         reasons.append(f"cp({pins.cp}): {limits.context_parallel_problem}")
+    if pins.cp is not None and pins.cp > 1:
+        split = limits.sequence_blocker(pins.tp or 1, pins.cp, sp=False)
+        if split is not None:
+            reasons.append(split)
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
     if pins.zero == 0 and space.target.is_planner:
