@@ -64,6 +64,7 @@ import planner
 from planner.assemble import assemble_plan
 from planner.calibrate import measured_run_options, predict_plan
 from planner.cost.compression import gradient_shapes, half_wire_bytes, powersgd_work
+from planner.cost.tp import unsharded
 from planner.errors import PlannerError
 from planner.hardware import load_profile
 from planner.models import ModelHandle, build
@@ -141,7 +142,7 @@ def counting_all_reduce(counter: dict[int, int]) -> Iterator[None]:
 
 def _model(plan: Plan) -> DistributedDataParallel:
     """``plan`` applied by ``planner.parallelize``; 'none' gets the stock allreduce_hook."""
-    parallel = planner.parallelize(build(MODEL, device="cpu", seed=0), plan)
+    parallel = planner.parallelize(build(MODEL, device="cpu", seed=0), plan).module
     assert isinstance(parallel, DistributedDataParallel)
     if plan.strategy.compression.kind is CompressionKind.NONE:
         parallel.register_comm_hook(parallel.process_group, default_hooks.allreduce_hook)
@@ -182,7 +183,9 @@ def _bytes_worker(rank: int, world: int, port: int, steps: int, out: str) -> Non
     sent = {}
     for name, settings in options(world).items():
         plan = make_plan(settings, world)
-        step = _stepper(_model(plan), plan, rank)
+        # planner.parallelize's model averages after every optimizer step (a global
+        # post-step hook) as the plan says: the stepper adds no averaging of its own
+        step = _stepper(_model(plan), plan, rank, after_step=lambda: None)
         for index in range(WARMUP):
             step(index)
         counter: dict[int, int] = {}
@@ -271,7 +274,7 @@ def predicted_bytes(plan: Plan) -> tuple[float, float]:
     all, and on the whole data-parallel group."""
     graph = cost_graph(ModelHandle(MODEL.name, "spec", build(MODEL, device="meta"),
                                    _meta_tokens, MODEL), plan.training)  # fmt: skip
-    shapes = gradient_shapes(graph, tp=1)
+    shapes = gradient_shapes(graph, unsharded(graph))
     settings = plan.strategy.compression
     if settings.kind is CompressionKind.POWERSGD:
         work = powersgd_work(shapes, settings.rank or 1)

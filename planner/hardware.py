@@ -150,6 +150,9 @@ class HardwareProfile(_Frozen):
     matmul_efficiency: Fraction  # large GEMMs in training, fraction of peak
     matmul_overhead_us: Latency  # fixed cost per GEMM (launch, tail waves)
     fp8_matmul_ratio: Fraction | None = None  # fp8 GEMMs' efficiency over bf16's (None: 1)
+    # a GEMM with fewer output columns (PowerSGD's rank-r products) runs as if it had
+    # this many: the BLAS kernel's panel (None: at its own width)
+    narrow_matmul_width: Annotated[float, Field(ge=1.0)] | None = None
     attention_efficiency: Fraction  # fused (flash) attention, of peak: FlashAttention-2
     # cuDNN's fused attention (Transformer Engine's choice on Hopper and later), of peak
     # (None: as attention_efficiency)

@@ -64,6 +64,30 @@ def test_a_cpu_profile_carries_measured_collective_factors_with_sources() -> Non
     assert set(report.fits) == {"matmul", "attention", "memory", "collectives"}
 
 
+def test_a_narrow_gemm_gives_the_width_powersgd_products_are_priced_at() -> None:
+    """A rank-4 product timed as slowly as a 52-column one at the fitted GEMM rate (as
+    torch's CPU build runs them): the profile says 52, and PowerSGD's rank-2 to rank-8
+    products are priced at that width, rank 1 (a GEMV) at its own."""
+    from dataclasses import replace
+
+    from planner.cost.compression import narrow_product_width
+
+    measured = _measurements(_samples({Collective.ALL_REDUCE: 1.0}))
+    kwargs = dict(name="cpu", stamp="measured today", device_kind="cpu", base=None,
+                  peak_tflops=0.2, peak_source="given", memory_capacity_gib=8.0)  # fmt: skip
+    plain, _ = build_profile(measured, **kwargs)  # type: ignore[arg-type]
+    assert plain.narrow_matmul_width is None
+    rate = 0.2e12 * plain.matmul_efficiency
+    per_column = 2.0 * 1024 * 1024
+    seconds = 52 * per_column / rate + plain.matmul_overhead_us * 1e-6
+    narrow = Sample("mm 1024x1024x4", per_column, seconds)
+    profile, _ = build_profile(replace(measured, narrow_matmul=narrow), **kwargs)  # type: ignore[arg-type]
+    assert profile.narrow_matmul_width == pytest.approx(52, abs=0.1)
+    assert "1024x1024x4 GEMM" in profile.sources["narrow_matmul_width"]
+    assert [narrow_product_width(profile, r) for r in (1, 2, 4, 64)] == [1, 52, 52, 64]
+    assert narrow_product_width(plain, 4) == 4
+
+
 def test_collective_factors_scale_only_their_collective() -> None:
     link = LinkModel("gloo", 1e9, 0.0, {"reduce_scatter": 0.5})
     size = 1e8

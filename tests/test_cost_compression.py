@@ -90,8 +90,28 @@ def test_powersgd_work_of_one_matrix_by_hand():
     assert work.p_elements == 4 * 1000 and work.q_elements == 4 * 500
     assert work.uncompressed_elements == 300 + 100
     assert work.product_flops == 6 * 1000 * 500 * 4  # M Q, M^T P, P Q^T
-    assert work.orthogonalize_flops == 2 * 1000 * 4**2
+    assert work.orthogonalize_flops == 2 * (1000 + 500) * 4**2  # Q's (warm start) and P's
     assert shapes.elements == 1000 * 500 + 100 + 300
+
+
+def test_narrow_products_are_priced_at_the_profiles_width_and_rank_1_as_a_gemv():
+    """torch's CPU build runs P = M Q and Q = M^T P of rank 2-8 as slowly as a ~52-column
+    GEMM (plan calibrate measures it); rank 1 takes the GEMV path; GPUs: their own width."""
+    from planner.cost.compression import powersgd_compute_time
+    from planner.cost.compute import ComputeModel
+    from planner.spec import DType
+
+    shapes = GradientShapes(matrices=((2048, 256),) * 8, vector_elements=0)
+    base = load_profile("a100-sxm-80gb")
+    slow = base.model_copy(update={"narrow_matmul_width": 52.0})
+
+    def seconds(profile, rank):
+        compute = ComputeModel(profile, DType.FP32, CostOptions())
+        work = powersgd_work(shapes, rank)
+        return powersgd_compute_time(work, rank, 1, shapes.elements, compute, 4)
+
+    assert seconds(slow, 1) == seconds(base, 1)
+    assert seconds(slow, 4) > seconds(base, 4)
 
 
 def test_should_compress_follows_torchs_rate_rule():

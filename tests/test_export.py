@@ -355,8 +355,12 @@ def test_deepspeed_maps_compression_dtype_and_hybrid_zero3() -> None:
     plan = plan_for(
         dp=16, zero=3, dp_shard=8, compression=compression, training={"dtype": DType.FP16}
     )
-    config = deepspeed_json(export_plan(plan, "deepspeed==0.19.6"))
+    text = export_plan(plan, "deepspeed==0.19.6")
+    config = deepspeed_json(text)
     assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "mics_shard_size": 8}
+    # MiCS_Optimizer asserts a model built under MiCS_Init; the header says so (a tester)
+    assert "deepspeed.zero.MiCS_Init(config_dict_or_path=FILE)" in text.splitlines()[1]
+    assert "pass the plan's adamw to deepspeed.initialize(optimizer=...)" in text
     with pytest.raises(
         ExportError, match=re.escape("MiCS, which sharded in groups, was removed in 0.19.7")
     ):

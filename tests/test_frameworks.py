@@ -249,6 +249,13 @@ def test_the_refusal_the_pins_cause_leads_however_many_others_there_are():
         r"MiCS.*target deepspeed==0\.19\.6\. Refusals by count: strategy\.tp",
     ):
         _plan("llama3-8b", 64, 256, 2048, pins=pins, target="deepspeed==0.19.8")
+    # a pinned recompute DeepSpeed cannot switch on: pure data parallelism's refusal leads,
+    # not a pipeline's of as many parallel dimensions (from a tester)
+    with pytest.raises(
+        SpecError,
+        match=r"the simplest is refused: strategy\.recompute = 'full': .*--recompute none",
+    ):
+        _plan("tiny-llama", 4, 8, pins=Pins(recompute=RecomputeMode.FULL), target="deepspeed")
 
 
 def test_a_target_whose_candidates_do_not_fit_is_told_so_with_fixes_it_runs():
@@ -269,7 +276,7 @@ def test_the_gpus_a_no_fit_advises_are_enough():
     (the advice once assumed every state shrank, and each count it gave failed again)."""
     with pytest.raises(InfeasibleError) as info:
         _plan("llama3-8b", 2, 4, target="deepspeed")
-    found = re.search(r"about (\d+) GPUs instead of 2 \(dp (\d+)x as wide\)", str(info.value))
+    found = re.search(r"about (\d+) GPUs instead of 2 \(dp (\d+)x as wide, ", str(info.value))
     assert found is not None, str(info.value)
     gpus, wider = (int(group) for group in found.groups())
     assert gpus == 2 * wider and wider > 4
@@ -515,6 +522,23 @@ def test_plan_from_refuses_training_options_and_needs_a_batch_otherwise(tmp_path
                                   "zero_optimization": {"stage": 3}}))  # fmt: skip
     assert main(["--from", str(config), "--model", "llama3-8b", "--dtype", "fp8"]) == 2
     assert "--dtype with --from: the config sets the model and training" in capsys.readouterr().err
+    # a DeepSpeed config states no sequence length: --seq gives it (from a tester)
+    out = tmp_path / "seq.json"
+    argv = [
+        "--from",
+        str(config),
+        "--model",
+        "tiny-llama",
+        "--gpus",
+        "8",
+        "--seq",
+        "64",
+        "-o",
+        str(out),
+    ]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["training"]["seq_len"] == 64
     assert main(["--model", "llama3-8b", "--gpus", "8"]) == 2
     assert "--global-batch is required" in capsys.readouterr().err
     assert main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",

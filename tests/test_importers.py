@@ -379,6 +379,15 @@ def test_a_torchtitan_config_names_the_release_that_reads_it(release) -> None:
     assert round_trip(plan, release).release == release
 
 
+def test_a_torchtitan_02_toml_with_a_compile_section_is_read_as_02() -> None:
+    """0.2.2 has a [compile] section too (its example configs carry one): it reads as
+    0.2, whose selective recompute defaults to every second block (from a tester)."""
+    text = TOML + "[compile]\nenable = false\n"
+    imported = import_config(text, cluster=GPU, gpus=16)
+    assert not any("0.3" in note for note in imported.notes)
+    assert imported.release == "torchtitan==0.2"
+
+
 def test_torchtitan_03_keys_and_json_dump() -> None:
     text = TOML + "[compile]\nenable = true\n[parallelism.x]\n"
     text = text.replace(
@@ -674,6 +683,19 @@ def test_cli_estimate_from_takes_the_sequence_a_config_does_not_state(tmp_path, 
     assert f"states seq_len = {stated}: drop --seq" in capsys.readouterr().err
 
 
+def test_a_plan_or_a_broken_toml_given_as_a_config_says_what_it_is(tmp_path) -> None:
+    """From a tester: a plan JSON was read as torchtitan 0.3's dump (its training table)
+    and a TOML with a syntax error as 'no TOML'."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(plan_for(dp=8, zero=2).to_json())
+    with pytest.raises(SpecError, match=r"is a plan this planner wrote.*plan estimate --plan"):
+        import_config(plan, model="tiny-llama", cluster=GPU)
+    broken = tmp_path / "job.toml"
+    broken.write_text('[model\nname = "llama3"\n')
+    with pytest.raises(SpecError, match=r"not TOML \(.*line 1"):
+        import_config(broken, cluster=GPU)
+
+
 def test_cli_refusals_and_misplaced_options_exit_2(tmp_path, capsys) -> None:
     path = tmp_path / "megatron.args"
     path.write_text("--moe-expert-capacity-factor 1.0\n")
@@ -876,3 +898,22 @@ def test_torchtitan_prices_its_optimizers_implementation() -> None:
     assert run.options.optimizer_impl.value == "foreach"
     with pytest.raises(SpecError, match=r"optimizer.implementation = 'apex'.*use one of for-loop"):
         import_config(text.replace('"foreach"', '"apex"'), cluster=GPU, gpus=16)
+
+
+def test_a_hugging_face_deepspeed_config_names_every_auto_value_it_needs_at_once() -> None:
+    """The Trainer's "auto" values: those priced are listed together (a tester fixed them
+    one run at a time); the optimizer's hyperparameters and the schedule's price nothing."""
+    config = {
+        "bf16": {"enabled": "auto"}, "train_batch_size": "auto", "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+        "zero_optimization": {"stage": 3},
+    }  # fmt: skip
+    with pytest.raises(SpecError) as info:
+        import_config(json.dumps(config), model="tiny-llama", cluster=GPU, gpus=8)
+    message = str(info.value)
+    assert "bf16.enabled = 'auto'" in message and "write the values the run uses" in message
+    assert "train_batch_size, gradient_clipping" in message
+    assert "optimizer.params" not in message and "scheduler" not in message
+    fixed = {**config, "bf16": {"enabled": True}, "train_batch_size": 64, "gradient_clipping": 1.0}
+    assert import_config(json.dumps(fixed), model="tiny-llama", cluster=GPU, gpus=8).run

@@ -99,6 +99,26 @@ def matmul_sweep(
     return samples
 
 
+NARROW_MATMUL_SHAPE = (1024, 1024, 4)  # (m, k, n): a rank-4 product, as PowerSGD's
+
+
+def narrow_matmul_sample(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int] = NARROW_MATMUL_SHAPE,
+    *,
+    repeats: int = 15,
+) -> Sample:
+    """Seconds per ``(m, k) @ (k, n)`` GEMM with a narrow output (``n`` columns); work is
+    ``2 m k`` FLOPs per output column (:func:`planner.calibrate.profile.build_profile`
+    reads the width it runs at from it)."""
+    m, k, n = shape
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    seconds = time_call(functools.partial(torch.matmul, a, b), device, repeats=repeats)
+    return Sample(f"mm {m}x{k}x{n}", 2.0 * m * k, seconds)
+
+
 def memory_sweep(
     device: torch.device,
     dtype: torch.dtype,

@@ -58,6 +58,7 @@ class Measurements:
     collectives: Sequence[tuple[Collective, int, float, float]]  # kind, ranks, bytes, seconds
     ranks_per_node: int
     step: StepSample | None = None  # an eager training step (CPUs)
+    narrow_matmul: Sample | None = None  # a GEMM with a narrow output (CPUs)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,30 @@ def build_profile(
     )
     if measured.step is not None:
         profile = _with_framework_overheads(profile, measured.step, fits, stamp)
+    if measured.narrow_matmul is not None:
+        profile = _with_narrow_matmul_width(profile, measured.narrow_matmul, stamp)
     return profile, CalibrationReport(fits)
+
+
+def _with_narrow_matmul_width(
+    profile: HardwareProfile, narrow: Sample, stamp: str
+) -> HardwareProfile:
+    """``profile`` with the output width its BLAS runs a narrow GEMM at: the columns
+    that take the sample's time at the fitted GEMM rate."""
+    dtype = next(iter(profile.peak_tflops))
+    rate = profile.peak_flops(dtype) * profile.matmul_efficiency
+    compute_s = max(0.0, narrow.seconds - profile.matmul_overhead_us * 1e-6)
+    width = max(1.0, compute_s * rate / narrow.work)  # narrow.work: FLOPs per column
+    source = (
+        f"{stamp}: a {narrow.label.removeprefix('mm ')} GEMM's time at the fitted GEMM rate "
+        "(the output width its kernel computes)"
+    )
+    return profile.model_copy(
+        update={
+            "narrow_matmul_width": round(width, 1),
+            "sources": {**profile.sources, "narrow_matmul_width": source},
+        }
+    )
 
 
 def _with_framework_overheads(

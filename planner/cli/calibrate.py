@@ -331,14 +331,16 @@ def _measure(
         for s in collectives.collective_sweep(device, sizes, repeats=repeats // 2 + 1):
             samples.append((s.kind, s.ranks, float(s.size_bytes), s.seconds))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    step = None
+    step = narrow = None
     if not gpu:  # GPU kernels queue ahead of the host: no eager framework time priced there
         announce(f"eager training step of {microbench.PROBE_MODEL}")
         step = microbench.training_step_sample(
             device, repeats=repeats, data_parallel=collectives.data_parallel if world > 1 else None,
             ranks=world,
         )  # fmt: skip
-    return Measurements(dtype, matmul, memory, attention, samples, local, step)
+        # a GPU's narrow GEMM waits on memory and launch, not on its kernel's panel
+        narrow = microbench.narrow_matmul_sample(device, torch_dtype, repeats=repeats)
+    return Measurements(dtype, matmul, memory, attention, samples, local, step, narrow)
 
 
 def format_profile(profile: HardwareProfile, report: CalibrationReport) -> str:

@@ -133,17 +133,7 @@ def _imported_run(args: argparse.Namespace) -> RunConfig:
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
     print("\n".join(imported.describe()), file=sys.stderr)
-    run = imported.run
-    if args.seq is None:
-        return run
-    stated = run.training.seq_len
-    if stated is not None and stated != args.seq:
-        raise SpecError(
-            f"--seq {args.seq}, but {args.from_config} states seq_len = {stated}: drop --seq"
-        )
-    return run.model_copy(
-        update={"training": run.training.model_copy(update={"seq_len": args.seq})}
-    )
+    return imported.run_at(args.seq)
 
 
 def run(args: argparse.Namespace) -> int:

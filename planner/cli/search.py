@@ -189,7 +189,10 @@ def _job(args: argparse.Namespace) -> _Job:
         return _Job(
             handle, cluster, resolve_training_args(args), None, args.target or "planner", None
         )
-    given = [option for option, name in TRAINING_OPTIONS.items() if getattr(args, name) is not None]
+    given = [
+        option for option, name in TRAINING_OPTIONS.items()
+        if getattr(args, name) is not None and option != "--seq"  # for a config without one
+    ]  # fmt: skip
     if given or args.hf_config:
         raise SpecError(
             f"{', '.join(given) or '--hf-config'} with --from: the config sets the model and "
@@ -201,7 +204,7 @@ def _job(args: argparse.Namespace) -> _Job:
         args.from_config, format=args.format, model=args.model, cluster=args.cluster,
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
-    run = imported.run
+    run = imported.run_at(args.seq)
     target = args.target or imported.release or imported.format
     return _Job(resolve_model(run.model), run.cluster, run.training, run.options, target, imported)
 

@@ -7,8 +7,10 @@
   already reduced in 2 bytes.
 - ``powersgd`` rank ``r`` (Vogels et al. 2019, torch's ``powerSGD_hook`` with error
   feedback and warm start), per 2-D gradient ``M`` of ``m x n`` worth compressing
-  (torch's rule: ``r (m + n) * 2 < m n``): ``P = M Q`` (``2 m n r`` FLOPs), Gram-Schmidt
-  of ``P`` (``~2 m r^2``, ``r`` columns of small kernels), ``Q = M^T P`` (``2 m n r``) and
+  (torch's rule: ``r (m + n) * 2 < m n``): the orthogonalization of ``Q`` and later of
+  ``P`` (``~2 n r^2`` and ``~2 m r^2``: Gram-Schmidt's ``r`` columns of small kernels up
+  to rank 2, one QR above), ``P = M Q`` and ``Q = M^T P`` (``2 m n r`` FLOPs each, at the
+  profile's ``narrow_matmul_width`` where its BLAS runs narrow outputs that wide) and
   the decompression ``P Q^T`` (``2 m n r``). Per bucket three all-reduces run one after
   another: the uncompressed tensors (biases, norms, small matrices), all ``P`` and all
   ``Q``. Error feedback adds the error to the bucket, clones it and subtracts the
@@ -41,6 +43,7 @@ from planner.cost.compute import ComputeModel
 from planner.cost.tp import TPAssignment
 from planner.dtypes import ELEMENT_BYTES, FP32_BYTES, HALF_BYTES
 from planner.graph import OpGraph, OpKind, OpNode
+from planner.hardware import HardwareProfile
 from planner.spec import CompressionKind
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
     "should_compress",
     "powersgd_work",
     "powersgd_compute_time",
+    "narrow_product_width",
     "powersgd_comm_time",
     "powersgd_memory_bytes",
     "half_wire_bytes",
@@ -101,7 +105,7 @@ class PowerSGDWork:
     q_elements: float  # r * sum(n): the second all-reduce
     uncompressed_elements: float  # vectors and matrices not worth compressing
     product_flops: float  # 6 m n r per compressed matrix: P = M Q, Q = M^T P, P Q^T
-    orthogonalize_flops: float  # 2 m r^2 per compressed matrix (Gram-Schmidt of P)
+    orthogonalize_flops: float  # 2 (m + n) r^2 per compressed matrix (Q's and P's)
 
 
 def _matrix(node: OpNode, held: float) -> tuple[int, int] | None:
@@ -163,7 +167,7 @@ def powersgd_work(shapes: GradientShapes, rank: int) -> PowerSGDWork:
         q_elements=float(rank * sum(n for _, n in compressed)),
         uncompressed_elements=shapes.vector_elements + kept,
         product_flops=float(sum(6 * m * n * rank for m, n in compressed)),
-        orthogonalize_flops=float(sum(2 * m * rank * rank for m, _ in compressed)),
+        orthogonalize_flops=float(sum(2 * (m + n) * rank * rank for m, n in compressed)),
     )
 
 
@@ -171,19 +175,40 @@ def powersgd_compute_time(
     work: PowerSGDWork, rank: int, buckets: int, gradient_elements: float,
     compute: ComputeModel, element_bytes: int,
 ) -> float:  # fmt: skip
-    """Seconds of PowerSGD's products, Gram-Schmidt and error feedback per step (exposed)."""
+    """Seconds of PowerSGD's products, orthogonalizations and error feedback per step
+    (exposed)."""
+    width = narrow_product_width(compute.profile, rank)
     seconds = 0.0
     for m, n in work.compressed:
         io = (m * n + (m + n) * rank) * element_bytes
-        seconds += 3 * compute.gemm_time(2 * m * n * rank, io)
-        columns = _GRAM_SCHMIDT_KERNELS_PER_COLUMN * rank
-        seconds += compute.memory_time(2 * m * rank * rank * element_bytes)
-        seconds += (columns - 1) * compute.kernel_s
+        # P = M Q and Q = M^T P: a narrow output; P Q^T: the whole matrix
+        seconds += 2 * compute.gemm_time(2 * m * n * width, io)
+        seconds += compute.gemm_time(2 * m * n * rank, io)
+        seconds += _orthogonalize_time(n, rank, compute, element_bytes)  # Q (warm start)
+        seconds += _orthogonalize_time(m, rank, compute, element_bytes)  # P
     feedback = _ERROR_FEEDBACK_PASSES * gradient_elements * element_bytes
     seconds += compute.memory_time(feedback) + (_ERROR_FEEDBACK_KERNELS * buckets - 1) * (
         compute.kernel_s
     )
     return seconds
+
+
+def narrow_product_width(profile: HardwareProfile, rank: int) -> float:
+    """Output columns a rank-``rank`` product ``M Q`` computes as: its own, or the
+    profile's ``narrow_matmul_width`` where the BLAS kernel runs narrower outputs at
+    that width (a matrix-vector product, ``rank`` 1, takes the GEMV path)."""
+    if rank == 1 or profile.narrow_matmul_width is None:
+        return float(rank)
+    return max(float(rank), profile.narrow_matmul_width)
+
+
+def _orthogonalize_time(rows: int, rank: int, compute: ComputeModel, element_bytes: int) -> float:
+    """torch's ``_orthogonalize`` of one ``rows x rank`` factor: Gram-Schmidt column by
+    column (rank <= 2 or half precision), else one QR factorization."""
+    work = compute.memory_time(2 * rows * rank * rank * element_bytes)
+    if rank <= 2 or element_bytes < FP32_BYTES:
+        return work + (_GRAM_SCHMIDT_KERNELS_PER_COLUMN * rank - 1) * compute.kernel_s
+    return work  # one LAPACK call
 
 
 def powersgd_comm_time(

@@ -57,6 +57,12 @@ def to_deepspeed(plan: Plan, target: Target | None = None) -> str:
         "communication_data_type": COMMUNICATION_DTYPES[strategy.compression.kind],
     }
     form = "a DeepSpeed config (JSON under hjson // comments); deepspeed.initialize(config=FILE)"
+    if ParallelDims.of(strategy).hybrid_sharding:  # MiCS: MiCS_Optimizer asserts MiCS_Init
+        form += ", the model built under deepspeed.zero.MiCS_Init(config_dict_or_path=FILE)"
+    form += (
+        f"; no optimizer section: pass the plan's {training.optimizer.value} to "
+        "deepspeed.initialize(optimizer=...) or add one"
+    )
     lines = header(plan, target, form, comment="//")
     return "\n".join(lines) + "\n" + dumps_json(config, what="DeepSpeed config") + "\n"
 

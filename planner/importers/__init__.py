@@ -96,6 +96,11 @@ def detect_format(text: str, source: str, suffix: str = "") -> tuple[str, str]:
     ``--options`` Megatron-LM's."""
     if without_comments(text).lstrip().startswith("{"):
         data = parse_json(without_comments(text), source, what="config")
+        if isinstance(data, dict) and {"planner_version", "strategy"} <= set(data):
+            raise SpecError(
+                f"{source} is a plan this planner wrote, not a framework config: price it "
+                f"with plan estimate --plan {source}, or export it with plan export"
+            )
         keys = [key for key in SIGNATURE_KEYS if isinstance(data, dict) and key in data]
         if keys:
             return "deepspeed", f"detected: JSON with {keys[0]}"
@@ -111,8 +116,9 @@ def detect_format(text: str, source: str, suffix: str = "") -> tuple[str, str]:
         return "megatron", "detected: --options"
     try:
         tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        pass
+    except tomllib.TOMLDecodeError as error:
+        if suffix == ".toml":  # meant as torchtitan's job config: say where it breaks
+            raise SpecError(f"cannot read {source}: not TOML ({error})") from None
     else:
         return "torchtitan", "detected: a .toml file" if suffix == ".toml" else "detected: TOML"
     raise SpecError(

@@ -68,6 +68,19 @@ class ImportedRun:
     notes: tuple[str, ...]
     release: str = ""  # the release that reads this config (torchtitan==0.2 for TOML), if told
 
+    def run_at(self, seq_len: int | None) -> RunConfig:
+        """``run`` with ``seq_len`` tokens per sequence where the config states none (a
+        DeepSpeed config); ``None``: as read. A length the config contradicts is refused."""
+        if seq_len is None:
+            return self.run
+        stated = self.run.training.seq_len
+        if stated is not None and stated != seq_len:
+            raise SpecError(
+                f"--seq {seq_len}, but {self.source} states seq_len = {stated}: drop --seq"
+            )
+        training = self.run.training.model_copy(update={"seq_len": seq_len})
+        return self.run.model_copy(update={"training": training})
+
     def describe(self) -> list[str]:
         """The lines ``plan estimate --from`` prints before its table."""
         lines = [f"read {self.source} as {self.format} ({self.detected})"]

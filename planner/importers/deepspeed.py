@@ -115,6 +115,10 @@ def read_deepspeed(text: str, source: str, detected: str, options: Options) -> I
     )  # fmt: skip
 
 
+# keys whose values price nothing: the learning-rate schedule, the optimizer's hyperparameters
+_UNPRICED_PREFIXES = ("scheduler.", "optimizer.params.")
+
+
 def without_comments(text: str) -> str:
     """``text`` without its whole-line ``//`` and ``#`` comments (DeepSpeed reads its
     config with hjson, which takes them as comments)."""
@@ -124,12 +128,20 @@ def without_comments(text: str) -> str:
 
 
 def _refuse_unpriced(settings: Settings) -> None:
-    for key, value in settings.values.items():
-        if value == "auto":
-            raise settings.refuse(
-                key, value, "'auto' is filled in by the Hugging Face Trainer at run time",
-                "write the number the run uses",
-            )  # fmt: skip
+    """Refuse the ``"auto"`` values of keys that are priced, all at once (those of the
+    learning-rate schedule and the optimizer's hyperparameters price nothing), then the
+    unpriced settings."""
+    auto = [
+        key for key, value in settings.values.items()
+        if value == "auto" and not key.startswith(_UNPRICED_PREFIXES)
+    ]  # fmt: skip
+    if auto:
+        raise settings.refuse(
+            auto[0], "auto",
+            "'auto' is filled in by the Hugging Face Trainer at run time"
+            + (f" (and in {', '.join(auto[1:])})" if auto[1:] else ""),
+            "write the values the run uses",
+        )  # fmt: skip
     settings.check_unpriced(_UNPRICED)
 
 

@@ -96,9 +96,10 @@ _CONFIGS_03: dict[str, tuple[str, dict[str, Any]]] = {
         "compile.enable": True, "compile.enable_async_tensor_parallel": True,
         "model.converters": [FLOAT8_CONVERTER]}),
 }  # fmt: skip
-# Keys only torchtitan 0.3 has (their presence switches its defaults on).
+# Keys only torchtitan 0.3 has (their presence switches its defaults on); 0.2 has a
+# [compile] section too, so compile.* tells nothing
 _RELEASE_03 = re.compile(
-    r"^(parallelism\.enable_sequence_parallel|compile\.|training\.dtype$|model_spec\.|"
+    r"^(parallelism\.enable_sequence_parallel|training\.dtype$|model_spec\.|"
     r"optimizer\.param_groups|debug\.|config$|module$)"
 )
 # Keys that change what a step computes or keeps, unpriced: key -> (harmless values, why).

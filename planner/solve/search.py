@@ -836,16 +836,18 @@ class _Restriction:
         self.training = model.training
         self.refused: Counter[str] = Counter()
         self.example: dict[str, Refusal] = {}
-        self.simplest: tuple[int, Refusal] | None = None  # (parallel dimensions, refusal)
+        # ((parallel dimensions, model-parallel ranks), refusal): pure data parallelism
+        # first, where a pinned setting the target refuses shows itself
+        self.simplest: tuple[tuple[int, int], Refusal] | None = None
 
     def allows(self, strategy: Strategy) -> bool:
         refusal = strategy_refusal(self.target, strategy, self.training)
         if refusal is not None:
             self.refused[refusal.field] += 1
             self.example.setdefault(refusal.field, refusal)
-            dimensions = strategy.parallel_dimensions
-            if self.simplest is None or dimensions < self.simplest[0]:
-                self.simplest = (dimensions, refusal)
+            simplicity = (strategy.parallel_dimensions, strategy.tp * strategy.pp * strategy.cp)
+            if self.simplest is None or simplicity < self.simplest[0]:
+                self.simplest = (simplicity, refusal)
         return refusal is None
 
     def _reasons(self) -> str:
@@ -1149,7 +1151,12 @@ def _fit_advice(model: CostModel, closest: Scored, target: Target, wider: int | 
 
     advice = []
     if wider is not None:
-        advice.append(f"about {wider} GPUs instead of {gpus} (dp {wider // gpus}x as wide)")
+        factor = wider // gpus
+        batch = model.training.global_batch_size * factor
+        advice.append(
+            f"about {wider} GPUs instead of {gpus} (dp {factor}x as wide, each replica "
+            f"keeping its sequences: global batch {batch})"
+        )
     if strategy.recompute is not RecomputeMode.FULL:
         full = runs(recompute=RecomputeMode.FULL)
         advice.append("full recompute" if full else f"full recompute (which {target} refuses)")
