@@ -194,16 +194,15 @@ def build_profile(
     if measured.step is not None:
         profile = _with_framework_overheads(profile, measured.step, fits, stamp)
     if measured.narrow_matmul is not None:
-        profile = _with_narrow_matmul_width(profile, measured.narrow_matmul, stamp)
+        profile = _with_narrow_matmul_width(profile, measured.narrow_matmul, dtype, stamp)
     return profile, CalibrationReport(fits)
 
 
 def _with_narrow_matmul_width(
-    profile: HardwareProfile, narrow: Sample, stamp: str
+    profile: HardwareProfile, narrow: Sample, dtype: DType, stamp: str
 ) -> HardwareProfile:
     """``profile`` with the output width its BLAS runs a narrow GEMM at: the columns
-    that take the sample's time at the fitted GEMM rate."""
-    dtype = next(iter(profile.peak_tflops))
+    that take the sample's time at the fitted ``dtype`` GEMM rate."""
     rate = profile.peak_flops(dtype) * profile.matmul_efficiency
     compute_s = max(0.0, narrow.seconds - profile.matmul_overhead_us * 1e-6)
     width = max(1.0, compute_s * rate / narrow.work)  # narrow.work: FLOPs per column
