@@ -155,6 +155,7 @@ class ModelLayouts:
         self.info = module_info(handle.module)
         self._layouts: dict[tuple[int, bool], TPLayout | None] = {}
         self._why_not: dict[tuple[int, bool], str] = {}
+        self._kept_whole: dict[int, str] = {}  # tp -> the rehearsal failure that kept all whole
 
     @property
     def graph(self) -> OpGraph:
@@ -201,12 +202,15 @@ class ModelLayouts:
             )
         if layout is not None and not layout.shards_parameters:
             others = _unsplittable_matrices(self.handle.module)
-            held = (
-                f"its blocks' matrices are in {', '.join(others)} modules, and torch's "
-                "tensor-parallel styles split nn.Linear and nn.Embedding"
-                if others
-                else "every module holding one runs only whole here"
-            )
+            if tp in self._kept_whole:
+                held = f"the layouts that do failed when run: {self._kept_whole[tp]}"
+            elif others:
+                held = (
+                    f"its blocks' matrices are in {', '.join(others)} modules, and torch's "
+                    "tensor-parallel styles split nn.Linear and nn.Embedding"
+                )
+            else:
+                held = "every module holding one runs only whole here"
             return (
                 f"no layout at tp {tp} splits a weight of the model's blocks ({held}): every "
                 "rank would repeat the same work; leave tp to the search"
@@ -283,7 +287,8 @@ class ModelLayouts:
                 f"the model's code does not run on sequence shards ({reason}); {_WITHOUT_SP}"
             )
             return None
-        log.warning("tp %d: %s; every module stays whole (TP shards nothing)", tp, reason)
+        log.info("tp %d: %s; every module stays whole (TP shards nothing)", tp, reason)
+        self._kept_whole[tp] = reason
         whole = replace(constraints, replicated=frozenset({"*"}))  # "*": every top-level module
         return self._solve(tp, sp, whole)
 

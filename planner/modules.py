@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "find_blocks",
     "shares_parameters",
+    "shared_parameters",
     "pipeline_blocker",
     "context_parallel_blocker",
     "sdpa_blocker",
@@ -76,10 +77,18 @@ def _holds_blocks(container: nn.Module) -> bool:
     )
 
 
+def shared_parameters(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter that two or more of ``module``'s submodules hold (tied
+    weights), one list per parameter."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [held for held in names.values() if len(held) > 1]
+
+
 def shares_parameters(module: nn.Module) -> bool:
     """Whether two of ``module``'s submodules hold the same parameter (tied weights)."""
-    every = [param for _, param in module.named_parameters(remove_duplicate=False)]
-    return len({id(param) for param in every}) < len(every)
+    return bool(shared_parameters(module))
 
 
 def pipeline_blocker(module: nn.Module) -> str | None:
@@ -91,12 +100,14 @@ def pipeline_blocker(module: nn.Module) -> str | None:
         return "the model has no repeated blocks to split into stages"
     if (problem := router_loss_pipeline_blocker(module)) is not None:
         return problem
-    if shares_parameters(module):
+    if shared := shared_parameters(module):
+        first, second, *more = shared[0]
+        held = f"{first!r} and {second!r}" + (f" (and {len(more)} more)" if more else "")
         return (
-            "it has tied weights (shared parameters), which would span the first and the last "
-            "stage; untie them (a zoo spec: tied_embeddings = false; a Hugging Face config: "
-            "tie_word_embeddings = false; a module of your own: give its head a weight of its "
-            "own) or use pp = 1"
+            f"it has tied weights: {held} are one parameter, which pipeline stages would "
+            "hold apart; untie them (a zoo spec: tied_embeddings = false; a Hugging Face "
+            "config: tie_word_embeddings = false; a module of your own: give each module a "
+            "weight of its own) or use pp = 1"
         )
     return None
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.errors import SpecError
+from planner.parallel_dims import ParallelDims
 from planner.spec import Axis, CompressionKind, Plan
 from planner.torch_dtypes import mixed_precision_dtype
 from strategies import clipping, expert_parallel, state
@@ -49,10 +51,28 @@ from strategies.random_state import check_same_random_state, has_dropout
 __all__ = ["ParallelModel", "local_slice", "sequence_shards", "loss_context"]
 
 
+_LOSS_PARALLEL_ACTIVE: ContextVar[bool] = ContextVar("loss_parallel_active", default=False)
+
+
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[object]:
     """Where vocabulary-sharded logits meet the loss: ``loss_parallel()`` when the plan's
     layout hands the head's logits on sharded (``plan.loss_parallel``)."""
-    return loss_parallel() if plan.loss_parallel else contextlib.nullcontext()
+    return _loss_parallel_once() if plan.loss_parallel else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _loss_parallel_once() -> Iterator[None]:
+    """torch's ``loss_parallel()``, entered once however the contexts nest: its exit
+    unregisters the loss operators, which a nested exit would take from the outer one."""
+    if _LOSS_PARALLEL_ACTIVE.get():
+        yield
+        return
+    token = _LOSS_PARALLEL_ACTIVE.set(True)
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _LOSS_PARALLEL_ACTIVE.reset(token)
 
 
 def local_slice(plan: Plan, rank: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -274,6 +294,20 @@ class ParallelModel:
             )
         self._check_length(tensor, where)
 
+    def _check_sequence_split(self, tensor: torch.Tensor, where: str) -> None:
+        """Every call: sequence parallelism splits each sequence of the inputs over the
+        tensor-parallel ranks (:meth:`~planner.parallel_dims.ParallelDims.sequence_blocker`;
+        under context parallel or a pipeline the length is the plan's, checked legal)."""
+        strategy = self.plan.strategy
+        if not strategy.sequence_parallel or strategy.cp > 1 or tensor.ndim < 2:
+            return
+        problem = ParallelDims.of(strategy).sequence_blocker(tensor.shape[1])
+        if problem is not None:
+            raise SpecError(
+                f"{where}: inputs have shape {tuple(tensor.shape)}: {problem} (pad the "
+                "sequences, or plan with --no-sequence-parallel)"
+            )
+
     def _check_length(self, tensor: torch.Tensor, where: str) -> None:
         """Under context parallel or a pipeline, sequences of the plan's length: context
         parallel cuts the plan's sequences, and pipeline stages pass on activations of
@@ -306,13 +340,16 @@ class ParallelModel:
     # ---- forward, step, clip
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward of this rank's inputs in the plan's precision (its autocast), as
-        :meth:`step` runs it."""
+        """The forward of this rank's inputs as :meth:`step` runs it: in the plan's
+        precision (its autocast) and loss-parallel context, so a model that computes its
+        loss in forward (from labels it is given) computes it on sharded logits too; its
+        backward goes in :meth:`loss_context`, as every loss's."""
         module = self.module  # raises for pipelines
         if args and isinstance(args[0], torch.Tensor):
             self._check_local(args[0], "parallel(inputs)", whole=False)
+            self._check_sequence_split(args[0], "parallel(inputs)")
         self._check_dropout()
-        with self._autocast():
+        with self._autocast(), loss_context(self.plan):
             return module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -332,6 +369,7 @@ class ParallelModel:
             self._check_share(inputs, where, whole=True)
         else:
             self._check_local(inputs, where, whole=True)
+        self._check_sequence_split(inputs, where)
         self._check_dropout()
         return self._global_loss(inputs, targets, PipelineRunner.step, self._accumulate)
 
@@ -341,7 +379,9 @@ class ParallelModel:
         their running statistics; the model's mode is restored after), over the plan's
         micro-batches (the pipeline schedule's forwards when ``pp > 1``) in the plan's
         precision; a detached float32 scalar, equal on every rank."""
-        self._check_share(inputs, "parallel.evaluate(inputs, targets)", whole=True)
+        where = "parallel.evaluate(inputs, targets)"
+        self._check_share(inputs, where, whole=True)
+        self._check_sequence_split(inputs, where)
         training = self.training
         self.eval()
         try:

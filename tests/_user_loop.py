@@ -2,11 +2,14 @@
 forward ``parallel(inputs)``, the user's own loss inside ``parallel.loss_context()``,
 gradient clipping and the optimizer.
 
-``python tests/_user_loop.py MODEL PLAN STEPS CLIP`` prints the losses as JSON (rank 0);
-under torchrun it joins the gloo process group first. MODEL is a ``module:function``
-path or a Hugging Face config directory; CLIP is ``stock`` (``torch.nn.utils
-.clip_grad_norm_``: right for data parallel and FSDP, an error naming
-``parallel.clip_grad_norm_`` where it would be wrong) or ``parallel``.
+``python tests/_user_loop.py MODEL PLAN STEPS CLIP [LOSS]`` prints the losses as JSON
+(rank 0); under torchrun it joins the gloo process group first. MODEL is a
+``module:function`` path or a Hugging Face config directory; CLIP is ``stock``
+(``torch.nn.utils.clip_grad_norm_``: right for data parallel and FSDP, an error naming
+``parallel.clip_grad_norm_`` where it would be wrong) or ``parallel``; LOSS is ``own``
+(the default: cross-entropy of the logits) or ``labels`` (a Hugging Face model's own
+loss, ``parallel(inputs, labels=targets).loss``, with only the backward in
+``loss_context()``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import planner
 LR, MAX_NORM = 0.1, 0.5
 
 
-def main(source: str, plan_path: str, steps: int, clip: str) -> None:
+def main(source: str, plan_path: str, steps: int, clip: str, loss_from: str = "own") -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
     torch.manual_seed(0)  # the same weights on every rank and in the reference
@@ -45,11 +48,16 @@ def main(source: str, plan_path: str, steps: int, clip: str) -> None:
             0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(step)
         )
         inputs, targets = parallel.local_batch(tokens[:, :-1], tokens[:, 1:])
-        out = parallel(inputs)
-        logits = out.logits if hasattr(out, "logits") else out
-        with parallel.loss_context():
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            loss.backward()
+        if loss_from == "labels":
+            loss = parallel(inputs, labels=targets).loss
+            with parallel.loss_context():
+                loss.backward()
+        else:
+            out = parallel(inputs)
+            logits = out.logits if hasattr(out, "logits") else out
+            with parallel.loss_context():
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss.backward()
         if clip == "stock":
             torch.nn.utils.clip_grad_norm_(parallel.parameters(), MAX_NORM)
         else:
@@ -69,4 +77,4 @@ def main(source: str, plan_path: str, steps: int, clip: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

@@ -4,6 +4,8 @@ batches, refuses inputs of the wrong shape with the fix, guards stock clipping; 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -282,14 +284,22 @@ def test_evaluate_is_the_eval_mode_loss_without_gradients_and_keeps_the_mode() -
             r"\(8 tokens on each rank",
         ),
         (Strategy(cp=2, micro_batch_size=4), (4, 16), r"each rank holds 8 of the 16 tokens"),
+        (
+            Strategy(tp=2, sequence_parallel=True, micro_batch_size=4),
+            (4, 15),
+            r"inputs have shape \(4, 15\): seq_len 15 / cp\(1\) = 15 tokens per rank is not "
+            r"divisible by tp\(2\).* \(pad the sequences, or plan with --no-sequence-parallel\)",
+        ),
     ],
 )
 def test_sequences_of_another_length_are_refused_where_the_plan_fixes_it(
     strategy: Strategy, shape: tuple[int, int], message: str
 ) -> None:
     """Pipeline stages pass on activations of their first call's shape (another length
-    aborted the job in gloo or left ranks waiting), and context parallelism cuts the
-    plan's sequences: both refuse another length on every rank, before any transfer."""
+    aborted the job in gloo or left ranks waiting), context parallelism cuts the plan's
+    sequences, and sequence parallelism splits any length over tp (a length it cannot
+    split aborted gloo): each refuses what it cannot run on every rank, before any
+    transfer."""
     training = Training(global_batch_size=4, seq_len=16, dtype="fp32")
     cluster = Cluster(gpu="cpu", num_gpus=2, gpus_per_node=2)
     plan = assemble_plan(resolve_model("tiny-gpt"), cluster, training, strategy)
@@ -298,3 +308,21 @@ def test_sequences_of_another_length_are_refused_where_the_plan_fixes_it(
     tokens = torch.zeros(shape, dtype=torch.long)
     with pytest.raises(SpecError, match=message):
         parallel.evaluate(tokens, tokens)
+
+
+def test_loss_contexts_nest() -> None:
+    """A forward inside ``loss_context()`` enters loss parallel again (``parallel(inputs)``
+    does, for models that compute their loss in forward): the inner exit keeps the outer
+    context's loss operators, and the outer exit removes them once."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    from strategies.parallel_model import loss_context
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    plan = SimpleNamespace(loss_parallel=True)  # a plan whose head hands on sharded logits
+    with loss_context(plan):
+        with loss_context(plan):
+            assert all(op in handlers for op in customized_loss_ops)
+        assert all(op in handlers for op in customized_loss_ops)
+    assert not any(op in handlers for op in customized_loss_ops)

@@ -276,8 +276,31 @@ def test_the_same_model_with_a_plain_forward_passes_the_check() -> None:
     assert stage_problem(module, module.example_inputs(2)) is None
 
 
-def test_tied_weights_are_refused_with_the_reason() -> None:
-    assert "tied weights" in (pipeline_blocker(gpt_tied()) or "")
+def test_tied_weights_are_refused_naming_the_shared_parameter() -> None:
+    """The head tied to the embedding, or blocks sharing a weight (ALBERT-style)."""
+    assert "tied weights: 'transformer.wte.weight' and 'lm_head.weight' are one parameter" in (
+        pipeline_blocker(gpt_tied()) or ""
+    )
+    shared = GPT(n_layer=3)
+    for block in shared.transformer.h[1:]:
+        block.mlp.c_fc.weight = shared.transformer.h[0].mlp.c_fc.weight
+    problem = pipeline_blocker(shared) or ""
+    assert (
+        "'transformer.h.0.mlp.c_fc.weight' and 'transformer.h.1.mlp.c_fc.weight' (and 1 more) "
+        "are one parameter, which pipeline stages would hold apart" in problem
+    )
+
+
+def test_a_parameter_of_the_model_itself_is_refused_with_where_to_hold_it() -> None:
+    """minGPT's and ViT's learned positions, an ``nn.Parameter`` on the root: no stage
+    holds it."""
+    module = GPT()
+    module.pos = nn.Parameter(torch.zeros(4))
+    stages = [["transformer.wte", "transformer.wpe", "transformer.h.0"],
+              ["transformer.h.1", "transformer.ln_f", "lm_head"]]  # fmt: skip
+    problem = split_problem(module, stages)
+    assert problem is not None
+    assert problem.startswith("parameter 'pos' belongs to the model itself")
 
 
 def test_a_stage_split_out_of_order_is_refused_before_any_collective() -> None:

@@ -106,15 +106,20 @@ def _user_plans(tmp_path: Path, model: str) -> tuple[str, Path, Path]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["hf-llama", "nanogpt-tied"])
-def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, model):
-    """HF Llama built with AutoModelForCausalLM.from_config (loss parallel) and a tied
-    nanoGPT-style module, at tp 2 with sequence parallelism, trained as the README says."""
+@pytest.mark.parametrize(
+    ("model", "loss_from"), [("hf-llama", "own"), ("hf-llama", "labels"), ("nanogpt-tied", "own")]
+)
+def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, model, loss_from):
+    """HF Llama built with AutoModelForCausalLM.from_config (loss parallel; its own loss
+    from labels too) and a tied nanoGPT-style module, at tp 2 with sequence parallelism,
+    trained as the README says."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     source, tensor_parallel, single = _user_plans(tmp_path, model)
-    loop = [USER_LOOP, source, str(tensor_parallel), "3", "parallel"]
+    loop = [USER_LOOP, source, str(tensor_parallel), "3", "parallel", loss_from]
     distributed = plan_run_losses([*TORCHRUN, "2", *loop])
-    reference = plan_run_losses([sys.executable, USER_LOOP, source, str(single), "3", "parallel"])
+    reference = plan_run_losses(
+        [sys.executable, USER_LOOP, source, str(single), "3", "parallel", loss_from]
+    )
     assert distributed == pytest.approx(reference, abs=1e-5)
 
 

@@ -20,7 +20,7 @@ from planner.errors import PlannerError, SpecError
 from planner.fqn import fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout, module_info
-from planner.models import get_preset, resolve_model
+from planner.models import get_preset, handle_for_module, resolve_model
 from planner.planning import make_plan
 from planner.solve.layout import LayoutConstraints, Roofline
 from planner.solve.program import solve_tp_layout
@@ -322,3 +322,42 @@ def test_a_pinned_tp_over_modules_torch_cannot_split_names_them(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlannerError, match=r"matrices are in Conv1D modules, and torch's"):
         make_plan(resolve_hf_config(str(path)), H100, TRAINING, pins=Pins(tp=2))
+
+
+class _EncoderLM(torch.nn.Module):
+    """Blocks of ``nn.TransformerEncoderLayer``: its ``MultiheadAttention`` hands on a
+    tuple, and its MLP is two ``nn.Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+            for _ in range(2)
+        )
+        self.out = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.zeros(batch_size, 8, dtype=torch.long),)
+
+
+def test_a_tp_pin_refused_after_its_layouts_failed_says_which_module_failed(
+    tmp_path: Path,
+) -> None:
+    """Not "its blocks' matrices are in MultiheadAttention modules": the MLP's
+    ``nn.Linear`` split too, and the run of that layout failed on the attention."""
+    handle = handle_for_module(_EncoderLM())
+    training = Training(global_batch_size=4, seq_len=8, dtype="fp32")
+    cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
+    with pytest.raises(SpecError) as refused:
+        make_plan(handle, cluster, training, pins=Pins(tp=2))
+    assert (
+        "no layout at tp 2 splits a weight of the model's blocks (the layouts that do failed "
+        "when run: module 'layers.0.self_attn': its output is not a tensor"
+    ) in str(refused.value)
