@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from planner.errors import SpecError
@@ -191,14 +192,16 @@ class ParallelModel:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         step: int,
+        scheduler: LRScheduler | None = None,
     ) -> Path:
-        """Checkpoint the model (and ``optimizer``) after ``step`` optimizer steps, on
-        every rank: ``directory/step-<step>`` becomes ``directory``'s latest once complete
-        (a save cut short leaves the previous one latest). Returns the checkpoint's path."""
+        """Checkpoint the model (and ``optimizer`` and its learning-rate ``scheduler``)
+        after ``step`` optimizer steps, on every rank: ``directory/step-<step>`` becomes
+        ``directory``'s latest once complete (a save cut short leaves the previous one
+        latest). Returns the checkpoint's path."""
         local_sgd = self.plan.strategy.compression.kind is CompressionKind.LOCAL_SGD
         return state.save(
             directory, self.model_state, optimizer=optimizer, step=step, plan=self._layout,
-            carried=self._carried(), per_rank=local_sgd,
+            scheduler=scheduler, carried=self._carried(), per_rank=local_sgd,
         )  # fmt: skip
 
     def load(
@@ -207,13 +210,14 @@ class ParallelModel:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         step: int | None = None,
+        scheduler: LRScheduler | None = None,
     ) -> int:
         """Load the latest checkpoint of ``directory`` (or the one at ``step``) into the
-        model (and ``optimizer``, built over :meth:`parameters`) in place, on every rank,
-        whatever plan saved it; returns its step."""
+        model (and ``optimizer``, built over :meth:`parameters`, and its ``scheduler``)
+        in place, on every rank, whatever plan saved it; returns its step."""
         return state.load(
             directory, self.model_state, optimizer=optimizer, step=step, plan=self._layout,
-            restore=self._restore_carried,
+            scheduler=scheduler, restore=self._restore_carried,
         )  # fmt: skip
 
     @property

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim.lr_scheduler import LRScheduler
 
 from planner.errors import SpecError
 from planner.io import dumps_json, write_text_atomic
@@ -121,12 +122,13 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     step: int,
     plan: str,
+    scheduler: LRScheduler | None = None,
     carried: bytes | None = None,
     per_rank: bool = False,
 ) -> Path:
-    """Write a checkpoint of ``model`` (and ``optimizer``'s state, and this rank's
-    ``carried`` compression state) at ``step`` under ``root`` on every rank, atomically;
-    returns its directory. ``plan`` says what saved it (plan and world size).
+    """Write a checkpoint of ``model`` (and ``optimizer``'s and ``scheduler``'s state, and
+    this rank's ``carried`` compression state) at ``step`` under ``root`` on every rank,
+    atomically; returns its directory. ``plan`` says what saved it (plan and world size).
 
     ``per_rank`` also keeps each rank's own model and optimizer state, for replicas that
     differ (local SGD): a run under the same plan resumes each rank from its own."""
@@ -145,6 +147,8 @@ def save(
     }
     if optimizer is not None:
         state["optimizer"], state["param_groups"] = _optimizer_state(optimizer, model)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
     if carried is not None:
         state["carried"] = {f"rank{_rank()}": carried}
     if per_rank:
@@ -205,10 +209,12 @@ def load(
     optimizer: torch.optim.Optimizer | None,
     step: int | None,
     plan: str = "",
+    scheduler: LRScheduler | None = None,
     restore: Callable[[bytes], None] | None = None,
 ) -> int:
     """Read the checkpoint of ``root`` at ``step`` (the latest when ``None``) into
-    ``model`` and ``optimizer`` in place, whatever plan saved it; returns its step.
+    ``model``, ``optimizer`` and ``scheduler`` in place, whatever plan saved it; returns
+    its step.
 
     Where the checkpoint keeps each rank's own replica (:func:`save` ``per_rank``) and
     ``plan`` (this run's plan and world size) saved it, each rank reads its own;
@@ -230,11 +236,15 @@ def load(
         prefix = own if replicas else ""
         body["optimizer"] = _saved_part(entries, prefix + "optimizer", saved, path)
         state["param_groups"] = _saved_part(groups, "param_groups", saved, path)
+    if scheduler is not None:
+        state["scheduler"] = _saved_scheduler(scheduler, saved, path)
     if restore is not None and f"carried.{rank}" in saved:
         state["carried"] = {rank: b""}
     _dcp_load(state, reader)
     if optimizer is not None:
         _set_hyperparameters(optimizer, model, state["param_groups"])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
     if "carried" in state:
         assert restore is not None
         restore(state["carried"][rank])
@@ -242,6 +252,27 @@ def load(
     log.info("checkpoint: step %d loaded from %s (saved under %s%s)", step_loaded, path,
              meta["meta"]["plan"], ", each rank its own replica" if replicas else "")  # fmt: skip
     return step_loaded
+
+
+def _saved_scheduler(scheduler: LRScheduler, saved: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``scheduler``'s state to read the checkpoint's into; refused where the checkpoint
+    has none, or another scheduler's."""
+    template = scheduler.state_dict()
+    mine = {f"scheduler.{key}" for key in template}
+    theirs = {key for key in saved if key.startswith("scheduler.")}
+    if not theirs:
+        raise SpecError(
+            f"checkpoint {str(path)!r} holds no learning-rate scheduler: it was saved without "
+            "scheduler=; load it without one (and step a new scheduler to the checkpoint's "
+            "step), or save with parallel.save(..., scheduler=scheduler)"
+        )
+    if theirs != mine:
+        raise SpecError(
+            f"checkpoint {str(path)!r} holds another scheduler's state (keys "
+            f"{sorted(k.removeprefix('scheduler.') for k in theirs ^ mine)} differ from "
+            f"{type(scheduler).__name__}'s): build the scheduler the checkpoint was saved with"
+        )
+    return template
 
 
 def _checkpoint_keys(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

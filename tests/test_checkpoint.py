@@ -115,6 +115,42 @@ def test_a_later_save_becomes_latest_and_an_earlier_step_still_loads(tmp_path: P
         fresh.load(tmp_path, step=9)
 
 
+def _warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=5)
+
+
+def test_a_learning_rate_schedule_resumes_where_it_was_saved(tmp_path: Path) -> None:
+    """The scheduler's state goes in the checkpoint: a resume continues its warm-up (a
+    new scheduler alone would start it over), and a checkpoint saved without one, or with
+    another scheduler, is refused with what to do."""
+    plan = one_process(Case("", "tiny-lm", {})).plan(1)
+    parallel = parallelize(meta_model("tiny-lm"), plan, seed=1)
+    optimizer = torch.optim.AdamW(parallel.parameters(), lr=LR)
+    scheduler = _warmup(optimizer)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    parallel.save(tmp_path, optimizer, step=3, scheduler=scheduler)
+    fresh = parallelize(meta_model("tiny-lm"), plan, seed=5)
+    resumed_optimizer = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    resumed = _warmup(resumed_optimizer)
+    assert fresh.load(tmp_path, resumed_optimizer, scheduler=resumed) == 3
+    assert resumed.state_dict() == scheduler.state_dict()
+    for _ in range(2):
+        for each in (optimizer, resumed_optimizer):
+            each.step()
+        scheduler.step()
+        resumed.step()
+        assert resumed.get_last_lr() == scheduler.get_last_lr()
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    parallel.save(tmp_path / "plain", optimizer, step=3)
+    with pytest.raises(SpecError, match="holds no learning-rate scheduler: it was saved without"):
+        fresh.load(tmp_path / "plain", resumed_optimizer, scheduler=resumed)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(resumed_optimizer, T_max=10)
+    with pytest.raises(SpecError, match="holds another scheduler's state .*CosineAnnealingLR"):
+        fresh.load(tmp_path, resumed_optimizer, scheduler=cosine)
+
+
 def test_loading_needs_a_checkpoint_of_the_same_model(tmp_path: Path) -> None:
     plan = one_process(Case("", "tiny-llama", {})).plan(1)
     with pytest.raises(SpecError, match="has no 'latest' file"):

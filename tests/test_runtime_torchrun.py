@@ -231,8 +231,9 @@ def test_the_readme_training_loop_runs_a_pipeline_and_resumes_under_another_plan
 ):
     """The README's loop, copied from the README, builds an HF Llama on meta from its
     config and trains it under torchrun on 4 ranks: 2 steps under a pp2 x dp2 plan the
-    search made, saved, then resumed under a pp2 x cp2 plan for a third step. The losses,
-    and the held-out loss it evaluates then, equal one process's uninterrupted run."""
+    search made, saved, then resumed under a pp2 x cp2 plan for a third step, its
+    learning-rate warm-up restored from the checkpoint. The losses, and the held-out loss
+    it evaluates then, equal one process's uninterrupted run."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     pins = {"pp2 x dp2": planner.Pins(pp=2, dp=2), "pp2 x cp2": planner.Pins(pp=2, cp=2)}
     config, plans = _llama_plans(tmp_path, pins)
