@@ -147,7 +147,7 @@ def test_a_learning_rate_schedule_resumes_where_it_was_saved(tmp_path: Path) -> 
     with pytest.raises(SpecError, match="holds no learning-rate scheduler: it was saved without"):
         fresh.load(tmp_path / "plain", resumed_optimizer, scheduler=resumed)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(resumed_optimizer, T_max=10)
-    with pytest.raises(SpecError, match="holds another scheduler's state .*CosineAnnealingLR"):
+    with pytest.raises(SpecError, match=r"holds another scheduler's state .*CosineAnnealingLR"):
         fresh.load(tmp_path, resumed_optimizer, scheduler=cosine)
 
 
