@@ -464,13 +464,13 @@ def split_problem(module: nn.Module, stages: Sequence[Sequence[str]]) -> str | N
     edges = {**dict.fromkeys(before, 0), **dict.fromkeys(after, len(stages) - 1)}
     for name, _ in module.named_parameters():
         owner = name.rpartition(".")[0]
-        held = _holding(owner, named)
         if not owner:
             return (
-                f"parameter {name!r} belongs to the model itself, "
-                "not to a submodule a stage can hold; hold it in one (learned positions: an "
-                "nn.Embedding the model calls before its blocks) or use pp = 1"
+                f"parameter {name!r} belongs to the model itself, not to a submodule a stage "
+                "can hold; hold it in one (learned positions: an nn.Embedding the model calls "
+                "before its blocks) or use pp = 1"
             )
+        held = _holding(owner, named)
         if len(held) != 1:
             where = f"stages {sorted(held)}" if held else "no stage"
             return f"parameter {name!r} is in {where}; every parameter belongs to exactly one"
