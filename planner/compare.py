@@ -78,11 +78,13 @@ def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Predicti
     """
     check_same_plan(plan, measured)
     pred, meas = prediction.breakdown_s, measured.phases_s
+    bubble = pred.get("bubble", 0.0)
     rows = [
         Row("step", prediction.step_time_s, measured.step_time_median_s),
         Row("compute", pred.get("compute", 0.0) + pred.get("recompute", 0.0),
             meas.get("forward", 0.0) + meas.get("backward", 0.0)),
-        Row("communication", communication_s(pred) + pred.get("bubble", 0.0), communication_s(meas)),
+        Row("communication + bubble" if bubble else "communication",
+            communication_s(pred) + bubble, communication_s(meas)),
         Row("optimizer", pred.get("optimizer", 0.0), meas.get("optimizer", 0.0)),
         Row("other", 0.0, meas.get("other", 0.0)),
         Row("peak memory", prediction.peak_memory_gib, measured.peak_memory_max_gib, "GiB"),

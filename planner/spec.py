@@ -1040,4 +1040,34 @@ def load_document(cls: type[DocT], data: str | Path | dict[str, Any], source: st
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
+        kind = document_kind(data)
+        if kind is not None and kind[0] != cls.__name__:
+            raise SpecError(
+                f"{source or cls.__name__} is {kind[1]}, not a {cls.__name__} file: give it "
+                "where that is taken (plan --help lists what each command reads)"
+            ) from None
         raise SpecError(format_validation_error(exc, source or cls.__name__)) from None
+
+
+# What each document this tool reads or writes holds at its top level, and what it is:
+# the first whose keys a document has names it (a plan before a run, which it contains).
+_DOCUMENT_KINDS = (
+    ("MeasuredProfile", {"plan_fingerprint", "step_times_s"}, "a measured profile ('plan measure' output)"),
+    ("Plan", {"strategy", "prediction"}, "a plan ('plan -o' output)"),
+    ("RunConfig", {"model", "cluster", "training", "strategy"}, "a run config ('plan estimate --config' input)"),
+    ("HardwareProfile", {"peak_tflops", "matmul_efficiency"}, "a hardware profile (--cluster, 'plan calibrate' output)"),
+    ("Cluster", {"gpu", "num_gpus"}, "a cluster (--cluster)"),
+    ("ModelSpec", {"num_layers", "hidden_size", "num_heads"}, "a ModelSpec (--model)"),
+    ("HuggingFaceConfig", {"model_type"}, "a Hugging Face config (--hf-config)"),
+)  # fmt: skip
+
+
+def document_kind(data: object) -> tuple[str, str] | None:
+    """Which of this tool's documents ``data`` looks like (its class name and a phrase
+    naming it and where it goes), or ``None``."""
+    if not isinstance(data, dict):
+        return None
+    for name, keys, what in _DOCUMENT_KINDS:
+        if keys <= data.keys():
+            return name, what
+    return None

@@ -12,7 +12,13 @@ import pytest
 
 from planner.assemble import assemble_plan
 from planner.calibrate import CalibrationError, measured_run_options, predict_plan
-from planner.calibrate.fit import fit_alpha_beta, fit_matmul, fit_memory, fit_streaming
+from planner.calibrate.fit import (
+    FitResult,
+    fit_alpha_beta,
+    fit_matmul,
+    fit_memory,
+    fit_streaming,
+)
 from planner.calibrate.refit import (
     REFIT_PARAMETERS,
     RefitParameter,
@@ -239,3 +245,12 @@ def test_failed_refit_leaves_the_profile_file_untouched(tmp_path: Path) -> None:
     assert "physical range" in result.stderr or "did not converge" in result.stderr
     assert path.read_text() == before
     assert json.loads(before)["name"] == "synthetic-cpu"
+
+
+def test_a_fit_whose_rms_grew_says_it_is_robust() -> None:
+    """The fits are soft-L1: a few outlying samples can leave the plain RMS above the
+    start's, which the report says rather than print as a worse fit."""
+    assert FitResult({}, 0.56, 0.29, 10).describe_error() == "RMS log error 0.56 -> 0.29"
+    assert FitResult({}, 0.32, 0.33, 10).describe_error() == (
+        "RMS log error 0.32 -> 0.33 (a robust fit: outlying samples weigh less)"
+    )

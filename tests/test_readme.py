@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import json
 import os
 import re
 import shlex
@@ -301,3 +302,26 @@ def test_troubleshooting_messages_are_what_the_commands_print(
             assert stderr.splitlines() == errors, command.text
         else:
             assert status == 0, f"{command.text}: {stderr}"
+
+
+def test_the_estimate_example_prints_what_the_readme_says() -> None:
+    """The ``plan estimate`` example (its config with the annotations taken out) and the
+    figures the README says it prints."""
+    from planner.cost import estimate_run
+
+    section = _section(_readme(), "Cost model and `plan estimate`")
+    config = _fences(section)[0][1]
+    config = re.sub(r"\s+\((?:or inline|optional)[^)]*\)", "", config)
+    prediction = estimate_run(json.loads(config))
+    said = re.search(
+        r"it prints a ([\d.]+) s step, ([\d.]+)\s+tokens/s/GPU, MFU ([\d.]+)%, HFU ([\d.]+)% "
+        r"and ([\d.]+) GiB per GPU",
+        section,
+    )
+    assert said, "README no longer says what the estimate example prints"
+    printed = (
+        f"{prediction.step_time_s:.2f}", f"{prediction.tokens_per_s_per_gpu:.1f}",
+        f"{100 * prediction.mfu:.1f}", f"{100 * prediction.hfu:.1f}",
+        f"{prediction.peak_memory_gib:.1f}",
+    )  # fmt: skip
+    assert said.groups() == printed

@@ -71,6 +71,25 @@ def test_invalid_fields_give_one_line_each_with_value():
     assert any(line.startswith("  seq_len = -1:") for line in lines)
 
 
+@pytest.mark.parametrize(
+    ("cls", "data", "said"),
+    [
+        (Plan, {"plan_fingerprint": "x", "step_times_s": [1.0], "plan": {}},
+         "m.json is a measured profile ('plan measure' output), not a Plan file"),
+        (Cluster, {"strategy": {}, "prediction": {}, "model": {}},
+         "m.json is a plan ('plan -o' output), not a Cluster file"),
+        (Plan, {"peak_tflops": {}, "matmul_efficiency": 0.5, "name": "cpu"},
+         "m.json is a hardware profile (--cluster, 'plan calibrate' output), not a Plan file"),
+        (ModelSpec, {"model_type": "llama"}, "m.json is a Hugging Face config (--hf-config)"),
+    ],
+)  # fmt: skip
+def test_a_document_of_another_kind_is_named_not_listed_field_by_field(cls, data, said):
+    """One line naming what the file is, not twenty fields it lacks."""
+    with pytest.raises(SpecError) as info:
+        load_document(cls, data, source="m.json")
+    assert str(info.value).startswith(said) and "\n" not in str(info.value)
+
+
 def test_head_divisibility_is_checked():
     with pytest.raises(SpecError, match=r"hidden_size \(65\) must be divisible by num_heads \(4\)"):
         load_document(ModelSpec, {**_llama().model_dump(), "hidden_size": 65})

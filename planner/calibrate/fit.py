@@ -109,6 +109,14 @@ class FitResult:
     samples: int
     at_bounds: tuple[str, ...] = ()
 
+    def describe_error(self) -> str:
+        """``RMS log error 0.56 -> 0.29``; where the RMS grew, why: the fit is robust
+        (soft L1), weighing outlying samples less than a least-squares fit would."""
+        said = f"RMS log error {self.rms_before:.2f} -> {self.rms_after:.2f}"
+        if self.rms_after > self.rms_before:
+            said += " (a robust fit: outlying samples weigh less)"
+        return said
+
 
 def rms(residuals: Array) -> float:
     """Root mean square of ``residuals`` (0 for none)."""

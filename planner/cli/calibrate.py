@@ -175,10 +175,7 @@ def format_link_fit(report: LinkCalibration, base: str) -> str:
         )
     edges = {f"links.{tier}.{name}" for tier, fit in report.fits.items() for name in fit.at_bounds}
     for tier, fit in report.fits.items():
-        lines.append(
-            f"{tier}: RMS log error {fit.rms_before:.2f} -> {fit.rms_after:.2f} "
-            f"({fit.samples} sizes)"
-        )
+        lines.append(f"{tier}: {fit.describe_error()} ({fit.samples} sizes)")
     for path, (old, new) in report.fields.items():
         edge = "  (at the edge of its range)" if path in edges else ""
         lines.append(f"  {path:<48} {old:10.4g} -> {new:10.4g}{edge}")
@@ -349,10 +346,7 @@ def format_profile(profile: HardwareProfile, report: CalibrationReport) -> str:
     lines = [f"profile {profile.name} ({profile.device_kind})"]
     for name, fit in fits.items():
         values = ", ".join(f"{k} = {v:.4g}" for k, v in fit.values.items())
-        lines.append(
-            f"  {name:<12} {values}  (RMS log error {fit.rms_before:.2f} -> {fit.rms_after:.2f}, "
-            f"{fit.samples} samples)"
-        )
+        lines.append(f"  {name:<12} {values}  ({fit.describe_error()}, {fit.samples} samples)")
     peaks = ", ".join(f"{d.value} {v:.3g}" for d, v in profile.peak_tflops.items())
     lines.append(f"  peak TFLOP/s: {peaks}; memory {profile.memory_capacity_gib:.1f} GiB per rank")
     return "\n".join(lines)
