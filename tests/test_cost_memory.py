@@ -3,7 +3,11 @@
 import pytest
 
 from planner.cost import CostModel, CostOptions, graph_from_spec
-from planner.cost.memory import in_flight_microbatches, model_state_bytes
+from planner.cost.memory import (
+    in_flight_microbatches,
+    model_state_bytes,
+    pending_weight_gradients,
+)
 from planner.graph import OpKind
 from planner.spec import (
     Cluster,
@@ -100,11 +104,47 @@ def test_in_flight_microbatches_per_schedule():
     assert in_flight_microbatches(Schedule.GPIPE, rank=0, **kw) == 8
     assert in_flight_microbatches(Schedule.ONE_F_ONE_B, rank=0, **kw) == 4
     assert in_flight_microbatches(Schedule.ONE_F_ONE_B, rank=3, **kw) == 1
-    assert in_flight_microbatches(Schedule.ZERO_BUBBLE, rank=1, **kw) == 3
+    assert in_flight_microbatches(Schedule.ZERO_BUBBLE, rank=1, **kw) == 4  # torch's ZB1P
     interleaved = in_flight_microbatches(Schedule.INTERLEAVED_1F1B, rank=0, virtual_stages=2, **kw)
     assert interleaved == pytest.approx(4 * (1 + 3 / (4 * 2)))  # p (1 + (p-1)/(p v))
     few = in_flight_microbatches(Schedule.ONE_F_ONE_B, pp=4, rank=0, num_microbatches=2)
     assert few == 2
+
+
+@pytest.mark.parametrize(
+    ("pp", "virtual", "microbatches"),
+    [(2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 4), (4, 1, 8), (4, 1, 16), (2, 2, 4), (4, 2, 8)],
+)
+def test_zero_bubble_holds_what_torchs_order_holds(pp, virtual, microbatches):
+    """torch's zero-bubble order (``ScheduleInterleavedZeroBubble``): on each rank the
+    most chunk-micro-batches whose weight gradient is still to come (activations kept)
+    and whose input gradient ran before it (output gradients kept) are what the memory
+    model charges."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    schedule = ScheduleInterleavedZeroBubble.__new__(ScheduleInterleavedZeroBubble)
+    schedule.pp_group_size, schedule.n_local_stages = pp, virtual
+    schedule._n_microbatches = microbatches
+    schedule.number_of_rounds = max(1, microbatches // pp)
+    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
+    schedule.stage_index_to_group_rank = {i: i % pp for i in range(pp * virtual)}
+    for rank in range(pp):
+        held, pending, most_held, most_pending = set(), set(), 0, 0
+        for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+            key = (action.stage_index, action.microbatch_index)
+            kind = action.computation_type.name
+            if kind == "FORWARD":
+                held.add(key)
+            elif kind == "BACKWARD_INPUT":
+                pending.add(key)
+            elif kind == "BACKWARD_WEIGHT":
+                held.discard(key)
+                pending.discard(key)
+            most_held, most_pending = max(most_held, len(held)), max(most_pending, len(pending))
+        kw = {"pp": pp, "rank": rank, "num_microbatches": microbatches, "virtual_stages": virtual}
+        assert in_flight_microbatches(Schedule.ZERO_BUBBLE, **kw) == most_held / virtual
+        assert pending_weight_gradients(Schedule.ZERO_BUBBLE, **kw) == most_pending / virtual
+        assert pending_weight_gradients(Schedule.ONE_F_ONE_B, **kw) == 0
 
 
 # ----- invariants (issue #16): more sharding or recompute never holds more -------------

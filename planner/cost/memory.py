@@ -57,6 +57,7 @@ __all__ = [
     "boundary_bytes",
     "head_in_flight",
     "in_flight_microbatches",
+    "pending_weight_gradients",
     "gradient_element_bytes",
     "weight_element_bytes",
     "model_state_bytes",
@@ -134,9 +135,12 @@ def in_flight_microbatches(
     """Micro-batches whose activations pipeline rank ``rank`` holds at its peak.
 
     In units of the rank's whole activation per micro-batch (all its model chunks).
-    GPipe keeps every micro-batch; 1F1B and zero-bubble (ZB-H1) keep ``pp - rank``;
-    interleaved 1F1B keeps ``2(pp - rank - 1) + (v - 1) pp + 1`` chunk-micro-batches,
-    i.e. ``1 + (pp - 1)/(pp v)`` times 1F1B's on the first rank (Korthikanti et al.).
+    GPipe keeps every micro-batch; 1F1B keeps ``pp - rank``; interleaved 1F1B keeps
+    ``2(pp - rank - 1) + (v - 1) pp + 1`` chunk-micro-batches, i.e. ``1 + (pp - 1)/(pp v)``
+    times 1F1B's on the first rank (Korthikanti et al.). Zero-bubble as torch runs it
+    (``ScheduleInterleavedZeroBubble``, the paper's ZB1P) keeps a micro-batch's
+    activations until its deferred weight gradient, ``pp`` micro-batches on every rank
+    (the paper's ZB-H1 bound, ``pp - rank``, is not what its order gives).
     """
     m = num_microbatches
     if pp == 1 or schedule is Schedule.GPIPE:
@@ -145,13 +149,37 @@ def in_flight_microbatches(
         v = virtual_stages
         chunk_mbs = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
         return chunk_mbs / v
+    if schedule is Schedule.ZERO_BUBBLE:
+        return float(min(m, pp))
     return float(min(m, pp - rank))
 
 
-def head_in_flight(schedule: Schedule, num_microbatches: int) -> int:
-    """Micro-batches whose head activations (logits) a rank holds at once: the head's
-    backward follows its forward at once, so one (GPipe: all)."""
-    return num_microbatches if schedule is Schedule.GPIPE else 1
+def pending_weight_gradients(
+    schedule: Schedule, *, pp: int, rank: int, num_microbatches: int, virtual_stages: int = 1
+) -> float:
+    """Micro-batches whose weight gradients pipeline rank ``rank`` has deferred at its
+    peak, each holding its weighted operators' output gradients until then.
+
+    In units of the rank's whole model chunks, like :func:`in_flight_microbatches`.
+    torch's zero-bubble order computes rank ``r``'s weight gradients ``r + 1``
+    chunk-micro-batches after their input gradients; the other schedules compute both at
+    once (none deferred).
+    """
+    if schedule is not Schedule.ZERO_BUBBLE or pp == 1:
+        return 0.0
+    return min(num_microbatches * virtual_stages, rank + 1) / virtual_stages
+
+
+def head_in_flight(schedule: Schedule, num_microbatches: int, pp: int) -> int:
+    """Micro-batches whose head activations (logits) the last rank holds at once: the
+    head's backward follows its forward at once, so one (GPipe: all; zero-bubble: as
+    many as its activations, :func:`in_flight_microbatches`, until their weight
+    gradients)."""
+    if schedule is Schedule.GPIPE:
+        return num_microbatches
+    if schedule is Schedule.ZERO_BUBBLE and pp > 1:
+        return min(num_microbatches, pp)
+    return 1
 
 
 def boundary_bytes(graph: OpGraph) -> float:
@@ -227,7 +255,8 @@ class MemoryModel:
         for index, rank in enumerate(ranks):
             logits = 0.0
             if index == len(ranks) - 1:
-                logits = logits_bytes * head_in_flight(strategy.schedule, schedule_microbatches)
+                held = head_in_flight(strategy.schedule, schedule_microbatches, strategy.pp)
+                logits = logits_bytes * held
             parts = self._rank_memory(strategy, dims, rank, logits, compression(rank))
             if sum(parts.values()) > sum(worst.values()):
                 worst = parts

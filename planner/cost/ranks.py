@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from planner.cost.memory import head_in_flight, in_flight_microbatches
+from planner.cost.memory import head_in_flight, in_flight_microbatches, pending_weight_gradients
 from planner.cost.pipeline import rank_chunks
 from planner.cost.segment import TypeCost
 from planner.spec import Strategy
@@ -21,7 +21,9 @@ __all__ = ["TIMES", "RankSums", "SegmentTable", "sum_ranks"]
 
 TIMES = ("forward_s", "backward_s", "recompute_s", "comm_tp_s", "comm_cp_s", "comm_ep_s")
 _PARAMS = ("param_count", "expert_param_count")
-_SUMMED = (*TIMES, *_PARAMS, "body_activation_bytes", "head_activation_bytes")
+_SUMMED = (
+    *TIMES, *_PARAMS, "body_activation_bytes", "head_activation_bytes", "weight_grad_bytes",
+)  # fmt: skip
 
 
 class SegmentTable:
@@ -35,7 +37,10 @@ class SegmentTable:
         self.kinds = kinds
         self.type_costs = costs
         pairs = list(zip(kinds, costs, strict=True))
-        columns = {field: [getattr(c, field) for c in costs] for field in (*TIMES, *_PARAMS)}
+        columns = {
+            field: [getattr(c, field) for c in costs]
+            for field in (*TIMES, *_PARAMS, "weight_grad_bytes")
+        }
         columns["body_activation_bytes"] = [
             0.0 if k == "head" else c.activation_bytes for k, c in pairs
         ]
@@ -93,7 +98,7 @@ def sum_ranks(
     """Each pipeline rank's sums over its model chunks (segment indices per chunk), its
     activations those of the micro-batches in flight in a schedule of
     ``schedule_microbatches``."""
-    heads = head_in_flight(strategy.schedule, schedule_microbatches)
+    heads = head_in_flight(strategy.schedule, schedule_microbatches, strategy.pp)
     ranks = []
     for rank, chunk_ids in enumerate(rank_chunks(strategy.pp, strategy.virtual_stages)):
         spans = [(chunks[c][0], chunks[c][-1] + 1) for c in chunk_ids if chunks[c]]
@@ -102,8 +107,14 @@ def sum_ranks(
             strategy.schedule, pp=strategy.pp, rank=rank,
             num_microbatches=schedule_microbatches, virtual_stages=strategy.virtual_stages,
         )  # fmt: skip
+        pending = pending_weight_gradients(
+            strategy.schedule, pp=strategy.pp, rank=rank,
+            num_microbatches=schedule_microbatches, virtual_stages=strategy.virtual_stages,
+        )  # fmt: skip
         activations = (
-            totals["body_activation_bytes"] * in_flight + totals["head_activation_bytes"] * heads
+            totals["body_activation_bytes"] * in_flight
+            + totals["head_activation_bytes"] * heads
+            + totals["weight_grad_bytes"] * pending
         )
         peak = max((max(table.recompute_peak[a:b]) for a, b in spans), default=0.0)
         params = sorted((p for a, b in spans for p in table.params[a:b]), reverse=True)

@@ -48,6 +48,9 @@ class TypeCost:
     activation_bytes: float
     recompute_peak_bytes: float
     logits_bytes: float
+    # the output gradients a deferred weight-gradient step reads: the outputs of the
+    # segment's weighted operators (zero-bubble holds them from input to weight gradient)
+    weight_grad_bytes: float
     ep_cover_s: tuple[float, float] = (0.0, 0.0)  # compute EP overlap hides under (fwd, bwd)
     # the routed experts' GEMMs: (forward, backward, recomputed forward) seconds
     expert_gemm_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -133,6 +136,9 @@ class SegmentPricer:
             activation_bytes=kept,
             recompute_peak_bytes=max(kept_all - kept, 0.0) if recomputed else 0.0,
             logits_bytes=logits, ep_cover_s=cover,
+            weight_grad_bytes=sum(
+                node.bytes_written * saved[i] for i, node in enumerate(nodes) if node.param_count
+            ),
             expert_gemm_s=self._expert_gemms(nodes, times, recomputed),
         )  # fmt: skip
 
