@@ -116,7 +116,7 @@ def test_estimate_run_accepts_a_dict_or_a_run_config():
 
 PLANS = {
     "encoder": "--model bert-large --gpus 8 --global-batch 8 --seq 32768",
-    "rebalanced-stages": "--model llama3-8b --gpus 16 --global-batch 64 --pp 4",
+    "rebalanced-stages": "--model llama3-8b --gpus 16 --global-batch 64 --pp 4 --schedule 1f1b",
     "fp8-zero3-pipeline": "--model llama3-8b --gpus 16 --global-batch 32 --pp 2 --dtype fp8 "
     "--zero 3 --for torchtitan==0.2",
     "interleaved": "--model gpt3-1.3b --cluster a100-sxm-80gb --gpus 16 --global-batch 64 --pp 4 "
