@@ -171,7 +171,8 @@ def _check_expert_layout(module: nn.Module, fqn: str, model_type: str) -> None:
     if wrong:
         found = ", ".join(f"{flag}={value}" for flag, value in wrong.items())
         raise SpecError(
-            f"{model_type}: experts module {fqn!r} ({type(module).__name__}) has {found}; the "
+            f"{model_type}: experts module {fqn!r} ({type(module).__name__}) is laid out "
+            f"{found}; the "
             "planner prices gated, bias-free experts with [experts, 2*intermediate, hidden] "
             "weights (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3): describe this model as a "
             "ModelSpec JSON file instead"

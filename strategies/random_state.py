@@ -23,14 +23,17 @@ from planner.errors import SpecError
 
 __all__ = ["has_dropout", "check_same_random_state"]
 
-_DROPOUT_WORDS = ("dropout", "pdrop")  # Hugging Face attention: self.attention_dropout
+# Hugging Face attention's self.attention_dropout; MoE routers' jitter noise (PhiMoE's
+# router_jitter_noise, Mixtral's option), drawn in training like dropout
+_DROPOUT_WORDS = ("dropout", "pdrop", "jitter_noise")
 
 
 def has_dropout(model: nn.Module) -> bool:
-    """Whether ``model`` drops activations in training: a dropout module with ``p > 0``, or a
-    module holding a dropout probability above 0 that it hands to attention (Hugging
-    Face's ``self.attention_dropout``, from its config; config fields no module reads,
-    such as GPT-2's ``summary_first_dropout``, do not count)."""
+    """Whether ``model`` draws random numbers in training: a dropout module with ``p > 0``,
+    or a module holding a dropout probability above 0 that it hands to attention (Hugging
+    Face's ``self.attention_dropout``, from its config) or a router's jitter noise above 0
+    (config fields no module reads, such as GPT-2's ``summary_first_dropout``, do not
+    count)."""
     return any(_drops(module) for module in model.modules())
 
 

@@ -235,7 +235,7 @@ def test_the_expected_load_dispatch_switches_only_the_tracers_copy(config_dirs):
 
 def test_unsupported_experts_layout_names_the_model_type(tmp_path):
     path = _write(tmp_path, "gpt_oss", **_DECODER, num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(SpecError, match=r"gpt_oss: experts module .* has has_bias=True"):
+    with pytest.raises(SpecError, match=r"gpt_oss: experts module .* is laid out has_bias=True"):
         resolve_hf_config(path)
 
 

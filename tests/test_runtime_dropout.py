@@ -76,6 +76,21 @@ def test_dropout_is_found_in_modules_and_what_they_hand_to_attention() -> None:
     assert has_dropout(configured)
 
 
+def test_a_routers_jitter_noise_counts_as_dropout() -> None:
+    """PhiMoE's sparse block holds ``router_jitter_noise`` (on in its configs), which it
+    draws in training: random like dropout, under the same rules."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PhimoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, router_jitter_noise=0.01, input_jitter_noise=0.0,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    assert has_dropout(transformers.PhimoeForCausalLM(config))
+    config.router_jitter_noise = 0.0
+    assert not has_dropout(transformers.PhimoeForCausalLM(config))
+
+
 @pytest.mark.distributed
 def test_dropout_under_tp_trains_alike_or_is_refused(tmp_path: Path) -> None:
     cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
