@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -178,6 +179,12 @@ def test_search_chooses_ep_and_explains_it() -> None:
     assert best.ep > 1
     text = expert_tradeoff(model, best)
     assert f"ep{best.ep}" in text and "link" in text and "GiB per GPU instead of" in text
+    # what a rank hands to the all-to-alls, and the (ep - 1) / ep of it bound elsewhere
+    handed, leaving = (
+        float(g) for g in re.search(r"([\d.]+) GB per rank per step handed to them, "
+                                    r"([\d.]+) GB of it to other ranks", text).groups()
+    )  # fmt: skip
+    assert leaving == pytest.approx(handed * (best.ep - 1) / best.ep, abs=0.01)
 
 
 def test_a_small_models_trade_off_keeps_its_figures_from_rounding_to_nothing() -> None:

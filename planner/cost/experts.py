@@ -249,7 +249,9 @@ def expert_tradeoff(model: CostModel, strategy: Strategy) -> str:
     return (
         f"ep{ep}: {experts // ep} of {experts} experts per rank{split}; the "
         f"dispatch and combine all-to-alls run over {group} on the "
-        f"{link.name} link ({_figure(per_step / 1e9, 2)} GB per rank per step, "
+        f"{link.name} link ({_figure(per_step / 1e9, 2)} GB per rank per step handed to "
+        f"them, {_figure(per_step * (ep - 1) / ep / 1e9, 2)} GB of it to other ranks at a "
+        "balanced load, "
         f"{with_ep.breakdown_s.get('comm_ep', 0.0):.3f} s exposed); model states "
         f"{_figure(after, 1)} GiB per GPU instead of {_figure(before, 1)} at ep 1"
     )
