@@ -188,7 +188,7 @@ def _knee_note(table: ScaleTable) -> str:
     assert after.marginal_efficiency is not None
     return (
         f"* knee: {_gpus(knee.gpus)}; going to {after.gpus}, each added GPU brings "
-        f"{after.marginal_efficiency:.0%} of a GPU's throughput at {knee.gpus} (< {threshold})"
+        f"{after.marginal_efficiency:.1%} of a GPU's throughput at {knee.gpus} (< {threshold})"
     )
 
 
