@@ -94,20 +94,26 @@ def test_measure_one_process_records_phases_and_memory(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_plan_measure_under_torchrun_writes_a_profile(tmp_path: Path) -> None:
-    plan_path, out = tmp_path / "plan.json", tmp_path / "measured.json"
     plan = make_plan(gpus=2, dp=2, micro_batch_size=2)
-    plan_path.write_text(plan.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "-m", "planner", "measure", str(plan_path), "-o", str(out), "--steps", "2",
-               "--warmup", "1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = load_document(MeasuredProfile, out)
+    measured, stdout = _measure_on_two_ranks(plan, tmp_path, steps=2)
     assert measured.world_size == 2 and len(measured.peak_memory_gib) == 2
     assert measured.plan_fingerprint == plan_fingerprint(plan)
     assert "comm_dp_replicate" in measured.phases_s
-    assert "step time: median" in result.stdout
+    assert "step time: median" in stdout
+
+
+def _measure_on_two_ranks(plan: Plan, tmp_path: Path, steps: int) -> tuple[MeasuredProfile, str]:
+    """``plan measure`` of ``plan`` under torchrun on 2 gloo ranks: the profile it wrote
+    and what it printed."""
+    plan_path, out = tmp_path / "plan.json", tmp_path / "measured.json"
+    plan_path.write_text(plan.to_json())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "-m", "planner", "measure", str(plan_path), "-o", str(out), "--steps", str(steps),
+               "--warmup", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return load_document(MeasuredProfile, out), result.stdout
 
 
 def test_the_memory_tracker_counts_each_storage_at_its_current_size() -> None:
@@ -186,13 +192,5 @@ def test_a_pipelines_measured_peak_memory_is_what_its_schedule_was_priced_at(
     plan = planner.make_plan(resolve_model("tiny-llama"), cluster, training, pins=pins)
     assert plan.strategy.schedule == schedule and plan.strategy.num_microbatches == 4
     assert plan.prediction is not None
-    plan_path, out = tmp_path / "plan.json", tmp_path / "measured.json"
-    plan_path.write_text(plan.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "-m", "planner", "measure", str(plan_path), "-o", str(out), "--steps", "1",
-               "--warmup", "1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = load_document(MeasuredProfile, out)
+    measured, _ = _measure_on_two_ranks(plan, tmp_path, steps=1)
     assert plan.prediction.peak_memory_gib == pytest.approx(max(measured.peak_memory_gib), rel=0.1)
