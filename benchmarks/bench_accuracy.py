@@ -308,8 +308,9 @@ def summarize(cases: list[Case], predictions: list[Prediction]) -> bool:
     for (source, kind), errors in sorted(groups.items()):
         mean, worst = _stats(errors)
         target = ""
-        if kind == "fp8" or source in TARGETS:
-            limit_mean, limit_max = (FP8_TARGET, None) if kind == "fp8" else TARGETS[source]
+        limits = (FP8_TARGET, None) if kind == "fp8" else TARGETS.get(source)
+        if limits is not None:
+            limit_mean, limit_max = limits
             met = mean <= limit_mean and (limit_max is None or worst <= limit_max)
             all_met &= met
             bound = f"<={limit_mean:.0%}" + (f", max<={limit_max:.0%}" if limit_max else "")

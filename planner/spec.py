@@ -985,7 +985,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     """A ModelSpec JSON file; a Hugging Face ``config.json`` given instead is refused naming
     the option that takes it (not every ModelSpec field it lacks)."""
     data = read_json(path, what="ModelSpec file")
-    if isinstance(data, dict) and "model_type" in data:
+    if (document_kind(data) or ("",))[0] == "HuggingFaceConfig":
         raise SpecError(
             f"model {str(path)!r} is a Hugging Face config (model_type "
             f"{data['model_type']!r}), not a ModelSpec file: plan it with --hf-config (plan, "

@@ -46,6 +46,7 @@ from planner.cost.communication import (
     Collective,
     MeshLinks,
     alltoall_time,
+    bus_factor,
     collective_time,
     link_for_axis,
     members_per_node,
@@ -250,7 +251,8 @@ def expert_tradeoff(model: CostModel, strategy: Strategy) -> str:
         f"ep{ep}: {experts // ep} of {experts} experts per rank{split}; the "
         f"dispatch and combine all-to-alls run over {group} on the "
         f"{link.name} link ({_figure(per_step / 1e9, 2)} GB per rank per step handed to "
-        f"them, {_figure(per_step * (ep - 1) / ep / 1e9, 2)} GB of it to other ranks at a "
+        f"them, {_figure(per_step * bus_factor(Collective.ALL_TO_ALL, ep) / 1e9, 2)} GB of "
+        "it to other ranks at a "
         "balanced load, "
         f"{with_ep.breakdown_s.get('comm_ep', 0.0):.3f} s exposed); model states "
         f"{_figure(after, 1)} GiB per GPU instead of {_figure(before, 1)} at ep 1"

@@ -170,16 +170,16 @@ def pending_weight_gradients(
     return min(num_microbatches * virtual_stages, rank + 1) / virtual_stages
 
 
-def head_in_flight(schedule: Schedule, num_microbatches: int, pp: int) -> int:
+def head_in_flight(schedule: Schedule, num_microbatches: int, pp: int) -> float:
     """Micro-batches whose head activations (logits) the last rank holds at once: the
-    head's backward follows its forward at once, so one (GPipe: all; zero-bubble: as
-    many as its activations, :func:`in_flight_microbatches`, until their weight
-    gradients)."""
-    if schedule is Schedule.GPIPE:
-        return num_microbatches
-    if schedule is Schedule.ZERO_BUBBLE and pp > 1:
-        return min(num_microbatches, pp)
-    return 1
+    head's backward follows its forward at once, so one; but GPipe and zero-bubble keep
+    them with the rank's other activations (:func:`in_flight_microbatches`), zero-bubble
+    until their deferred weight gradients."""
+    if schedule in (Schedule.GPIPE, Schedule.ZERO_BUBBLE):
+        return in_flight_microbatches(
+            schedule, pp=pp, rank=pp - 1, num_microbatches=num_microbatches
+        )
+    return 1.0
 
 
 def boundary_bytes(graph: OpGraph) -> float:
