@@ -101,7 +101,9 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # PyTorch SDPA's FlashAttention-2, except Megatron-Core's Transformer Engine, which prefers
 # cuDNN's kernel on Hopper and later (NVIDIA/NeMo PR 9188, memory_optimizations.rst: "when
 # both implementations are applicable, Transformer Engine prefers cuDNN flash attention on
-# Hopper+ architectures").
+# Hopper+ architectures"). Routed experts: one grouped kernel (torch.bmm, torch._grouped_mm),
+# except Megatron-Core's TEGroupedMLP, whose Transformer Engine GroupedLinear launches one
+# cuBLAS GEMM per local expert (CostOptions.expert_gemm).
 KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.PLANNER: {
         "selective": "matmuls", "optimizer_impl": "for-loop", "cp_attention": "all-gather",
@@ -111,6 +113,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
         "grads_persist": True, "optimizer_impl": "fused", "flash_impl": "cudnn",
+        "expert_gemm": "per-expert",
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",

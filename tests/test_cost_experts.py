@@ -10,14 +10,25 @@ import pytest
 
 from planner.cost.build import build_cost_model, spec_graph
 from planner.cost.communication import Collective, alltoall_time, collective_time, link_for_axis
-from planner.cost.experts import alltoall_bytes, ep_comm, expert_tradeoff, groups_hit
-from planner.cost.options import CostOptions, ExpertChoice
+from planner.cost.compute import ComputeModel
+from planner.cost.experts import (
+    alltoall_bytes,
+    ep_comm,
+    expert_tradeoff,
+    groups_hit,
+    local_experts,
+    rank_local,
+)
+from planner.cost.options import CostOptions, ExpertChoice, ExpertGemm
 from planner.cost.tp import ShardKey
 from planner.errors import SpecError
+from planner.frameworks import Framework, framework_options
+from planner.graph import OpKind, OpRole
+from planner.hardware import load_profile
 from planner.parallel_dims import ParallelDims
 from planner.presets import get_preset
 from planner.solve.search import ModelLimits, Pins, in_search_space, search
-from planner.spec import Cluster, ModelSpec, RecomputeMode, Strategy, Training
+from planner.spec import Cluster, DType, ModelSpec, RecomputeMode, Strategy, Training
 
 MIXTRAL = get_preset("mixtral-8x7b")
 
@@ -49,13 +60,14 @@ def test_alltoall_bytes_are_four_transfers_of_the_routed_pairs_per_moe_layer() -
     assert alltoall_bytes(model.graph, strategy.model_copy(update={"ep": 1}), 2) == 0
 
 
-def test_every_ep_prices_as_if_priced_directly() -> None:
-    """The cache reprices only the all-to-alls and held experts for ep > 2."""
-    model = _model(MIXTRAL, 64, 256)
+@pytest.mark.parametrize("expert_gemm", list(ExpertGemm))
+def test_every_ep_prices_as_if_priced_directly(expert_gemm: ExpertGemm) -> None:
+    """The cache reprices only the all-to-alls, held experts and expert GEMMs for ep > 2."""
+    model = _model(MIXTRAL, 64, 256, expert_gemm=expert_gemm)
     moe = next(t for t in model.graph.types.values() if t.num_experts)
     for mode in RecomputeMode:
-        for tp in (1, 2):
-            key = ShardKey(tp, 1, False, 1, 8)
+        for tp, ep in ((1, 8), (2, 8), (1, 4)):
+            key = ShardKey(tp, 1, False, 1, ep)
             derived = model._type_cost(moe, key, mode)
             direct = model._pricer.price(moe, key, mode)
             for name in ("forward_s", "backward_s", "recompute_s", "comm_ep_s",
@@ -72,6 +84,30 @@ def test_ep_shards_expert_states_and_moves_tokens() -> None:
     after = sum(with_ep.memory_gib[k] for k in states)
     assert after < before / 2  # experts are ~96% of Mixtral's parameters
     assert with_ep.breakdown_s["comm_ep"] > 0 == without.breakdown_s["comm_ep"]
+
+
+def test_per_expert_gemms_pay_the_launch_overhead_once_per_local_expert() -> None:
+    """Transformer Engine's GroupedLinear (Megatron-Core) launches a GEMM per local expert:
+    each pays the profile's per-GEMM overhead, forward once and backward twice."""
+    spec = get_preset("qwen3-30b-a3b")  # 128 experts
+    model = _model(spec, 64, 256)
+    moe = next(t for t in model.graph.types.values() if t.num_experts)
+    profile = load_profile("h100-sxm-80gb")
+    grouped = ComputeModel(profile, DType.BF16, CostOptions())
+    per_expert = ComputeModel(profile, DType.BF16, CostOptions(expert_gemm="per-expert"))
+    overhead = profile.matmul_overhead_us * 1e-6
+    for ep in (8, 32):
+        nodes = rank_local(moe.nodes, ShardKey(1, 1, False, 1, ep))
+        gemms = [n for n in nodes if n.role is OpRole.EXPERTS and n.kind is OpKind.MATMUL]
+        assert len(gemms) == 2 and {local_experts(n) for n in gemms} == {128 // ep}
+        for node in gemms:
+            one, each = grouped.node_time(node, 1.0), per_expert.node_time(node, 1.0)
+            extra = (128 // ep - 1) * overhead
+            assert each.forward_s - one.forward_s == pytest.approx(extra)
+            assert each.backward_s - one.backward_s == pytest.approx(2 * extra)
+    assert all(local_experts(n) == 1 for n in moe.nodes if n.role is not OpRole.EXPERTS)
+    assert framework_options(Framework.MEGATRON, CostOptions()).expert_gemm is ExpertGemm.PER_EXPERT
+    assert CostOptions().expert_gemm is ExpertGemm.GROUPED  # torch.bmm, torch._grouped_mm
 
 
 def test_imbalance_and_overlap_move_the_step() -> None:

@@ -2,6 +2,8 @@
 
 - Matmuls (and convolutions): ``max(F / (peak * matmul_efficiency), bytes / bw) +
   matmul_overhead`` per GEMM; the fixed overhead makes efficiency saturate with size.
+  A rank's routed experts are one grouped GEMM, launched once, or once per local expert
+  (``CostOptions.expert_gemm``: Transformer Engine's), each launch paying the overhead.
   Backward runs two GEMMs of the forward's size. fp8 training uses the fp8 peak for
   matmuls only, at the profile's fp8 efficiency
   (:meth:`~planner.hardware.HardwareProfile.matmul_efficiency_for`), and pays its
@@ -34,7 +36,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.cost.context_parallel import cp_kernels
-from planner.cost.options import AttentionKernel, CostOptions, FlashImpl, Fp8Linear, Fp8Scaling
+from planner.cost.experts import local_experts
+from planner.cost.options import (
+    AttentionKernel,
+    CostOptions,
+    ExpertGemm,
+    FlashImpl,
+    Fp8Linear,
+    Fp8Scaling,
+)
 from planner.dtypes import ELEMENT_BYTES
 from planner.graph import OpKind, OpNode
 from planner.hardware import HardwareProfile
@@ -126,11 +136,21 @@ class ComputeModel:
         """Seconds for one memory-bound kernel moving ``nbytes``."""
         return nbytes / self.bandwidth + self.kernel_s
 
-    def gemm_time(self, flops: float, nbytes: float, *, low_precision: bool = True) -> float:
-        """Seconds for one GEMM of ``flops`` touching ``nbytes`` (``low_precision=False``:
-        in bf16 where the training runs its linear layers in fp8)."""
+    def gemm_time(
+        self, flops: float, nbytes: float, *, low_precision: bool = True, launches: int = 1
+    ) -> float:
+        """Seconds for ``launches`` GEMM kernels doing ``flops`` and touching ``nbytes`` in
+        all (``low_precision=False``: in bf16 where the training runs its linear layers in
+        fp8); each launch pays the per-GEMM overhead."""
         rate = self.matmul_peak * self.matmul_efficiency if low_precision else self.half_matmul_rate
-        return max(flops / rate, nbytes / self.bandwidth) + self.gemm_s
+        return max(flops / rate, nbytes / self.bandwidth) + launches * self.gemm_s
+
+    def _launches(self, node: OpNode) -> int:
+        """GEMM kernels ``node`` runs as: one per local expert where the experts' grouped
+        GEMM is run per expert (:class:`~planner.cost.options.ExpertGemm`), else one."""
+        if self.options.expert_gemm is ExpertGemm.PER_EXPERT:
+            return local_experts(node)
+        return 1
 
     def segment_times(
         self, nodes: Sequence[OpNode], scales: Sequence[float], *, low_precision: bool = True,
@@ -155,7 +175,8 @@ class ComputeModel:
         """Forward and backward seconds of ``node`` at ``scale`` (see :meth:`segment_times`)."""
         if node.kind in _MATMUL_KINDS:
             flops, nbytes = node.flops_fwd * scale, (node.bytes_read + node.bytes_written) * scale
-            gemm = self.gemm_time(flops, nbytes, low_precision=low_precision)
+            launches = self._launches(node)
+            gemm = self.gemm_time(flops, nbytes, low_precision=low_precision, launches=launches)
             forward, backward = gemm, 2 * gemm
             if self.fp8 and low_precision:
                 forward += self.memory_time(self._fp8_cast_bytes(node, scale, forward=True))

@@ -69,6 +69,7 @@ __all__ = [
     "groups_hit",
     "held_expert_params",
     "rank_local",
+    "local_experts",
     "routed_elements",
 ]
 
@@ -110,18 +111,34 @@ def expert_layout(
 
 def rank_local(nodes: tuple[OpNode, ...], key: ShardKey) -> tuple[OpNode, ...]:
     """``nodes`` as one EP rank runs them: a routed experts' GEMM reads the weights of
-    its ``1 / (ep x etp)`` of them (the same FLOPs over more rows each)."""
+    its ``1 / (ep x etp)`` of them (the same FLOPs over more rows each) and batches its
+    ``1 / ep`` of the experts (``gemm[0]``: :func:`local_experts`)."""
     if key.ep == 1:
         return nodes
     held = 1 / key.dims.expert_group
-    return tuple(_held(n, held) if n.role is OpRole.EXPERTS and n.param_bytes else n for n in nodes)
+    return tuple(
+        _held(n, held, key.ep) if n.role is OpRole.EXPERTS and n.param_bytes else n
+        for n in nodes
+    )  # fmt: skip
 
 
-def _held(node: OpNode, fraction: float) -> OpNode:
+def _held(node: OpNode, fraction: float, ep: int) -> OpNode:
     dropped = node.param_bytes * (1 - fraction)
+    gemm = node.gemm
+    if gemm is not None:
+        gemm = (max(gemm[0] // ep, 1), *gemm[1:])
     return replace(
-        node, param_bytes=node.param_bytes - dropped, bytes_read=node.bytes_read - dropped
-    )
+        node, param_bytes=node.param_bytes - dropped, bytes_read=node.bytes_read - dropped,
+        gemm=gemm,
+    )  # fmt: skip
+
+
+def local_experts(node: OpNode) -> int:
+    """Experts one grouped GEMM ``node`` batches on a rank (after :func:`rank_local`): the
+    GEMMs a per-expert implementation launches for it. 1 for any other operator."""
+    if node.role is not OpRole.EXPERTS or node.gemm is None:
+        return 1
+    return node.gemm[0]
 
 
 def routed_elements(seg_type: SegmentType, key: ShardKey) -> float:

@@ -24,6 +24,7 @@ __all__ = [
     "Fp8Linear",
     "Fp8Scaling",
     "OptimizerImpl",
+    "ExpertGemm",
     "CostOptions",
     "DDP_BUCKET_MIB",
     "device_options",
@@ -124,6 +125,18 @@ class OptimizerImpl(StrEnum):
     FUSED = "fused"
 
 
+class ExpertGemm(StrEnum):
+    """How a rank's routed experts run their GEMMs: what each launch costs once."""
+
+    # one kernel for every local expert: torch.bmm (the zoo), torch._grouped_mm
+    # (torchtitan, transformers), CUTLASS grouped GEMMs
+    GROUPED = "grouped"
+    # one cuBLAS GEMM per local expert: Transformer Engine's GroupedLinear, which
+    # Megatron-Core's TEGroupedMLP runs (multi_stream_cublas_gemm in
+    # transformer_engine/common/gemm/cublaslt_gemm.cu launches each over 4 streams)
+    PER_EXPERT = "per-expert"
+
+
 class CostOptions(BaseModel):
     """How the run is implemented; every field is a documented software behaviour."""
 
@@ -206,6 +219,7 @@ class CostOptions(BaseModel):
     # nodes that is.
     ep_dedup: bool = False
     expert_choice: ExpertChoice = ExpertChoice.RANDOM
+    expert_gemm: ExpertGemm = ExpertGemm.GROUPED  # each launch pays the per-GEMM overhead
     # moe_probs_in_activation: the routing probabilities multiply the experts' activation
     # (Megatron-Core), so the combine keeps no expert output; transformers and the zoo
     # weight the experts' outputs (formula graphs)
