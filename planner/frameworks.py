@@ -55,6 +55,9 @@ __all__ = [
     "model_refusal",
     "parse_target",
     "pipeline_refusal",
+    "context_parallel_refusal",
+    "run_refusal",
+    "config_refusal",
     "strategy_refusal",
     "training_refusal",
 ]
@@ -342,11 +345,35 @@ def other_takers(
 
 
 def _takes(target: Target, spec: ModelSpec | None, strategy: Strategy, training: Training) -> bool:
+    return run_refusal(target, spec, strategy, training) is None
+
+
+def run_refusal(
+    target: Target, spec: ModelSpec | None, strategy: Strategy, training: Training
+) -> Refusal | None:
+    """The first reason ``target`` cannot build the model or run ``strategy`` with
+    ``training`` (:func:`model_refusal`, :func:`pipeline_refusal`, :func:`strategy_refusal`)."""
     return (
-        model_refusal(target, spec) is None
-        and pipeline_refusal(target, spec, strategy.pp) is None
-        and strategy_refusal(target, strategy, training) is None
+        model_refusal(target, spec)
+        or pipeline_refusal(target, spec, strategy.pp)
+        or context_parallel_refusal(target, spec, strategy.cp)
+        or strategy_refusal(target, strategy, training)
     )
+
+
+def config_refusal(
+    target: Target | Framework, spec: ModelSpec | None, strategy: Strategy, training: Training
+) -> Refusal | None:
+    """Why a config of ``target`` describes a run it refuses (:func:`run_refusal`), or
+    ``None``; a :class:`Framework` alone (its release unknown, as in a Megatron-LM command
+    or a DeepSpeed config): only a run every listed release refuses, the newest's reason."""
+    if isinstance(target, Target):
+        return run_refusal(target, spec, strategy, training)
+    refusals = [
+        run_refusal(Target(target, version), spec, strategy, training)
+        for version in RELEASES[target]
+    ]
+    return refusals[-1] if all(refusals) else None
 
 
 def model_refusal(target: Target, spec: ModelSpec | None) -> Refusal | None:
@@ -406,6 +433,23 @@ def pipeline_refusal(target: Target, spec: ModelSpec | None, pp: int) -> Refusal
         "(TrainSpec pipelining_fn=None)",
         "use pp = 1, or target torchtitan==0.3",
     )
+
+
+def context_parallel_refusal(target: Target, spec: ModelSpec | None, cp: int) -> Refusal | None:
+    """Why ``target`` cannot split ``spec``'s sequences over ``cp`` ranks, or ``None``.
+    torchtitan 0.2's context parallelism takes SDPA attention only, and its deepseek_v3
+    flavors of real size (16B, 236B, 671B) run FlexAttention (``attn_type="flex"``;
+    ``parallelize_deepseekv3`` raises at cp > 1); 0.3's takes FlexAttention too."""
+    if cp == 1 or target.framework is not Framework.TORCHTITAN or target.at_least((0, 3)):
+        return None
+    if spec is None or torchtitan_model(spec) != "deepseek_v3":
+        return None
+    return Refusal(
+        "strategy.cp", cp,
+        f"{target} builds this model as its deepseek_v3, whose flavors run FlexAttention, "
+        "and its context parallelism takes SDPA attention only (parallelize_deepseekv3)",
+        "use cp = 1, or target torchtitan==0.3",
+    )  # fmt: skip
 
 
 def torchtitan_model(spec: ModelSpec) -> str:
@@ -734,6 +778,41 @@ def _megatron_expert_parallel(
     )
 
 
+def _megatron_interleaving(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    """Megatron-Core's interleaved schedule takes micro-batches in groups of pp
+    (microbatch_group_size_per_vp_stage, default pp) and raises on a remainder
+    (forward_backward_pipelining_with_interleaving): the search's rule."""
+    if strategy.schedule is not Schedule.INTERLEAVED_1F1B:
+        return None
+    blocker = ParallelDims(pp=strategy.pp).schedule_blocker(
+        strategy.schedule, strategy.num_microbatches
+    )
+    if blocker is None:
+        return None
+    return Refusal(
+        "strategy.num_microbatches", strategy.num_microbatches,
+        f"Megatron-LM's interleaved schedule runs micro-batches in groups of pp({strategy.pp}) "
+        "and raises on fewer or a remainder",
+        f"use a multiple of pp({strategy.pp}) micro-batches (the global batch over micro-batch "
+        "x dp), or no virtual pipeline stages",
+    )  # fmt: skip
+
+
+def _megatron_expert_precision(
+    target: Target, strategy: Strategy, training: Training
+) -> Refusal | None:
+    if strategy.ep == 1 or training.dtype is not DType.FP16:
+        return None
+    return Refusal(
+        "training.dtype", training.dtype,
+        f"Megatron-LM refuses expert parallelism (ep {strategy.ep}) with fp16 training "
+        "(validate_args)",
+        "train in bf16, or use ep = 1",
+    )  # fmt: skip
+
+
 def _megatron_recompute(target: Target, strategy: Strategy, training: Training) -> Refusal | None:
     if strategy.recompute is RecomputeMode.SELECTIVE and strategy.recompute_blocks is not None:
         return Refusal(
@@ -866,7 +945,8 @@ _RULES: dict[Framework, tuple[Rule, ...]] = {
         _torchtitan_optimizer,
     ),
     Framework.MEGATRON: (
-        *_COMMON, _kept_precision, _megatron_schedule, _megatron_expert_parallel, _megatron_recompute,
+        *_COMMON, _kept_precision, _megatron_schedule, _megatron_interleaving,
+        _megatron_expert_parallel, _megatron_expert_precision, _megatron_recompute,
         _megatron_precision, _megatron_optimizer,
     ),
     Framework.DEEPSPEED: (

@@ -24,6 +24,7 @@ from planner.frameworks import (
     PLANNER,
     Target,
     blockless_chunk_refusal,
+    context_parallel_refusal,
     framework_options,
     model_refusal,
     parse_target,
@@ -288,11 +289,15 @@ def model_limits(
 
 def target_limits(limits: ModelLimits, target: Target, spec: ModelSpec | None) -> ModelLimits:
     """``limits`` with what ``target`` cannot run of the model besides: its pipelines
-    (:func:`~planner.frameworks.pipeline_refusal`; none runs if two stages do not)."""
-    refusal = pipeline_refusal(target, spec, pp=2)
-    if refusal is None or limits.pipeline_problem:
-        return limits
-    return replace(limits, pipeline_problem=f"{refusal.why}; {refusal.fix}")
+    (:func:`~planner.frameworks.pipeline_refusal`; none runs if two stages do not) and
+    its context parallelism (:func:`~planner.frameworks.context_parallel_refusal`)."""
+    pipeline = pipeline_refusal(target, spec, pp=2)
+    if pipeline is not None and not limits.pipeline_problem:
+        limits = replace(limits, pipeline_problem=f"{pipeline.why}; {pipeline.fix}")
+    context = context_parallel_refusal(target, spec, cp=2)
+    if context is not None and not limits.context_parallel_problem:
+        limits = replace(limits, context_parallel_problem=f"{context.why}; {context.fix}")
+    return limits
 
 
 def selective_recompute_blocker(graph: OpGraph) -> str | None:

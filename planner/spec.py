@@ -728,7 +728,9 @@ class Strategy(_Doc):
     sequence_parallel: bool = False
     recompute: RecomputeMode = RecomputeMode.NONE
     recompute_per_stage: tuple[RecomputeMode, ...] | None = None  # overrides per pp stage
-    recompute_blocks: int | None = Field(default=None, ge=0)  # recompute first k blocks per stage
+    recompute_blocks: int | None = Field(
+        default=None, ge=0
+    )  # recompute first k blocks per model chunk
     micro_batch_size: BatchSize = 1
     num_microbatches: BatchSize = 1  # per optimizer step per data-parallel rank
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -799,6 +801,14 @@ class Strategy(_Doc):
         }
         return tuple(MeshAxis(name=a, size=sizes[a]) for a in MESH_ORDER if sizes[a] > 1)
 
+    def _recompute_text(self) -> str:
+        """``full``, ``full(first 2 blocks/chunk)`` or, per stage, ``full,none``."""
+        if self.recompute_per_stage:
+            return ",".join(mode.value for mode in self.recompute_per_stage)
+        if self.recompute_blocks is not None and self.recompute is not RecomputeMode.NONE:
+            return f"{self.recompute.value}(first {self.recompute_blocks} blocks/chunk)"
+        return self.recompute.value
+
     def describe(self) -> str:
         """One line such as ``dp8(zero1) tp8 sp pp16 1f1b mb1x12 recompute=full``."""
         from planner.parallel_dims import ParallelDims  # it reads this module
@@ -818,7 +828,7 @@ class Strategy(_Doc):
             v = f"v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"pp{self.pp} {self.schedule.value}{v}")
         parts.append(f"mb{self.micro_batch_size}x{self.num_microbatches}")
-        parts.append(f"recompute={self.recompute.value}")
+        parts.append(f"recompute={self._recompute_text()}")
         if self.compression.kind is not CompressionKind.NONE:
             parts.append(f"compress={self.compression.describe()}")
         return " ".join(parts)

@@ -26,6 +26,7 @@ from planner.errors import ExportError, PlannerError, SpecError, UnknownNameErro
 from planner.export import TARGETS, export_plan
 from planner.frameworks import RELEASES, Framework
 from planner.importers import ImportedRun, describe_changes, detect_format, import_config
+from planner.models import resolve_model
 from planner.planning import make_plan
 from planner.presets import get_preset
 from planner.solve.search import Pins
@@ -917,3 +918,188 @@ def test_a_hugging_face_deepspeed_config_names_every_auto_value_it_needs_at_once
     assert "optimizer.params" not in message and "scheduler" not in message
     fixed = {**config, "bf16": {"enabled": True}, "train_batch_size": 64, "gradient_clipping": 1.0}
     assert import_config(json.dumps(fixed), model="tiny-llama", cluster=GPU, gpus=8).run
+
+
+# --- from a tester who brought the configs these frameworks' users write ----------------
+
+
+MEGATRON_RULES = [  # what Megatron-LM itself refuses: its config describes no run
+    ({"--expert-model-parallel-size": "3"}, "ep(3) does not divide num_experts (8)"),
+    ({"--tensor-model-parallel-size": "2", "--expert-tensor-parallel-size": "1"},
+     "megatron would not run this: strategy.sequence_parallel = False: Megatron-LM's MoE "
+     "layer refuses"),
+    ({"--bf16": None, "--fp16": ""},
+     "megatron would not run this: training.dtype = 'fp16': Megatron-LM refuses expert "
+     "parallelism (ep 8) with fp16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("changes", "message"), MEGATRON_RULES)
+def test_a_megatron_config_megatron_refuses_is_refused(changes, message) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        import_config(_megatron_moe_args(**changes), cluster=GPU, gpus=8)
+
+
+@pytest.mark.parametrize(("batch", "refused"), [(3, True), (1, True), (8, False)])
+def test_megatron_interleaving_needs_micro_batches_in_groups_of_pp(batch, refused) -> None:
+    """Megatron-Core's interleaved schedule takes micro-batches in groups of pp and raises
+    on fewer or a remainder (forward_backward_pipelining_with_interleaving)."""
+    text = (
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+        "--num-layers-per-virtual-pipeline-stage 1 --micro-batch-size 1 "
+        f"--global-batch-size {batch} --bf16"
+    )
+    if refused:
+        with pytest.raises(
+            SpecError,
+            match=r"strategy.num_microbatches = \d+: Megatron-LM's "
+            r"interleaved schedule runs micro-batches in groups",
+        ):
+            import_config(text, model="tiny-llama", cluster=GPU, gpus=2)
+    else:
+        run = import_config(text, model="tiny-llama", cluster=GPU, gpus=2).run
+        assert run.strategy.schedule is Schedule.INTERLEAVED_1F1B
+
+
+def test_torchtitan_02_runs_no_context_parallelism_for_deepseek_v3() -> None:
+    """torchtitan 0.2's deepseek_v3 flavors run FlexAttention, which its context
+    parallelism refuses: the search keeps cp at 1 for it, a pinned cp says why, and its
+    job config (671B, read as the deepseek-v3 preset) is refused."""
+    toml = (
+        '[model]\nname = "deepseek_v3"\nflavor = "671B"\n[parallelism]\n'
+        "data_parallel_shard_degree = 128\ncontext_parallel_degree = 2\nexpert_parallel_degree = 8"
+    )
+    with pytest.raises(SpecError, match=r"torchtitan==0.2 would not run this: strategy.cp = 2:"
+                                        r".*FlexAttention"):  # fmt: skip
+        import_config(toml, cluster=GPU)
+    run = import_config(toml.replace("context_parallel_degree = 2", ""), cluster=GPU, gpus=128).run
+    assert run.model.name == "deepseek-v3" and run.strategy.ep == 8
+    cluster, training = Cluster(gpu=GPU, num_gpus=16), Training(global_batch_size=16)
+    handle = resolve_model(TINY_MLA)
+    with pytest.raises(PlannerError, match=r"cp\(2\): torchtitan==0.2 builds this model as"):
+        make_plan(handle, cluster, training, pins=Pins(cp=2), target="torchtitan==0.2")
+    assert make_plan(handle, cluster, training, pins=Pins(cp=2), target="torchtitan==0.3")
+
+
+def test_a_file_with_nothing_to_read_is_refused(tmp_path) -> None:
+    """An empty file, or another framework's read with --format, priced nothing but
+    defaults before."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing\n")
+    with pytest.raises(SpecError, match=r"empty\.toml is empty"):
+        import_config(empty, model="tiny-llama", cluster=GPU, gpus=8)
+    megatron = "--tensor-model-parallel-size 2\n--micro-batch-size 1\n"
+    with pytest.raises(
+        SpecError,
+        match=r"read as torchtitan gave none of its keys "
+        r"\(tensor_model_parallel_size, micro_batch_size\)",
+    ):
+        import_config(megatron, format="torchtitan", model="tiny-llama", cluster=GPU, gpus=8)
+
+
+@pytest.mark.parametrize(
+    ("format", "text", "key", "meant"),
+    [
+        ("torchtitan", "[parallelism]\ntensor_paralel_degree = 8",
+         "parallelism.tensor_paralel_degree", "parallelism.tensor_parallel_degree"),
+        ("torchtitan", "--parallelism.tensor_parallel_degree 2\n--parallelism.tensor_paralel_degree 4",
+         "parallelism.tensor_paralel_degree", "parallelism.tensor_parallel_degree"),
+        ("megatron", "--tensor-model-paralel-size 2 --micro-batch-size 1",
+         "--tensor-model-paralel-size", "--tensor-model-parallel-size"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_key_is_refused_with_the_key_meant(format, text, key, meant) -> None:
+    """A typo left a degree at its default, priced without a word but "not read"."""
+    with pytest.raises(SpecError, match=rf"{re.escape(key)} = .*: {format} has no such key; "
+                                        rf"did you mean {re.escape(meant)}\?"):  # fmt: skip
+        import_config(text, format=format, model="tiny-llama", cluster=GPU, gpus=8)
+
+
+def test_unread_keys_are_listed_whole_and_not_taken_for_misspellings() -> None:
+    """Keys the planner does not read, close to ones it does but not near-misses
+    (pipeline_parallel_schedule beside pipeline_parallel_schedule_csv), stay unread."""
+    keys = [f"metrics.key_{n}" for n in range(20)]
+    text = (
+        '[parallelism]\ndata_parallel_shard_degree = 8\npipeline_parallel_schedule = "1F1B"\n[metrics]\n'
+        + "\n".join(f"{key.split('.')[1]} = 1" for key in keys)
+    )
+    imported = import_config(text, model="tiny-llama", cluster=GPU, gpus=8)
+    (listed,) = [line for line in imported.describe() if line.startswith("not read: ")]
+    assert listed == "not read: " + ", ".join(["parallelism.pipeline_parallel_schedule", *keys])
+
+
+@pytest.mark.parametrize(("kind", "priced"), [("p2p", "ring"), ("allgather", "all-gather"),
+                                              ("a2a", None), ("a2a+p2p", None)])  # fmt: skip
+def test_megatron_context_parallel_communication_is_priced_or_refused(kind, priced) -> None:
+    text = f"--context-parallel-size 2 --cp-comm-type {kind} --micro-batch-size 1 --bf16"
+    if priced is None:
+        with pytest.raises(SpecError, match=rf"--cp-comm-type = '{re.escape(kind)}': the planner "
+                                            "prices one context-parallel kind"):  # fmt: skip
+            import_config(text, model="tiny-llama", cluster=GPU, gpus=8)
+    else:
+        run = import_config(text, model="tiny-llama", cluster=GPU, gpus=8).run
+        assert run.options.cp_attention.value == priced
+
+
+def test_torchtitan_flavors_that_are_no_preset_take_the_model_option() -> None:
+    toml = '[model]\nname = "deepseek_v3"\nflavor = "16B"\n'
+    with pytest.raises(
+        SpecError,
+        match=r"deepseek_v3 16B is no zoo preset \(known deepseek_v3 "
+        r"flavors: 671B\); use one, or give --model",
+    ):
+        import_config(toml, cluster=GPU, gpus=8)
+    assert import_config(toml, model=TINY_MLA, cluster=GPU, gpus=8).run.model.name == "tiny-mla"
+    with pytest.raises(SpecError, match=r"models with known flavors: deepseek_v3, llama3, qwen3"):
+        import_config('[model]\nname = "llama4"\nflavor = "17bx16e"\n', cluster=GPU, gpus=8)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[model]\nconverters = ["float8"]', "'float8' is torchtitan 0.1's name"),
+        ("[float8]\nenable_fsdp_float8_all_gather = true", "[float8] is torchtitan 0.1's table"),
+        ("[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true",
+         "quantize.linear.float8.enable_fsdp_float8_all_gather = true: fp8 weight gathers are "
+         "not priced"),
+    ],
+)  # fmt: skip
+def test_torchtitan_fp8_is_read_with_02s_names(text, message) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        import_config(text, model="tiny-llama", cluster=GPU, gpus=8)
+
+
+def test_what_the_config_leaves_open_is_said_and_kept_in_json(tmp_path, capsys) -> None:
+    """A DeepSpeed config states no sequence length: the note says which was priced, and
+    --json carries what was read and the run config priced."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(export_plan(plan_for(dp=8, zero=2), "deepspeed"))
+    argv = ["estimate", "--from", str(path), "--model", "tiny-llama"]
+    assert main(argv) == 0
+    seq = get_preset("tiny-llama").seq_len
+    assert f"note: sequence length {seq}, the model's: the config states none" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--seq", "64", "--json"]) == 0
+    read = json.loads(capsys.readouterr().out)["read"]
+    assert read["format"] == "deepspeed" and "zero_optimization.stage" in read["used"]
+    assert read["notes"][-1] == "sequence length 64 (--seq)"
+    assert RunConfig.from_dict(read["run"]).strategy.zero == 2
+
+
+def test_partial_recompute_is_labelled_and_replanning_names_ep_changes() -> None:
+    strategy = Strategy(dp=8, zero=1, recompute="full", recompute_blocks=2)
+    assert strategy.describe().endswith("recompute=full(first 2 blocks/chunk)")
+    staged = Strategy(pp=2, recompute_per_stage=("full", "none"), num_microbatches=2)
+    assert "recompute=full,none" in staged.describe()
+    before = Strategy(dp=8, zero=1, ep=8, etp=2, tp=2, sequence_parallel=True)
+    after = before.model_copy(update={"etp": 1})
+    assert describe_changes(before, after) == "etp 2 -> 1"
+
+
+def test_a_launch_scripts_shell_variable_is_refused() -> None:
+    text = (
+        "torchrun --nproc_per_node $GPUS_PER_NODE --nnodes 2 pretrain_gpt.py --micro-batch-size 1"
+    )
+    with pytest.raises(SpecError, match=r"--nproc_per_node = '\$GPUS_PER_NODE': a shell variable"):
+        import_config(text, model="tiny-llama", cluster=GPU)

@@ -124,24 +124,34 @@ def _read_plan(path: Path) -> Plan:
     return load_document(Plan, read_json(path, what="--plan"), str(path))
 
 
-def _imported_run(args: argparse.Namespace) -> RunConfig:
-    """The run ``--from`` describes; what was read and assumed goes to stderr."""
+def _imported_run(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
+    """The run ``--from`` describes and what was read (for ``--json``); what was read and
+    assumed goes to stderr."""
     from planner.importers import import_config
 
     imported = import_config(
         args.from_config, format=args.format, model=args.model, cluster=args.cluster,
         gpus=args.gpus, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
-    print("\n".join(imported.describe()), file=sys.stderr)
-    return imported.run_at(args.seq)
+    run = imported.run_at(args.seq)
+    print("\n".join(imported.describe(args.seq)), file=sys.stderr)
+    read: dict[str, object] = {
+        "source": imported.source, "format": imported.format, "release": imported.release,
+        "used": list(imported.used), "not_read": list(imported.not_read),
+        "notes": imported.notes_at(args.seq),
+        "run": run.model_dump(mode="json"),
+    }  # fmt: skip
+    return run, read
 
 
 def run(args: argparse.Namespace) -> int:
     from planner.cost.run import RunConfig, estimate_run
 
     stored: Prediction | None = None
+    read: dict[str, object] | None = None
     if args.from_config is not None:
-        configs, is_list = [_imported_run(args)], False
+        imported, read = _imported_run(args)
+        configs, is_list = [imported], False
     elif given := [f"--{n}" for n in ("format", "model", "gpus", "seq") if getattr(args, n)]:
         raise SpecError(f"{', '.join(given)} only apply with --from")
     elif args.plan is not None:
@@ -159,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     results = [(config, estimate_run(config)) for config in configs]
     if args.json:
         dicts = [_as_json(prediction, config, stored) for config, prediction in results]
+        if read is not None:  # what --from read, and the run config it priced
+            dicts[0]["read"] = read
         print(json.dumps(dicts if is_list else dicts[0], indent=2))
     else:
         print(

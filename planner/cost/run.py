@@ -197,9 +197,11 @@ def check_run(
                 "choose a tp that divides the head counts"
             )
     dims = ParallelDims.of(s)
-    blocker = dims.batch_blocker(
-        training.global_batch_size, s.micro_batch_size, s.num_microbatches
-    ) or dims.sequence_blocker(model.seq_len)
+    blocker = (
+        dims.batch_blocker(training.global_batch_size, s.micro_batch_size, s.num_microbatches)
+        or dims.sequence_blocker(model.seq_len)
+        or (dims.expert_blocker(model.num_experts) if s.ep > 1 or s.etp > 1 else None)
+    )
     if blocker is not None:
         raise SpecError(blocker)
     # a given stage split may hold the embedding and the head in chunks of their own

@@ -19,8 +19,7 @@ from planner.frameworks import (
     model_refusal,
     other_takers,
     parse_target,
-    pipeline_refusal,
-    strategy_refusal,
+    run_refusal,
 )
 from planner.spec import ModelSpec, Plan, RecomputeMode, TPStyle
 
@@ -126,8 +125,7 @@ def check_target(plan: Plan, target: Target) -> None:
     refusal = model_refusal(target, plan.model)  # a traced model: only where no model is built
     if refusal is not None:
         raise refuse(target.framework.value, refusal.field, refusal.value, refusal.why, refusal.fix)
-    refusal = pipeline_refusal(target, plan.model, plan.strategy.pp)
-    refusal = refusal or strategy_refusal(target, plan.strategy, plan.training)
+    refusal = run_refusal(target, plan.model, plan.strategy, plan.training)
     if refusal is not None:
         takers = other_takers(target, plan.model, plan.strategy, plan.training)
         fix = refusal.fix + _elsewhere(takers)

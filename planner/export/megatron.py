@@ -86,6 +86,8 @@ def to_megatron(plan: Plan, target: Target | None = None) -> str:
         plan, Framework.MEGATRON,
         "Megatron-LM's --recompute-granularity selective recomputes core attention alone",
     )  # fmt: skip
+    if described_model(plan).moe:
+        notes.append(MOE_BALANCING_NOTE)
     args = [
         *_parallel_args(plan),
         *_pipeline_args(plan),
@@ -241,10 +243,19 @@ def _latent_attention_args(spec: ModelSpec) -> list[Arg]:
     return args
 
 
+MOE_BALANCING_NOTE = (
+    "the routers' load balancing is not set here: keep your script's "
+    "--moe-router-load-balancing-type and --moe-aux-loss-coeff (Megatron-LM's defaults, "
+    "aux_loss at coefficient 0.0, balance nothing); the planner prices every choice alike"
+)
+
+
 def _moe_args(spec: ModelSpec) -> list[Arg]:
     """The zoo's MoE: softmax over the top-k logits (Megatron's default order, the same
     weights as renormalised top-k softmax probabilities), dropless (no capacity factor),
-    no auxiliary loss, grouped GEMM experts and all-to-all dispatch."""
+    grouped GEMM experts and all-to-all dispatch. The router's load balancing is left to
+    the training script (:data:`MOE_BALANCING_NOTE`): priced alike, it is a training
+    choice, and a value here would override the script's when merged."""
     args: list[Arg] = [
         ("--num-experts", str(spec.num_experts)),
         ("--moe-router-topk", str(spec.top_k)),
@@ -259,7 +270,6 @@ def _moe_args(spec: ModelSpec) -> list[Arg]:
     return [
         *args,
         ("--moe-router-score-function", "softmax"),
-        ("--moe-router-load-balancing-type", "none"),
         ("--moe-grouped-gemm",),
         ("--moe-token-dispatcher-type", "alltoall"),
     ]

@@ -5,7 +5,8 @@ dump), Megatron-LM command-line arguments or a DeepSpeed config JSON, fills what
 config leaves open from the options (the model, the cluster, the GPU count) and returns
 an :class:`ImportedRun`: its ``run`` is the :class:`~planner.cost.run.RunConfig` to
 price (``planner.cost.estimate_run(imported.run)``), its ``describe()`` the keys read
-and the defaults taken. Keys that change the math in a way the planner cannot price
+and the defaults taken. Keys that change the math in a way the planner cannot price,
+misspelt keys and runs the framework itself refuses (:func:`planner.frameworks.config_refusal`)
 are refused with the key, its value and what to change. :func:`describe_changes` says
 how two strategies differ, in words.
 """
@@ -60,6 +61,8 @@ def import_config(
     ``gpus_per_node`` for a GPU profile. Raises :class:`~planner.errors.SpecError`.
     """
     text, source, suffix = _read(path_or_text)
+    if not without_comments(text).strip():
+        raise SpecError(f"{source} is empty: give the framework config to read")
     if format is None:
         format, detected = detect_format(text, source, suffix)
     elif format in FORMATS:

@@ -10,6 +10,7 @@ the key, its value and what to change.
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from planner.cost.build import stage_indices
 from planner.cost.run import RunConfig
 from planner.cost.spec_graph import graph_from_spec
 from planner.errors import SpecError
+from planner.frameworks import Framework, config_refusal, parse_target
 from planner.presets import PRESETS, get_preset
 from planner.spec import Cluster, Family, ModelSpec, Strategy, load_model_spec
 
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 _LISTED = 12  # keys named in a note before "and N more"
+# an unread key within _MISSPELT_CHARS characters and a difflib ratio of _NEAR_MISS of a
+# wanted one is its misspelling
+_NEAR_MISS, _MISSPELT_CHARS = 0.9, 2
 _SWITCHES = (".device", ".enabled", ".mode")  # leaves that switch their whole section on
 _LAUNCH_GPUS = ("--nproc_per_node", "--nproc-per-node")  # torchrun's world-size options
 _LAUNCH_NODES = ("--nnodes",)
@@ -81,13 +86,26 @@ class ImportedRun:
         training = self.run.training.model_copy(update={"seq_len": seq_len})
         return self.run.model_copy(update={"training": training})
 
-    def describe(self) -> list[str]:
-        """The lines ``plan estimate --from`` prints before its table."""
+    def describe(self, seq_len: int | None = None) -> list[str]:
+        """The lines ``plan estimate --from`` prints before its table (``seq_len``: its
+        ``--seq``)."""
         lines = [f"read {self.source} as {self.format} ({self.detected})"]
         lines.append(f"used: {', '.join(self.used) or '(nothing)'}")
-        if self.not_read:
-            lines.append(f"not read: {_listing(self.not_read)}")
-        return lines + [f"note: {note}" for note in self.notes]
+        if self.not_read:  # every one: a key the planner skips may matter to the user
+            lines.append(f"not read: {', '.join(self.not_read)}")
+        return lines + [f"note: {note}" for note in self.notes_at(seq_len)]
+
+    def notes_at(self, seq_len: int | None = None) -> list[str]:
+        """``notes``, and the sequence length priced where the config states none (the
+        model's, or ``seq_len``: ``--seq``)."""
+        if self.run.training.seq_len is not None:
+            return list(self.notes)
+        length = (
+            f"sequence length {seq_len} (--seq)" if seq_len is not None else
+            f"sequence length {self.run.model.seq_len}, the model's: the config states none; "
+            "--seq sets it"
+        )  # fmt: skip
+        return [*self.notes, length]
 
 
 def _listing(keys: Sequence[str]) -> str:
@@ -143,6 +161,7 @@ class Settings:
         self.values = values
         self.source = source
         self.used: list[str] = []
+        self.asked: set[str] = set()  # every key the importer looked for, present or not
 
     @classmethod
     def nested(cls, data: dict[str, Any], source: str) -> Settings:
@@ -160,6 +179,7 @@ class Settings:
         return cls(flat, source)
 
     def __contains__(self, key: str) -> bool:
+        self.asked.add(key)
         return key in self.values
 
     def under(self, prefix: str) -> dict[str, Any]:
@@ -171,6 +191,7 @@ class Settings:
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``key`` (marked read), or ``default`` when absent."""
+        self.asked.add(key)
         if key not in self.values:
             return default
         if key not in self.used:
@@ -226,6 +247,18 @@ class Settings:
 
     def not_read(self) -> list[str]:
         return [key for key in self.values if key not in self.used]
+
+    def check_misspelled(self, format: str) -> None:
+        """Refuse a key nothing read that is a near-miss of one the importer looks for
+        (``tensor_paralel_degree``): the framework would refuse it, and taking it as
+        unread would price the run without it."""
+        for key in self.not_read():
+            near = [k for k in sorted(self.asked) if abs(len(k) - len(key)) <= _MISSPELT_CHARS]
+            meant = difflib.get_close_matches(key, near, n=1, cutoff=_NEAR_MISS)
+            if meant:
+                raise self.refuse(
+                    key, self.values[key], f"{format} has no such key", f"did you mean {meant[0]}?"
+                )
 
 
 def looks_like_command(text: str) -> bool:
@@ -302,6 +335,13 @@ def launched_world(settings: Settings) -> tuple[int | None, str]:
     key = next((key for key in _LAUNCH_GPUS if key in settings), None)
     if key is None:
         return None, "no torchrun --nproc_per_node"
+    for name in (key, *_LAUNCH_NODES):
+        value = settings.get(name)
+        if isinstance(value, str) and value.startswith("$"):  # a launch script's variable
+            raise settings.refuse(
+                name, value, "a shell variable, whose value the config does not hold",
+                "write the number, or remove the torchrun options and give --gpus",
+            )  # fmt: skip
     return settings.integer(key, 1) * settings.integer("--nnodes", 1), f"torchrun {key} x --nnodes"
 
 
@@ -471,7 +511,15 @@ def build_run(
         "options": options,
         "stages": [list(chunk) for chunk in stages],
     }
+    settings.check_misspelled(format)
+    if not settings.used:
+        raise SpecError(
+            f"{settings.source} read as {format} gave none of its keys "
+            f"({_listing(settings.not_read()) or 'none'}): is it a {format} config? Drop "
+            "--format to detect the format, or give the right one"
+        )
     run = RunConfig.from_dict(data, f"{settings.source} (read as {format})")
+    _check_framework(settings.source, release or format, run)
     return ImportedRun(
         format=format, source=settings.source, detected=detected, run=run,
         used=tuple(k for k in settings.values if k in settings.used), not_read=tuple(settings.not_read()), notes=tuple(notes),
@@ -479,11 +527,24 @@ def build_run(
     )  # fmt: skip
 
 
+def _check_framework(source: str, framework: str, run: RunConfig) -> None:
+    """Refuse a run its own framework would refuse (``framework``: ``torchtitan==0.2``
+    where the release is known, else the framework: every release of it), with the rule
+    the search keeps to under ``--for`` (:func:`planner.frameworks.config_refusal`)."""
+    target = parse_target(framework, field="format") if "==" in framework else Framework(framework)
+    refusal = config_refusal(target, run.model, run.strategy, run.training)
+    if refusal is not None:
+        raise SpecError(
+            f"{source}: {framework} would not run this: {refusal.describe()}; {refusal.fix}"
+        )
+
+
 def _facts(strategy: Strategy) -> dict[str, object]:
     """What ``plan --from`` compares, in the words it prints."""
     s = strategy
     return {
         "dp": s.dp, "dp_shard": s.shard_degree, "tp": s.tp, "pp": s.pp, "cp": s.cp,
+        "ep": s.ep, "etp": s.etp,
         "zero": s.zero, "sp": "on" if s.sequence_parallel else "off",
         "recompute": s.recompute.value,
         "recompute per stage": "/".join(m.value for m in s.recompute_per_stage or ()) or "-",

@@ -155,7 +155,7 @@ def read_megatron(text: str, source: str, detected: str, options: Options) -> Im
         settings, format=FORMAT, detected=detected, model=model, cluster=cluster,
         training=training, strategy=strategy,
         options=_cost_options(settings, dp, zero, notes) | _recompute_modules(settings, strategy)
-        | _dispatcher(settings, strategy["ep"], strategy.get("etp", 1)),
+        | _dispatcher(settings, strategy["ep"], strategy.get("etp", 1)) | _cp_comm(settings, cp),
         stages=chunks_of(model, counts) if pp > 1 else (), notes=notes,
     )  # fmt: skip
 
@@ -664,6 +664,26 @@ def _optimizer(settings: Settings) -> Optimizer:
             "use one of them",
         )  # fmt: skip
     return _OPTIMIZERS[name]
+
+
+def _cp_comm(settings: Settings, cp: int) -> dict[str, Any]:
+    """``--cp-comm-type`` (one value, or one per layer) as ``CostOptions.cp_attention``:
+    Transformer Engine's ring (``p2p``, the default) or all-gathered keys and values
+    (``allgather``); the all-to-all kinds (Ulysses' ``a2a``, ``a2a+p2p``) are refused."""
+    value = settings.get("--cp-comm-type", "p2p")
+    kinds = set(value.split()) if isinstance(value, str) else {str(v) for v in value}
+    priced = {"p2p": "ring", "allgather": "all-gather"}
+    if cp == 1:
+        return {}
+    unpriced = sorted(kinds - set(priced))
+    if unpriced or len(kinds) > 1:
+        raise settings.refuse(
+            "--cp-comm-type", value,
+            "the planner prices one context-parallel kind for every layer: the K/V ring (p2p) "
+            "or all-gathered K/V (allgather), not the all-to-all of heads (a2a, a2a+p2p)",
+            "use p2p or allgather to price the run",
+        )  # fmt: skip
+    return {"cp_attention": priced[kinds.pop()]}
 
 
 def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 torchtitan 0.2: a TOML job config (``torchtitan/config/job_config.py``, pytorch/torchtitan
 6404b93: ``[parallelism]``, ``[training]``, ``[activation_checkpoint]``, ``[optimizer]``,
-``[model]``, ``[float8]``), what ``plan export --to torchtitan==0.2`` writes, with
+``[model]``, ``[quantize.linear.float8]``), what ``plan export --to torchtitan==0.2`` writes, with
 torchtitan's defaults for what is absent. torchtitan 0.3 configures a run with a config
 function (``--module llama3 --config llama3_8b``: ``models/llama3/config_registry.py``)
 and command-line overrides (``--parallelism.tensor_parallel_degree 8``,
@@ -28,7 +28,8 @@ schedules, 2 for looped ones, the embeddings and the head weighted as
 (an integer) as full recompute of as many layers per chunk; bf16 parameters with tp or
 pp but no FSDP train in fp32 (torchtitan applies mixed precision through FSDP there);
 ``training.dtype = "bfloat16"`` is pure bf16 training (``training.param_dtype``);
-``[model] converters = ["quantize.linear.float8"]`` (``"float8"`` before 0.2) is fp8;
+``[model] converters = ["quantize.linear.float8"]`` is fp8 (0.1's ``"float8"`` and
+``[float8]`` table are refused: 0.2 stops at them);
 ``compile`` fuses pointwise operators; async tensor parallelism overlaps its collectives;
 DeepEP and HybridEP (``expert_parallel_comm_backend``) deduplicate the expert dispatch.
 """
@@ -41,7 +42,7 @@ import tomllib
 from typing import Any
 
 from planner.cost.options import ExpertChoice, OptimizerImpl
-from planner.errors import SpecError, UnknownNameError
+from planner.errors import SpecError
 from planner.export.torchtitan import FLOAT8_CONVERTER, OPTIMIZERS, SCHEDULES
 from planner.frameworks import (
     KERNELS,
@@ -65,7 +66,7 @@ from planner.importers.common import (
     resolve_world,
 )
 from planner.io import parse_json
-from planner.presets import ALIASES, PRESETS, get_preset
+from planner.presets import get_preset
 from planner.spec import Cluster, DType, ModelSpec, Optimizer, RecomputeMode, Schedule, Strategy
 
 __all__ = ["FORMAT", "is_overrides", "read_torchtitan"]
@@ -74,7 +75,7 @@ FORMAT = "torchtitan"
 _SCHEDULES = {name: schedule for schedule, name in SCHEDULES.items()}
 _SINGLE_STAGE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)  # torch's PipelineScheduleSingle
 _OPTIMIZERS = {name: optimizer for optimizer, name in OPTIMIZERS.items()}
-_FP8_CONVERTERS = (FLOAT8_CONVERTER, "float8")  # and its older registry name
+_OLD_FLOAT8 = "float8"  # torchtitan 0.1's converter name and table, which 0.2 refuses
 _HEAD_ALIASES = {"lm_head": "output"}  # torchtitan 0.3's llama names its head lm_head
 _DOTTED = re.compile(r"^--\w[\w-]*\.")  # --section.key
 _SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:([\w-]+)$")  # tyro's policy subcommand
@@ -116,8 +117,8 @@ _UNPRICED: dict[str, tuple[tuple[Any, ...], str]] = {
                                                    "not priced"),
     "parallelism.pipeline_parallel_split_points": ((None, []), "split points are deprecated "
                                                    "and not read"),
-    "float8.enable_fsdp_float8_all_gather": ((None, False), "fp8 weight gathers are not "
-                                             "priced"),
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": ((None, False), "fp8 weight "
+                                                             "gathers are not priced"),
     "fault_tolerance.enable": ((None, False), "torchft's replica groups are not priced"),
 }  # fmt: skip
 
@@ -126,11 +127,18 @@ def read_torchtitan(text: str, source: str, detected: str, options: Options) -> 
     """The run ``text`` (a torchtitan TOML job config, or 0.3's overrides or JSON dump)
     describes, completed by ``options``."""
     settings, notes, toml = _settings(text, source)
+    old_table = [key for key in settings.values if key.startswith(f"{_OLD_FLOAT8}.")]
+    if old_table:
+        raise settings.refuse(
+            old_table[0], settings.values[old_table[0]],
+            f"[{_OLD_FLOAT8}] is torchtitan 0.1's table; 0.2 and 0.3 read [quantize.linear.float8]",
+            f"move it to quantize.linear.{old_table[0]}",
+        )  # fmt: skip
     settings.check_unpriced(_UNPRICED)
     release_03 = any(_RELEASE_03.match(key) for key in settings.values)
     if release_03:
         notes.insert(0, "read with torchtitan 0.3's key names and defaults")
-    described, keys = _model(settings)
+    described, keys = _model(settings, given=options.model is not None, toml=toml)
     model = choose_model(settings, described, keys, options.model)
     _check_module(settings, model)
     cluster, (replicas, shard, tp, pp, cp) = _mesh(settings, options)
@@ -211,10 +219,11 @@ def _overrides(text: str, source: str) -> tuple[Settings, list[str]]:
     if config in _CONFIGS_03:
         defaults = {k: v for k, v in _CONFIGS_03[config][1].items() if k not in values}
         values |= defaults
+        taken = ", ".join(f"{k} = {v}" for k, v in defaults.items())
         notes.append(
-            f"--config {config}: "
-            + ", ".join(f"{k} = {v}" for k, v in defaults.items())
-            + " (torchtitan 0.3's config_registry, where not overridden)"
+            f"--config {config}: {taken} (torchtitan 0.3's config_registry, where not overridden)"
+            if taken
+            else f"--config {config}: every value it sets is overridden"
         )
     elif config is None:
         notes.append(
@@ -224,18 +233,18 @@ def _overrides(text: str, source: str) -> tuple[Settings, list[str]]:
     return Settings(values | launcher, source), notes
 
 
-def _known_flavors() -> dict[str, list[str]]:
-    """torchtitan model names and the flavors that are zoo presets (``llama3``: 8B, ...)."""
-    flavors: dict[str, list[str]] = {}
-    for preset in [*PRESETS, *ALIASES]:
-        name, _, flavor = preset.rpartition("-")
-        flavors.setdefault(name, []).append(flavor.upper())
-    return flavors
+# torchtitan's (model name, flavor) that are zoo presets (torchtitan/models/*/__init__.py)
+FLAVORS: dict[tuple[str, str], str] = {
+    ("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
+    ("llama3", "405B"): "llama3.1-405b", ("qwen3", "30B-A3B"): "qwen3-30b-a3b",
+    ("qwen3", "235B-A22B"): "qwen3-235b-a22b", ("deepseek_v3", "671B"): "deepseek-v3",
+}  # fmt: skip
 
 
-def _model(settings: Settings) -> tuple[ModelSpec | None, str]:
+def _model(settings: Settings, *, given: bool, toml: bool) -> tuple[ModelSpec | None, str]:
     """The zoo preset ``[model]`` (or 0.3's ``model_spec``) name and flavor name, or
-    0.3's ``--config`` function trains."""
+    0.3's ``--config`` function trains; ``given``: a ``--model`` stands in for a flavor
+    that is no preset; ``toml``: a job config (else command-line overrides)."""
     module = settings.get("module", _MODULE_03)
     if module != _MODULE_03:
         raise settings.refuse(
@@ -258,18 +267,21 @@ def _model(settings: Settings) -> tuple[ModelSpec | None, str]:
         if f"{table}.name" in settings or f"{table}.flavor" in settings:
             name = settings.text(f"{table}.name", "llama3")
             flavor = settings.text(f"{table}.flavor", "debugmodel")
-            try:
-                return get_preset(f"{name}-{flavor}".lower()), f"{table}.name/flavor"
-            except UnknownNameError:
-                known = _known_flavors()
-                listed = ", ".join(known.get(name, [])) or "none; models: " + ", ".join(known)
-                raise settings.refuse(
-                    f"{table}.flavor", flavor,
-                    f"{name} {flavor} is no zoo preset (known {name} flavors: {listed})",
-                    "use a known flavor, or remove the model name and flavor and give --model "
-                    "(a preset or a ModelSpec JSON file)",
-                ) from None  # fmt: skip
-    return None, "[model] name and flavor"
+            preset = FLAVORS.get((name, flavor))
+            if preset is not None:
+                return get_preset(preset), f"{table}.name/flavor"
+            if given:  # --model gives the sizes the flavor names
+                return None, f"{table}.flavor ({name} {flavor}, no zoo preset)"
+            known = [f for n, f in FLAVORS if n == name]
+            listed = f"known {name} flavors: {', '.join(known)}" if known else (
+                "models with known flavors: " + ", ".join(sorted({n for n, _ in FLAVORS}))
+            )  # fmt: skip
+            raise settings.refuse(
+                f"{table}.flavor", flavor, f"{name} {flavor} is no zoo preset ({listed})",
+                "use one, or give --model (a preset or a ModelSpec JSON file of this "
+                "flavor's sizes)",
+            )  # fmt: skip
+    return None, "[model] name and flavor" if toml else "--module and --config"
 
 
 def _check_module(settings: Settings, model: ModelSpec) -> None:
@@ -480,15 +492,18 @@ def _recompute(
             "use one of them",
         )  # fmt: skip
     key = "activation_checkpoint.selective_ac_option"
+    given = key in settings
     option = settings.get(key, "op" if release_03 else "2")  # torchtitan 0.2's default: "2"
     if option == "op":
         return {"recompute": RecomputeMode.SELECTIVE.value}, "op"
     every = settings.integer(key, int(option) if str(option).isdigit() else 0)
     if len(counts) > 1 and (len(set(counts)) > 1 or counts[0] % every):
+        default = "" if given else " (torchtitan 0.2's default: the config sets none)"
         raise settings.refuse(
             key, option,
-            f"checkpointing one layer in {every} of chunks of {counts} layers does not recompute "
-            "as many layers in every chunk", "use 'op' or mode 'full'",
+            f"checkpointing one layer in {every} of chunks of {counts} layers does not "
+            f"recompute as many layers in every chunk{default}",
+            f"set {key} = 'op', or mode 'full' or 'none'",
         )  # fmt: skip
     blocks = counts[0] // every
     if blocks == 0:
@@ -539,7 +554,12 @@ def _dtype(
                               f"torchtitan takes {' or '.join(dtypes)}", "use one of them")  # fmt: skip
     dtype = dtypes[param]
     converters = _names(settings.get("model.converters", []))
-    unknown = [c for c in converters if c not in _FP8_CONVERTERS]
+    if _OLD_FLOAT8 in converters:
+        raise settings.refuse(
+            "model.converters", converters, f"{_OLD_FLOAT8!r} is torchtitan 0.1's name, which "
+            f"0.2 does not register (KeyError)", f"use {FLOAT8_CONVERTER!r}",
+        )  # fmt: skip
+    unknown = [c for c in converters if c != FLOAT8_CONVERTER]
     if unknown:
         raise settings.refuse("model.converters", converters, f"{unknown[0]} is not priced "
                               f"(fp8 is: {FLOAT8_CONVERTER})", "remove it")  # fmt: skip
