@@ -95,8 +95,9 @@ def _new_figure(width_in: float, height_in: float) -> Figure:
 # ----- plan search -------------------------------------------------------------------------
 
 
-def plot_plan(search: PlanSearch, path: str | Path) -> Figure:
-    """Write the step-time breakdown and the Pareto front of ``search`` to ``path`` (PNG).
+def plot_plan(search: PlanSearch, path: str | Path, *, yours: Prediction | None = None) -> Figure:
+    """Write the step-time breakdown and the Pareto front of ``search`` to ``path`` (PNG),
+    with ``yours`` (the run of the config ``plan --from`` read) marked beside the plan.
 
     Needs a search run with ``pareto=True`` for the full front. Returns the figure:
     axes 0 the breakdown, axes 1 the Pareto scatter.
@@ -108,7 +109,7 @@ def plot_plan(search: PlanSearch, path: str | Path) -> Figure:
     figure = _new_figure(15.0, 6.8)
     left, right = figure.subplots(1, 2)
     _draw_breakdown(left, plan, chosen)
-    _draw_pareto(right, [s.prediction for s in search.costed], plan, chosen)
+    _draw_pareto(right, [s.prediction for s in search.costed], plan, chosen, yours)
     figure.suptitle(_plan_title(plan), fontsize=12)
     _save_png_atomic(figure, path)
     return figure
@@ -211,8 +212,12 @@ def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
-def _draw_pareto(axes: Axes, costed: Sequence[Prediction], plan: Plan, chosen: Prediction) -> None:
-    """Throughput against peak memory for every priced candidate, front and memory limit."""
+def _draw_pareto(
+    axes: Axes, costed: Sequence[Prediction], plan: Plan, chosen: Prediction,
+    yours: Prediction | None = None,
+) -> None:  # fmt: skip
+    """Throughput against peak memory for every priced candidate, front and memory limit
+    (and ``yours``, the config ``plan --from`` read)."""
     from matplotlib.ticker import FuncFormatter
 
     fitting = [p for p in costed if p.fits]
@@ -233,13 +238,17 @@ def _draw_pareto(axes: Axes, costed: Sequence[Prediction], plan: Plan, chosen: P
     axes.scatter(*_xy([chosen]), s=190, marker="*",
                  color="#c44e52", edgecolors="black", linewidths=0.6, zorder=5,
                  label="chosen plan")  # fmt: skip
-    _draw_memory_limit(axes, chosen.memory_limit_gib, [p.peak_memory_gib for p in costed])
+    if yours is not None:
+        axes.scatter(*_xy([yours]), s=90, marker="D", color="#55a868", edgecolors="black",
+                     linewidths=0.6, zorder=5, label="your config")  # fmt: skip
+    shown = [*costed, *([yours] if yours is not None else [])]
+    _draw_memory_limit(axes, chosen.memory_limit_gib, [p.peak_memory_gib for p in shown])
     _annotate_chosen(axes, chosen)
     axes.set_xlabel("peak memory per GPU (GiB)")
     axes.set_ylabel("throughput (tokens/s per GPU)")
     axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     axes.set_title("Every priced candidate: throughput against memory", fontsize=10)
-    axes.set_ylim(bottom=0, top=max(p.tokens_per_s_per_gpu for p in (*costed, chosen)) * 1.12)
+    axes.set_ylim(bottom=0, top=max(p.tokens_per_s_per_gpu for p in (*shown, chosen)) * 1.12)
     axes.grid(alpha=0.3)
     axes.set_axisbelow(True)
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize=8,

@@ -537,8 +537,13 @@ def test_plan_from_refuses_training_options_and_needs_a_batch_otherwise(tmp_path
         str(out),
     ]
     assert main(argv) == 0
-    capsys.readouterr()
+    printed = " ".join(capsys.readouterr().out.split())
     assert json.loads(out.read_text())["training"]["seq_len"] == 64
+    # the config's own run is priced at that length too, as plan estimate --from prices it
+    estimate = ["estimate", "--from", str(config), "--model", "tiny-llama", "--gpus", "8"]
+    assert main([*estimate, "--seq", "64", "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert f"recompute=none: {step:.3f} s/step" in printed
     assert main(["--model", "llama3-8b", "--gpus", "8"]) == 2
     assert "--global-batch is required" in capsys.readouterr().err
     assert main(["--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",

@@ -215,3 +215,18 @@ def test_cli_compare_plot_option_and_its_old_name(
     assert main(["compare", str(plan_path), str(measured_path), option, str(png)]) == 0
     assert f"wrote {png}" in capsys.readouterr().out
     assert _png_size(png)[0] >= 800
+
+
+def test_the_config_plan_from_read_is_marked_beside_the_plan(
+    search: PlanSearch, tmp_path: Path
+) -> None:
+    """``plan --from FILE --plot``: the config's own run is a point of its own."""
+    assert search.plan.prediction is not None
+    yours = search.plan.prediction.model_copy(
+        update={"peak_memory_gib": 200.0, "tokens_per_s_per_gpu": 10.0}
+    )
+    figure = plot_plan(search, tmp_path / "yours.png", yours=yours)
+    scatter = figure.axes[1]
+    (marked,) = [c for c in scatter.collections if c.get_label() == "your config"]
+    assert marked.get_offsets().tolist() == [[200.0, 10.0]]
+    assert scatter.get_xlim()[1] > 200.0  # the axis reaches it, past the memory limit

@@ -35,6 +35,7 @@ from planner.spec import (
     MAX_VIRTUAL_STAGES,
     Cluster,
     Plan,
+    Prediction,
     RecomputeMode,
     Schedule,
     Training,
@@ -209,12 +210,12 @@ def _job(args: argparse.Namespace) -> _Job:
     return _Job(resolve_model(run.model), run.cluster, run.training, run.options, target, imported)
 
 
-def _compare_with_yours(imported: ImportedRun, plan: Plan, console: Console) -> None:
-    """Your config's price next to the plan's, and what differs."""
-    from planner.cost.run import estimate_run
+def _compare_with_yours(
+    imported: ImportedRun, yours: Prediction, plan: Plan, console: Console
+) -> None:
+    """Your config's price (``yours``) next to the plan's, and what differs."""
     from planner.importers import describe_changes
 
-    yours = estimate_run(imported.run)
     ours = plan.prediction
     assert ours is not None  # a searched plan carries its prediction
     fits = "fits" if yours.fits else "does NOT fit"
@@ -240,8 +241,12 @@ def run(args: argparse.Namespace) -> int:
     destination = output(args.output, "--output")  # before the search
     plot = plot_output(args.plot)
     job = _job(args)
+    yours = None  # the config's own run, priced as planned (at --seq where it states none)
     if job.imported is not None:
-        print("\n".join(job.imported.describe()), file=sys.stderr)
+        from planner.cost.run import estimate_run
+
+        print("\n".join(job.imported.describe(args.seq)), file=sys.stderr)
+        yours = estimate_run(job.imported.run_at(args.seq))
     progress = _LazyProgress(Console(stderr=True))
     try:
         found = search_plan(job.handle, job.cluster, job.training, pins=_pins(args),
@@ -252,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
     plan = found.plan
     if plot is not None:
-        plot_plan(found, plot)
+        plot_plan(found, plot, yours=yours)
     if destination is not None:
         write_text_atomic(destination, plan.to_json() + "\n", option="--output")
     console = Console()
@@ -260,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         print(plan.to_json())
     else:
         render_plan(plan, console)
-        if job.imported is not None:
-            _compare_with_yours(job.imported, plan, console)
+        if job.imported is not None and yours is not None:
+            _compare_with_yours(job.imported, yours, plan, console)
         for path in (destination, plot):
             if path is not None:
                 console.print(f"wrote {path}")
