@@ -116,7 +116,7 @@ def parallelize(
     check_plan_layout(plan, model)
     pipeline.check_split(model, plan)
     materialize.check_deferrable(model)
-    source = state.weight_source(weights, model) if weights is not None else None
+    source = _agreed_weight_source(weights, model) if weights is not None else None
     loaded = frozenset(source.names) if source is not None else frozenset()
     deferred = _Deferred(seed, init, loaded) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
@@ -126,6 +126,30 @@ def parallelize(
     if source is not None:
         state.load_weights(parallel.model_state, source)
     return parallel
+
+
+def _agreed_weight_source(weights: str | Path, model: nn.Module) -> state.WeightSource:
+    """:func:`strategies.state.weight_source`, checked on every rank, and refused on every
+    rank when one rank's files fail (each rank reads its own file system): the failing
+    rank's reason, not a peer's closed connection, is what every rank reports."""
+    source: state.WeightSource | None = None
+    error: str | None = None
+    try:
+        source = state.weight_source(weights, model)
+    except (SpecError, OSError) as exc:
+        error = str(exc) if isinstance(exc, SpecError) else f"{type(exc).__name__}: {exc}"
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        local_device()  # all_gather_object's tensors go to the current GPU under NCCL
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        where = f"rank {rank}: " if len(errors) > 1 else ""
+        raise SpecError(f"{where}{message}")
+    assert source is not None
+    return source
 
 
 def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn, plan: Plan) -> None:

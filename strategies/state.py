@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -47,7 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim.lr_scheduler import LRScheduler
 
 from planner.errors import SpecError
-from planner.io import dumps_json, write_text_atomic
+from planner.io import dumps_json, parse_json, write_text_atomic
 from planner.models.hf_layout import ExpertTensors, hf_aliases, hf_names_for, per_expert_layouts
 from strategies.data_parallel import as_shard_of
 
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"  # the file naming the newest complete checkpoint of a root
 _PARTIAL = ".partial"
 _METADATA = ".metadata"  # DCP's index of a checkpoint
+_HF_INDEX = "model.safetensors.index.json"  # which file holds each tensor of a sharded model
 
 
 @dataclass(frozen=True)
@@ -441,17 +443,26 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
     """
     path = Path(path)
     tensors = model_state([model]).tensors
+    if path.is_file():
+        raise SpecError(
+            f"weights {str(path)!r} is a file: give the directory that holds it "
+            f"({str(path.parent)!r}), with every *.safetensors file of the model"
+        )
     if not path.is_dir():
         raise SpecError(
             f"weights {str(path)!r}: no such directory; give a Hugging Face model directory "
             "(*.safetensors) or a checkpoint directory from parallel.save"
         )
     if not any(path.glob("*.safetensors")):
+        _refuse_pickles(path)
         source = WeightSource(checkpoint_path(path), False, {})
         names = _checkpoint_keys(tensors)
-        _check_covers(source.path, source.reader().read_metadata().state_dict_metadata,
-                      tensors, names)  # fmt: skip
+        saved = source.reader().read_metadata().state_dict_metadata
+        _check_covers(source.path, saved, tensors, names)
+        model_keys = {key for key in saved if key.startswith(_MODEL_PREFIX)}
+        _refuse_unread(source.describe(), model_keys - set(names.values()))
         return WeightSource(source.path, False, names)
+    files = _safetensors_files(path)
     source = WeightSource(path, True, {})
     metadata = source.reader().read_metadata()
     saved = metadata.state_dict_metadata
@@ -461,7 +472,80 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
     experts = _per_expert_sources(path, tensors, names, saved)
     rest = {fqn: t for fqn, t in tensors.items() if fqn not in experts}
     _check_covers(path, saved, rest, names)
+    _check_tied_copies(source.describe(), model, names, files)
+    read = {names[fqn] for fqn in rest} | {
+        name for fqn, layout in experts.items() for name in layout.names(tensors[fqn].shape[0])
+    }
+    ignored = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    _refuse_unread(
+        source.describe(),
+        {
+            key for key in saved
+            if key not in read and not _HF_BUFFERS.search(key)
+            and not any(re.search(pattern, key) for pattern in ignored)
+        },
+    )  # fmt: skip
     return WeightSource(path, True, names, experts)
+
+
+_MODEL_PREFIX = "model."  # a save() checkpoint's model keys
+# buffers Hugging Face checkpoints of older transformers hold, which models rebuild
+_HF_BUFFERS = re.compile(r"\.(inv_freq|masked_bias|attn\.bias)$")
+
+
+def _refuse_pickles(path: Path) -> None:
+    """Refuse a directory of PyTorch pickles (``pytorch_model.bin``), which is not read."""
+    pickles = sorted(p.name for p in path.glob("*.bin"))
+    if pickles and not (path / LATEST).exists():
+        raise SpecError(
+            f"weights {str(path)!r} holds {pickles[0]} and no *.safetensors: pickled "
+            "checkpoints are not read; write the model with save_pretrained(DIR, "
+            "safe_serialization=True) (transformers) and give that directory"
+        )
+
+
+def _refuse_unread(where: str, unread: set[str]) -> None:
+    """Refuse a checkpoint holding tensors the model has none of: one of another model
+    (more layers or experts) would otherwise load in part, silently."""
+    if unread:
+        first = sorted(unread)[0]
+        raise SpecError(
+            f"{where} holds {len(unread)} tensors the model has none of (first: {first!r}): "
+            "they are of another model (more layers or experts?); build the model from the "
+            "checkpoint's own config, or give the checkpoint of this one"
+        )
+
+
+def _check_tied_copies(
+    where: str, model: nn.Module, names: dict[str, str], files: dict[str, Path]
+) -> None:
+    """Refuse a weight the model ties to another (``tie_word_embeddings``) that the
+    checkpoint holds apart with other values: loading would keep one and drop the other."""
+    first: dict[int, str] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), fqn)
+        a, b = names[owner], names[fqn]
+        if a != b and a in files and b in files and not _same_values(files, a, b):
+            raise SpecError(
+                f"{where} holds {b!r} apart from {a!r}, with other values, but the model ties "
+                f"{fqn!r} to {owner!r}: build it untied (tie_word_embeddings=False), as the "
+                "checkpoint was saved"
+            )
+
+
+def _same_values(files: dict[str, Path], a: str, b: str, rows: int = 1024) -> bool:
+    """Whether safetensors tensors ``a`` and ``b`` are equal, compared ``rows`` at a time."""
+    from safetensors import safe_open
+
+    with safe_open(files[a], framework="pt") as first, safe_open(files[b], framework="pt") as other:
+        left, right = first.get_slice(a), other.get_slice(b)
+        shape = left.get_shape()
+        if shape != right.get_shape():
+            return False
+        return all(
+            torch.equal(left[start : start + rows], right[start : start + rows])
+            for start in range(0, shape[0] if shape else 1, rows)
+        )
 
 
 def _saved_name(name: str, saved: dict[str, Any]) -> str:
@@ -582,13 +666,31 @@ def _fill_experts(
 
 
 def _safetensors_files(path: Path) -> dict[str, Path]:
-    """Which ``*.safetensors`` file of ``path`` holds each tensor (headers only)."""
+    """Which ``*.safetensors`` file of ``path`` holds each tensor (headers only), every
+    file its index names present and every header whole."""
     from safetensors import safe_open
 
+    index = path / _HF_INDEX
+    if index.is_file():
+        listed = set(parse_json(index.read_text(), str(index), what="index").get("weight_map", {})
+                     .values())  # fmt: skip
+        absent = sorted(name for name in listed if not (path / name).is_file())
+        if absent:
+            raise SpecError(
+                f"Hugging Face safetensors {str(path)!r}: {absent[0]} ({len(absent)} of "
+                f"{len(listed)} files {_HF_INDEX} names) is not there; copy the model's every "
+                "file"
+            )
     files: dict[str, Path] = {}
     for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as handle:
-            files |= dict.fromkeys(handle.keys(), file)
+        try:
+            with safe_open(file, framework="pt") as handle:
+                files |= dict.fromkeys(handle.keys(), file)
+        except Exception as error:  # safetensors raises its own SafetensorError
+            raise SpecError(
+                f"Hugging Face safetensors {str(file)!r} cannot be read ({error}): the file is "
+                "truncated or not safetensors; copy it again"
+            ) from error
     return files
 
 

@@ -228,6 +228,87 @@ def test_weights_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
         parallelize(gpt, gpt_plan, weights=directory)
 
 
+def test_weights_of_another_model_or_broken_files_are_refused_by_name(tmp_path: Path) -> None:
+    """From a tester: a deeper model's checkpoint loaded in part, silently; an untied one
+    into a tied model dropped its head; broken files surfaced as other errors."""
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    deeper = get_preset("tiny-llama").model_copy(update={"num_layers": 6})
+    directory = hf_llama_dir(tmp_path / "deeper", deeper, max_shard_size="10GB")
+    with pytest.raises(
+        SpecError,
+        match=r"holds 18 tensors the model has none of \(first: "
+        r"'model\.layers\.4\.input_layernorm\.weight'\)",
+    ):
+        parallelize(meta_model("tiny-llama"), plan, weights=directory)
+    untied = hf_llama_dir(tmp_path / "untied", get_preset("tiny-llama"), max_shard_size="10GB")
+    tied = build(tied_llama(), device="meta")
+    with pytest.raises(
+        SpecError,
+        match=r"holds 'lm_head\.weight' apart from "
+        r"'model\.embed_tokens\.weight', with other values",
+    ):
+        parallelize(tied, _one_process_plan(tied), weights=untied)
+    with pytest.raises(SpecError, match=r"is a file: give the directory that holds it"):
+        parallelize(meta_model("tiny-llama"), plan, weights=untied / "model.safetensors")
+    sharded = hf_llama_dir(tmp_path / "sharded", get_preset("tiny-llama"))
+    gone = sorted(sharded.glob("*.safetensors"))[1]
+    gone.unlink()
+    with pytest.raises(
+        SpecError,
+        match=rf"{gone.name} \(1 of \d+ files "
+        r"model\.safetensors\.index\.json names\) is not there",
+    ):
+        parallelize(meta_model("tiny-llama"), plan, weights=sharded)
+    (untied / "model.safetensors").write_bytes((untied / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(SpecError, match=r"model\.safetensors' cannot be read .*truncated"):
+        parallelize(meta_model("tiny-llama"), plan, weights=untied)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({}, pickled / "pytorch_model.bin")
+    with pytest.raises(SpecError, match=r"holds pytorch_model\.bin and no \*\.safetensors"):
+        parallelize(meta_model("tiny-llama"), plan, weights=pickled)
+
+
+def test_a_checkpoint_of_a_deeper_model_is_refused(tmp_path: Path) -> None:
+    """parallel.save's checkpoint of a deeper model into a shallower one, likewise."""
+    deeper = get_preset("tiny-llama").model_copy(update={"num_layers": 6})
+    model = build(deeper, device="meta")
+    parallel = parallelize(model, _one_process_plan(model))
+    parallel.save(tmp_path, torch.optim.SGD(parallel.parameters(), lr=LR), step=1)
+    plan = one_process(Case("", "tiny-llama", {})).plan(1)
+    with pytest.raises(
+        SpecError,
+        match=r"checkpoint .* holds \d+ tensors the model has none "
+        r"of \(first: 'model\.layers\.4\.",
+    ):
+        parallelize(meta_model("tiny-llama"), plan, weights=tmp_path)
+
+
+def _load_where(directories: list[str], rank: int) -> str:
+    """What this rank's parallelize says given ``directories[rank]`` as weights."""
+    try:
+        parallelize(meta_model("tiny-llama"), Case("", "tiny-llama", {"dp": 2, "micro_batch_size": BATCH // 2}).plan(2),
+                    weights=directories[rank])  # fmt: skip
+    except SpecError as error:
+        return str(error)
+    return "loaded"
+
+
+@pytest.mark.distributed
+def test_weights_one_rank_cannot_read_are_refused_on_every_rank_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    """From a tester: the other ranks reported only a closed connection."""
+    good = hf_llama_dir(tmp_path / "good", get_preset("tiny-llama"))
+    bad = hf_llama_dir(tmp_path / "bad", get_preset("tiny-llama"))
+    gone = sorted(bad.glob("*.safetensors"))[0]
+    gone.unlink()
+    said = run_on_ranks(2, {"load": functools.partial(_load_where, [str(good), str(bad)])},
+                        tmp_path)["load"]  # fmt: skip
+    assert said[0] == said[1], said
+    assert said[0].startswith(f"rank 1: Hugging Face safetensors {str(bad)!r}: {gone.name}")
+
+
 def test_zoo_and_hugging_face_names_map_both_ways() -> None:
     for fqn in ("tok_embeddings.weight", "layers.11.feed_forward.w3.weight", "output.weight"):
         assert zoo_name(hf_name(fqn)) == fqn

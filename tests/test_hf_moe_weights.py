@@ -212,6 +212,18 @@ def test_a_missing_or_misshapen_expert_is_refused(tmp_path: Path) -> None:
         match = f"no '{name}'" if value is None else f"'{name}' has shape"
         with pytest.raises(SpecError, match=match):
             parallelize(meta, _one_process_plan(meta), weights=broken)
+    # more experts than the model's (from a tester: the extra ones were dropped silently)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    more = {name.replace("experts.5.", "experts.9."): tensors[name].clone()} | tensors
+    save_file(more, extra / "model.safetensors")
+    meta = meta_moe("hf-mixtral")
+    with pytest.raises(
+        SpecError,
+        match=r"holds 1 tensors the model has none of \(first: "
+        r"'model\.layers\.1\.block_sparse_moe\.experts\.9\.",
+    ):
+        parallelize(meta, _one_process_plan(meta), weights=extra)
 
 
 # ---- sharded on gloo ranks
