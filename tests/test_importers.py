@@ -579,6 +579,10 @@ REFUSALS = [
      "parallelism.expert_tensor_parallel_degree = 2: the planner does not price torchtitan's"),
     ("megatron", "--recompute-granularity full --recompute-method uniform --recompute-num-layers 4",
      "--recompute-method = 'uniform'"),
+    ("megatron", "--recompute-granularity full", "--recompute-method = None: Megatron-LM refuses "
+     "--recompute-granularity full without --recompute-method"),
+    ("megatron", "--recompute-granularity full --recompute-method block",
+     "--recompute-num-layers = None: Megatron-LM refuses"),
     ("megatron", "--use-megatron-fsdp --data-parallel-sharding-strategy optim",
      "--data-parallel-sharding-strategy = 'optim'"),
     ("megatron", "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --vocab-size 256 "
