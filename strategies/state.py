@@ -410,12 +410,14 @@ class WeightSource:
     """Where a model's weights come from: ``names`` maps each of the model's FQNs to its
     key in the checkpoint at ``path`` (a :func:`save` checkpoint, or Hugging Face
     ``*.safetensors`` files); ``experts`` the grouped experts weights stored one tensor
-    per expert there (their ``names`` entry describes the pattern)."""
+    per expert there (their ``names`` entry describes the pattern); ``files`` which
+    safetensors file holds each tensor."""
 
     path: Path
     hugging_face: bool
     names: dict[str, str]
     experts: dict[str, ExpertTensors] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
 
     def reader(self) -> FileSystemReader:
         if self.hugging_face:
@@ -485,7 +487,7 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
             and not any(re.search(pattern, key) for pattern in ignored)
         },
     )  # fmt: skip
-    return WeightSource(path, True, names, experts)
+    return WeightSource(path, True, names, experts, files)
 
 
 _MODEL_PREFIX = "model."  # a save() checkpoint's model keys
@@ -521,9 +523,7 @@ def _check_tied_copies(
 ) -> None:
     """Refuse a weight the model ties to another (``tie_word_embeddings``) that the
     checkpoint holds apart with other values: loading would keep one and drop the other."""
-    first: dict[int, str] = {}
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        owner = first.setdefault(id(param), fqn)
+    for owner, fqn in _tied(model):
         a, b = names[owner], names[fqn]
         if a != b and a in files and b in files and not _same_values(files, a, b):
             raise SpecError(
@@ -586,14 +586,24 @@ def _per_expert_sources(
     return experts
 
 
+def _tied(model: nn.Module) -> list[tuple[str, str]]:
+    """(owner, fqn) of each parameter tied to one named before it (``tie_word_embeddings``:
+    the embedding, then the head)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), fqn)
+        if owner != fqn:
+            pairs.append((owner, fqn))
+    return pairs
+
+
 def _tied_names(model: nn.Module, names: dict[str, str], metadata: Metadata) -> dict[str, str]:
     """``names`` with each tied weight absent from the checkpoint read from the name of
     the weight it is tied to."""
     saved = metadata.state_dict_metadata
-    first: dict[int, str] = {}
     resolved = dict(names)
-    for fqn, param in model.named_parameters(remove_duplicate=False):
-        owner = first.setdefault(id(param), fqn)
+    for owner, fqn in _tied(model):
         if names[fqn] not in saved and names[owner] in saved:
             resolved[fqn] = names[owner]
     return resolved
@@ -622,7 +632,7 @@ def _read_experts(model: ModelState, source: WeightSource) -> None:
     safetensors files (no collective)."""
     from safetensors import safe_open
 
-    files = _safetensors_files(source.path)
+    files = source.files
     with contextlib.ExitStack() as stack:
         handles = {
             file: stack.enter_context(safe_open(file, framework="pt"))

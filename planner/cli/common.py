@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -23,6 +24,8 @@ from planner.spec import (
 )
 
 if TYPE_CHECKING:
+    from planner.cost.run import RunConfig
+    from planner.importers import ImportedRun
     from planner.models import ModelHandle
     from planner.solve.search import Headroom
 
@@ -43,6 +46,7 @@ __all__ = [
     "add_cluster_args",
     "add_training_args",
     "resolve_training_args",
+    "read_framework_config",
 ]
 
 T = TypeVar("T")
@@ -274,3 +278,18 @@ def _check_hf_config(path: str) -> None:
         file = file / "config.json"
     if file.is_file():
         read_json(file, what="--hf-config", finite=False)
+
+
+def read_framework_config(args: argparse.Namespace) -> tuple[ImportedRun, RunConfig]:
+    """The framework config ``--from`` names, read with ``--format``, ``--model``,
+    ``--cluster``, ``--gpus`` and ``--gpus-per-node``, and its run at ``--seq``; what was
+    read and assumed goes to stderr."""
+    from planner.importers import import_config
+
+    imported = import_config(
+        args.from_config, format=args.format, model=args.model, cluster=args.cluster,
+        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+    )  # fmt: skip
+    run = imported.run_at(args.seq)
+    print("\n".join(imported.describe(args.seq)), file=sys.stderr)
+    return imported, run

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.cli.common import MAX_SEQ, add_cluster_args, count
+from planner.cli.common import MAX_SEQ, add_cluster_args, count, read_framework_config
 from planner.errors import SpecError
 from planner.frameworks import Framework
 from planner.io import read_json
@@ -127,14 +126,7 @@ def _read_plan(path: Path) -> Plan:
 def _imported_run(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
     """The run ``--from`` describes and what was read (for ``--json``); what was read and
     assumed goes to stderr."""
-    from planner.importers import import_config
-
-    imported = import_config(
-        args.from_config, format=args.format, model=args.model, cluster=args.cluster,
-        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-    )  # fmt: skip
-    run = imported.run_at(args.seq)
-    print("\n".join(imported.describe(args.seq)), file=sys.stderr)
+    imported, run = read_framework_config(args)
     read: dict[str, object] = {
         "source": imported.source, "format": imported.format, "release": imported.release,
         "used": list(imported.used), "not_read": list(imported.not_read),

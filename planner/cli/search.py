@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -21,6 +20,7 @@ from planner.cli.common import (
     count,
     output,
     plot_output,
+    read_framework_config,
     resolve_model_args,
     resolve_training_args,
 )
@@ -43,6 +43,7 @@ from planner.spec import (
 
 if TYPE_CHECKING:
     from planner.cost import CostOptions
+    from planner.cost.run import RunConfig
     from planner.importers import ImportedRun
     from planner.models import ModelHandle
     from planner.solve.lossy import LossyCompression
@@ -173,6 +174,7 @@ class _Job(NamedTuple):
     options: CostOptions | None
     target: str
     imported: ImportedRun | None
+    config_run: RunConfig | None  # the imported config's own run, at --seq
 
 
 def _job(args: argparse.Namespace) -> _Job:
@@ -188,8 +190,9 @@ def _job(args: argparse.Namespace) -> _Job:
             )
         handle, cluster = resolve_model_args(args), _cluster(args)
         return _Job(
-            handle, cluster, resolve_training_args(args), None, args.target or "planner", None
-        )
+            handle, cluster, resolve_training_args(args), None, args.target or "planner", None,
+            None,
+        )  # fmt: skip
     given = [
         option for option, name in TRAINING_OPTIONS.items()
         if getattr(args, name) is not None and option != "--seq"  # for a config without one
@@ -199,15 +202,11 @@ def _job(args: argparse.Namespace) -> _Job:
             f"{', '.join(given) or '--hf-config'} with --from: the config sets the model and "
             "training; edit the config, or plan without --from"
         )
-    from planner.importers import import_config
-
-    imported = import_config(
-        args.from_config, format=args.format, model=args.model, cluster=args.cluster,
-        gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-    )  # fmt: skip
-    run = imported.run_at(args.seq)
+    imported, run = read_framework_config(args)
     target = args.target or imported.release or imported.format
-    return _Job(resolve_model(run.model), run.cluster, run.training, run.options, target, imported)
+    return _Job(
+        resolve_model(run.model), run.cluster, run.training, run.options, target, imported, run
+    )
 
 
 def _compare_with_yours(
@@ -242,11 +241,10 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_output(args.plot)
     job = _job(args)
     yours = None  # the config's own run, priced as planned (at --seq where it states none)
-    if job.imported is not None:
+    if job.config_run is not None:
         from planner.cost.run import estimate_run
 
-        print("\n".join(job.imported.describe(args.seq)), file=sys.stderr)
-        yours = estimate_run(job.imported.run_at(args.seq))
+        yours = estimate_run(job.config_run)
     progress = _LazyProgress(Console(stderr=True))
     try:
         found = search_plan(job.handle, job.cluster, job.training, pins=_pins(args),

@@ -679,10 +679,10 @@ def _cp_comm(settings: Settings, cp: int) -> dict[str, Any]:
     Transformer Engine's ring (``p2p``, the default) or all-gathered keys and values
     (``allgather``); the all-to-all kinds (Ulysses' ``a2a``, ``a2a+p2p``) are refused."""
     value = settings.get("--cp-comm-type", "p2p")
-    kinds = set(value.split()) if isinstance(value, str) else {str(v) for v in value}
-    priced = {"p2p": "ring", "allgather": "all-gather"}
     if cp == 1:
         return {}
+    kinds = set(value.split()) if isinstance(value, str) else {str(v) for v in value}
+    priced = {"p2p": "ring", "allgather": "all-gather"}
     unpriced = sorted(kinds - set(priced))
     if unpriced or len(kinds) > 1:
         raise settings.refuse(
