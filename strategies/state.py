@@ -600,12 +600,14 @@ def _tied(model: nn.Module) -> list[tuple[str, str]]:
 
 def _tied_names(model: nn.Module, names: dict[str, str], metadata: Metadata) -> dict[str, str]:
     """``names`` with each tied weight absent from the checkpoint read from the name of
-    the weight it is tied to."""
+    the weight it is tied to (either way: safetensors' ``save_model`` may keep either)."""
     saved = metadata.state_dict_metadata
     resolved = dict(names)
     for owner, fqn in _tied(model):
         if names[fqn] not in saved and names[owner] in saved:
             resolved[fqn] = names[owner]
+        elif names[owner] not in saved and names[fqn] in saved:
+            resolved[owner] = names[fqn]
     return resolved
 
 

@@ -269,6 +269,26 @@ def test_weights_of_another_model_or_broken_files_are_refused_by_name(tmp_path: 
         parallelize(meta_model("tiny-llama"), plan, weights=pickled)
 
 
+def test_a_tied_module_loads_whichever_name_safetensors_kept(tmp_path: Path) -> None:
+    """safetensors' save_model keeps one name of a tied pair, here the nanoGPT-style
+    module's head rather than its embedding: the embedding reads it (it was refused as
+    missing)."""
+    from safetensors.torch import save_model
+
+    from planner import parameters_on_meta
+    from tests.user_models import gpt_tied
+
+    torch.manual_seed(7)
+    saved = gpt_tied()
+    save_model(saved, str(tmp_path / "model.safetensors"))
+    with parameters_on_meta():
+        meta = gpt_tied()
+    loaded = parallelize(meta, _one_process_plan(meta), weights=tmp_path).eval()
+    tokens = torch.randint(0, 256, (2, SEQ))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), saved.eval()(tokens))
+
+
 def test_a_checkpoint_of_a_deeper_model_is_refused(tmp_path: Path) -> None:
     """parallel.save's checkpoint of a deeper model into a shallower one, likewise."""
     deeper = get_preset("tiny-llama").model_copy(update={"num_layers": 6})
