@@ -119,8 +119,8 @@ def parallelize(
     plan. ``options`` go to
     :func:`strategies.apply.parallelize` (``loss_fn``; ``seed`` and ``init`` for a model
     built on the meta device; ``weights``, a Hugging Face directory or checkpoint). Raises
-    :class:`PlannerError` before any collective when the plan does not fit the model
-    or the world size.
+    :class:`PlannerError` on every rank when the plan does not fit the model or the
+    world size (the ranks agree on it before building anything).
     """
     from planner.errors import SpecError
     from planner.models import handle_for_module

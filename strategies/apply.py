@@ -1,8 +1,9 @@
 """Apply a plan to a model, one parallel dimension at a time, in one documented order.
 
 1. validate the plan against the world size and the model, its tensor-parallel
-   layout by the planner's rules and a rehearsal on fake tensors, and its pipeline
-   stages (pure; before any collective)
+   layout by the planner's rules and a rehearsal on fake tensors (on the first rank),
+   and its pipeline stages; the ranks agree on the outcome (one all-gather), so all
+   fail alike
 2. build the device mesh
 3. pipeline split (this rank's chunks; each runs as its stage once steps 4-10 wrapped it)
 4. context parallel (attention gathers keys and values over cp; global positions)
@@ -23,9 +24,10 @@ see the final parameters).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.errors import SpecError
+from planner.errors import PlanMismatchError, PlannerError, SpecError, TraceError
 from planner.frameworks import PLANNER, strategy_refusal
 from planner.layouts import check_plan_layout
 from planner.modules import (
@@ -63,6 +65,7 @@ from strategies.pipeline import LossFn
 __all__ = ["parallelize", "token_cross_entropy", "loss_context"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def token_cross_entropy(output: object, targets: torch.Tensor) -> torch.Tensor:
@@ -105,18 +108,9 @@ def parallelize(
     model (a meta-device model then initialises only what the checkpoint lacks, such as
     non-persistent buffers).
     """
-    refusal = strategy_refusal(PLANNER, plan.strategy, plan.training)
-    if refusal is not None:  # a plan made for another framework (plan.target)
-        raise SpecError(f"plan.{refusal.describe()} (plan made for {plan.target}); {refusal.fix}")
-    _check_auxiliary_loss(model, loss_fn, plan)
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    validate_plan_for_world(plan, world_size)
-    check_model_against_plan(plan, model)
-    check_parameter_dtype(plan, model)
-    check_plan_layout(plan, model)
-    pipeline.check_split(model, plan)
-    materialize.check_deferrable(model)
-    source = _agreed_weight_source(weights, model) if weights is not None else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _agreed(lambda: _check(model, plan, loss_fn, trace=rank == 0))
+    source = _agreed(lambda: state.weight_source(weights, model)) if weights is not None else None
     loaded = frozenset(source.names) if source is not None else frozenset()
     deferred = _Deferred(seed, init, loaded) if materialize.is_deferred(model) else None
     mesh = build_mesh(plan)
@@ -128,28 +122,59 @@ def parallelize(
     return parallel
 
 
-def _agreed_weight_source(weights: str | Path, model: nn.Module) -> state.WeightSource:
-    """:func:`strategies.state.weight_source`, checked on every rank, and refused on every
-    rank when one rank's files fail (each rank reads its own file system): the failing
-    rank's reason, not a peer's closed connection, is what every rank reports."""
-    source: state.WeightSource | None = None
-    error: str | None = None
+def _check(model: nn.Module, plan: Plan, loss_fn: LossFn, *, trace: bool) -> None:
+    """Raise unless ``plan`` can run on ``model`` (pure: no collective); ``trace``: also
+    check ``plan.tp_layout`` on a trace of the model (:func:`check_plan_layout`)."""
+    refusal = strategy_refusal(PLANNER, plan.strategy, plan.training)
+    if refusal is not None:  # a plan made for another framework (plan.target)
+        raise SpecError(f"plan.{refusal.describe()} (plan made for {plan.target}); {refusal.fix}")
+    _check_auxiliary_loss(model, loss_fn, plan)
+    validate_plan_for_world(plan, dist.get_world_size() if dist.is_initialized() else 1)
+    check_model_against_plan(plan, model)
+    check_parameter_dtype(plan, model)
+    if trace:
+        check_plan_layout(plan, model)
+    pipeline.check_split(model, plan)
+    materialize.check_deferrable(model)
+
+
+_PASSED_ON = {cls.__name__: cls for cls in (SpecError, TraceError, PlanMismatchError)}
+
+
+def _agreed(check: Callable[[], _T]) -> _T:
+    """``check()`` on this rank; on every rank, the first failing rank's error named after
+    it (``rank 3: ...``; unnamed when every rank failed alike), so no rank is left
+    waiting in a collective a peer never reached.
+    The ranks check alike except that each reads its own file system and only the first
+    traces the model: every rank holds the plan's model (:func:`check_model_against_plan`),
+    so one trace speaks for all, where a node's ranks tracing at once would each spend its
+    CPU time and memory."""
+    result: _T | None = None
+    error: PlannerError | None = None
     try:
-        source = state.weight_source(weights, model)
-    except (SpecError, OSError) as exc:
-        error = str(exc) if isinstance(exc, SpecError) else f"{type(exc).__name__}: {exc}"
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        local_device()  # all_gather_object's tensors go to the current GPU under NCCL
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+        result = check()
+    except PlannerError as exc:
+        error = exc
+    except OSError as exc:
+        error = SpecError(f"{type(exc).__name__}: {exc}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+    local_device()  # all_gather_object's tensors go to the current GPU under NCCL
+    errors: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else _named(error))
+    if error is not None and all(named == _named(error) for named in errors):
+        raise error  # every rank alike: no rank to name
+    failed = [(rank, named) for rank, named in enumerate(errors) if named is not None]
     if failed:
-        rank, message = failed[0]
-        where = f"rank {rank}: " if len(errors) > 1 else ""
-        raise SpecError(f"{where}{message}")
-    assert source is not None
-    return source
+        rank, (kind, message) = failed[0]
+        raise _PASSED_ON.get(kind, SpecError)(f"rank {rank}: {message}") from error
+    return result  # type: ignore[return-value]
+
+
+def _named(error: PlannerError) -> tuple[str, str]:
+    return type(error).__name__, str(error)
 
 
 def _check_auxiliary_loss(model: nn.Module, loss_fn: LossFn, plan: Plan) -> None:

@@ -21,3 +21,12 @@ def _deterministic_torch():
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2``, as ``pyproject.toml`` sets), the tests that spawn
+    ranks run one after another on one worker, each with the machine's cores, while the
+    other worker runs the single-process tests beside them."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("ranks"))

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+T = TypeVar("T")
+R = TypeVar("R")
 Task = Callable[[int], Any]  # rank -> JSON-able result; must pickle (a module-level function)
 
 
@@ -63,3 +66,13 @@ def run_on_ranks(world_size: int, tasks: dict[str, Task], out: Path) -> dict[str
     )  # fmt: skip
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
     return {name: [results[name] for results in per_rank] for name in tasks}
+
+
+def map_in_processes(function: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``function(item)`` for each item, in order, over one process per core (forked as
+    the ranks are): a test's planning, which one process would do one plan at a time."""
+    mp.set_forkserver_preload(PRELOAD)
+    context = mp.get_context("forkserver")
+    workers = os.cpu_count() or 1
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(function, items))

@@ -450,7 +450,9 @@ def test_resume_under_another_plan_continues_the_uninterrupted_run(tmp_path: Pat
     """Saved under plan A, resumed under plan B: the losses follow one process's
     uninterrupted run as closely as any plan does (1e-5; plans sum in other orders)."""
     tasks = {
-        name: functools.partial(save_then_resume, before, after, tmp_path / f"ckpt{i}", 4)
+        name: functools.partial(
+            save_then_resume, before.planned(4), after.planned(4), tmp_path / f"ckpt{i}", 4
+        )
         for i, (name, before, after) in enumerate(RESHARD)
     }
     results = run_on_ranks(4, tasks, tmp_path)
@@ -514,7 +516,7 @@ def test_hugging_face_weights_load_sharded_and_train_as_one_process(tmp_path: Pa
         for model, directory in directories.items()
     }
     tasks = {
-        case.name: functools.partial(load_and_train, case, directories[case.model], 4)
+        case.name: functools.partial(load_and_train, case.planned(4), directories[case.model], 4)
         for case in LOADS
     }
     check_loads(LOADS, run_on_ranks(4, tasks, tmp_path), expected, 1e-5)
@@ -655,8 +657,10 @@ def test_resume_under_the_same_plan_continues_the_same_run(tmp_path: Path) -> No
     it stays close."""
     tasks = {}
     for i, case in enumerate(SAME_PLAN):
-        tasks[f"{case.name} uninterrupted"] = functools.partial(same_plan_run, case, None, 4)
-        tasks[case.name] = functools.partial(same_plan_run, case, tmp_path / f"c{i}", 4)
+        tasks[f"{case.name} uninterrupted"] = functools.partial(
+            same_plan_run, case.planned(4), None, 4
+        )
+        tasks[case.name] = functools.partial(same_plan_run, case.planned(4), tmp_path / f"c{i}", 4)
     results = run_on_ranks(4, tasks, tmp_path)
     failures = []
     for case in SAME_PLAN:

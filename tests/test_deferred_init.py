@@ -170,7 +170,10 @@ def _failures(cases: list[Case], per_case: dict[str, list[Any]]) -> list[str]:
 def test_deferred_init_matches_single_process(
     world_size: int, cases: list[Case], tmp_path: Path
 ) -> None:
-    tasks = {case.name: functools.partial(train_deferred, case, world_size) for case in cases}
+    tasks = {
+        case.name: functools.partial(train_deferred, case.planned(world_size), world_size)
+        for case in cases
+    }
     failures = _failures(cases, run_on_ranks(world_size, tasks, tmp_path))
     assert not failures, "\n".join(failures)
 

@@ -37,7 +37,7 @@ from strategies.apply import parallelize
 from strategies.parallel_model import local_slice
 from strategies.runner import Trainer, synthetic_batch
 from tests.devices import write_tp_pays
-from tests.ranks import run_on_ranks
+from tests.ranks import map_in_processes, run_on_ranks
 from tests.test_hf import _DECODER, CONFIGS, SEQ, _counted, _write, by_family
 from tests.test_runtime_numerics import BATCH, CLIP, EXACT, LR, STEPS, VOCAB
 
@@ -353,6 +353,10 @@ def _searched(path: str, world_size: int, pins: Pins, device: str) -> str:
     return make_plan(resolve_hf_config(path), cluster, training, pins=pins).model_dump_json()
 
 
+def _searched_from(arguments: tuple[str, int, Pins, str]) -> str:
+    return _searched(*arguments)
+
+
 def test_norms_scaling_by_one_plus_weight_run_on_shards(tmp_path):
     """Gemma's norms scale by ``1 + weight``, an operator of the weight alone, before
     meeting the activations: the weight stays whole with a partial gradient (summed once
@@ -389,8 +393,8 @@ def test_more_families_match_single_process_under_tensor_pipeline_and_context_pa
         "dp2 x tp2": set(paths) - _EXPERTS_AS_MIXTRALS - _TP_MATRIX,
         "dp2 x cp2": set(paths) - _NO_CONTEXT_PARALLEL,
     }
-    plans = {
-        (family, mesh): _searched(
+    searches = {
+        (family, mesh): (
             path,
             4,
             Pins(dp=dp, tp=tp, pp=pp, cp=cp, zero=3 * ((i + cp) % 2) if dp > 1 else None),
@@ -400,6 +404,7 @@ def test_more_families_match_single_process_under_tensor_pipeline_and_context_pa
         for mesh, (dp, tp, pp, cp) in meshes.items()
         if family in wanted[mesh]
     }
+    plans = dict(zip(searches, map_in_processes(_searched_from, searches.values()), strict=True))
     for (family, mesh), plan_json in plans.items():
         strategy = Plan.model_validate_json(plan_json).strategy
         assert (strategy.dp, strategy.tp, strategy.pp, strategy.cp) == meshes[mesh], family

@@ -269,7 +269,7 @@ def test_moe_safetensors_load_sharded_and_train_as_one_process(tmp_path: Path) -
         for model, directory in directories.items()
     }
     tasks: dict[str, Task] = {
-        case.name: functools.partial(load_and_train, case, directories[case.model], 4)
+        case.name: functools.partial(load_and_train, case.planned(4), directories[case.model], 4)
         for case in LOADS
     }
     check_loads(LOADS, run_on_ranks(4, tasks, tmp_path), expected, LOSS_BOUND)

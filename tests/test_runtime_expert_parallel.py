@@ -11,7 +11,7 @@ on the same global batch as one process and must agree within ``EXACT`` on every
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +110,16 @@ class Case:
     model: str
     strategy: dict[str, Any]
     optimizer: str = "sgd"  # Adam would hide a wrong scale of the expert gradients
+    made: tuple[int, str] | None = field(default=None, compare=False)  # (world, plan JSON)
+
+    def planned(self, world_size: int) -> Case:
+        """This case with its plan for ``world_size`` ranks made here, once: the ranks
+        read it instead of each making it (and tracing the model) again."""
+        return replace(self, made=(world_size, self.plan(world_size).model_dump_json()))
 
     def plan(self, world_size: int) -> Plan:
+        if self.made is not None and self.made[0] == world_size:
+            return Plan.model_validate_json(self.made[1])
         strategy = Strategy.model_validate(self.strategy)
         training = Training(global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size,
                             seq_len=SEQ, dtype="fp32", optimizer=self.optimizer)  # fmt: skip
@@ -331,13 +339,16 @@ def _bytes_failures(case: Case, strategy: Strategy, counted: list[int]) -> list[
 def test_expert_parallel_matches_one_process(
     world_size: int, cases: list[Case], tmp_path: Path
 ) -> None:
-    tasks = {case.name: functools.partial(train, case, world_size) for case in cases}
+    tasks = {
+        case.name: functools.partial(train, case.planned(world_size), world_size) for case in cases
+    }
     resumed = RESUME if world_size == 4 else {}
     for model, (before, after) in resumed.items():
         directory = str(tmp_path / f"checkpoint-{model}")
         tasks[f"resume {model}"] = functools.partial(
-            save_then_resume, before, after, directory, world_size
-        )
+            save_then_resume, before.planned(world_size), after.planned(world_size), directory,
+            world_size,
+        )  # fmt: skip
     per_case = run_on_ranks(world_size, tasks, tmp_path)
     failures = _compare(cases, per_case, world_size)
     for model in resumed:

@@ -10,7 +10,7 @@ their loss must still fall.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_tensor
 
 from planner.assemble import assemble_plan
+from planner.errors import PlannerError
 from planner.layouts import ModelLayouts, module_info
 from planner.models import ModelHandle, build, get_preset, handle_for_module, resolve_model
 from planner.solve.layout import LayoutConstraints, Roofline
@@ -188,8 +189,16 @@ class Case:
     apply_to: str | None = None  # build this model instead of the planned one
     whole: str = ""  # a region the "ilp" layout keeps whole (ilp_layout)
     expect_error: str | None = None  # every rank must raise this before any collective
+    made: tuple[int, str] | None = field(default=None, compare=False)  # (world, plan JSON)
+
+    def planned(self, world_size: int) -> Case:
+        """This case with its plan for ``world_size`` ranks made here, once: the ranks
+        read it instead of each making it (and tracing the model) again."""
+        return replace(self, made=(world_size, self.plan(world_size).model_dump_json()))
 
     def plan(self, world_size: int) -> Plan:
+        if self.made is not None and self.made[0] == world_size:
+            return Plan.model_validate_json(self.made[1])
         strategy = Strategy.model_validate(self.strategy)
         training = Training(
             global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size, seq_len=SEQ,
@@ -287,7 +296,12 @@ def parameter_failures(case: Case, results: list[dict[str, Any]]) -> list[str]:
 def run_cases(world_size: int, cases: list[Case], out: Path) -> dict[str, list[Any]]:
     """Run ``cases`` on ``world_size`` gloo ranks; each case's results in rank order."""
     return run_on_ranks(
-        world_size, {case.name: functools.partial(train, case, world_size) for case in cases}, out
+        world_size,
+        {
+            case.name: functools.partial(train, case.planned(world_size), world_size)
+            for case in cases
+        },
+        out,
     )
 
 
@@ -518,3 +532,43 @@ def test_layouts_from_the_search(tmp_path: Path) -> None:
     ]
     failures = _compare(cases, run_cases(2, cases, tmp_path))
     assert not failures, "\n".join(failures)
+
+
+def _parallelize_as_rank(plans: dict[int, str], models: dict[int, str], rank: int) -> str:
+    """``parallelize`` on this rank's model and plan: what it raised, or "ran"."""
+    try:
+        parallelize(build_handle(models[rank]).module, Plan.model_validate_json(plans[rank]))
+    except PlannerError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
+
+
+@pytest.mark.distributed
+def test_a_rank_that_cannot_run_the_plan_is_named_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 alone given another model failed its check while rank 0 went on into its
+    first collective and waited there until the process group's timeout; every rank now
+    raises rank 1's reason. A tensor-parallel layout is checked on a trace made on rank 0
+    alone, and its refusal reaches rank 1 too."""
+    dp2 = Case("", "tiny-llama", _per_rank(2)).plan(2).model_dump_json()
+    tp2 = Case("", "tiny-llama", _per_rank(1, tp=2)).plan(2)
+    attention = "layers.*.attention.wq"
+    wrong = tp2.model_copy(
+        update={"tp_layout": {**tp2.tp_layout, attention: ModuleTP(style="rowwise")}}
+    ).model_dump_json()
+    said = run_on_ranks(
+        2,
+        {
+            "rank 1 another model": functools.partial(
+                _parallelize_as_rank, {0: dp2, 1: dp2}, {0: "tiny-llama", 1: "tiny-gpt"}
+            ),
+            "a layout that cannot run": functools.partial(
+                _parallelize_as_rank, {0: wrong, 1: wrong}, {0: "tiny-llama", 1: "tiny-llama"}
+            ),
+        },
+        tmp_path,
+    )
+    another, layout = said["rank 1 another model"], said["a layout that cannot run"]
+    assert another[0] == another[1], another
+    assert another[0].startswith("PlanMismatchError: rank 1: plan.model_fingerprint"), another
+    assert layout[0] == layout[1], layout
+    assert layout[0].startswith("SpecError: rank 0: plan.tp_layout's styles cannot run"), layout

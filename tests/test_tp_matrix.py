@@ -49,7 +49,7 @@ from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, Plan, Training
 from planner.tracing import trace_for_training
 from tests.devices import write_tp_pays
-from tests.ranks import run_on_ranks
+from tests.ranks import map_in_processes, run_on_ranks
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config
@@ -223,19 +223,25 @@ def _reference(model: str, root: Path) -> tuple[list[float], dict[str, torch.Ten
     return losses, {k: v.detach() for k, v in parallel.state_dict().items()}
 
 
+def _case_or_refusal(args: tuple[str, Path, int, int, bool]) -> Case | str:
+    model, root, dp, tp, sp = args
+    try:
+        return _case(model, root, dp, tp, sp)
+    except PlannerError as exc:
+        return f"{model} dp{dp} tp{tp}{' sp' if sp else ''}: {exc}"
+
+
 def _cases(root: Path, world: int) -> tuple[list[Case], list[str]]:
     """The plans of every model at each mesh of ``world`` ranks, and those not offered."""
-    cases, refused = [], []
-    for model in MODELS:
-        for dp, tp in MESHES:
-            if dp * tp != world:
-                continue
-            for sp in (False, True):
-                try:
-                    cases.append(_case(model, root, dp, tp, sp))
-                except PlannerError as exc:
-                    refused.append(f"{model} dp{dp} tp{tp}{' sp' if sp else ''}: {exc}")
-    return cases, refused
+    wanted = [
+        (model, root, dp, tp, sp)
+        for model in MODELS
+        for dp, tp in MESHES
+        if dp * tp == world
+        for sp in (False, True)
+    ]
+    made = map_in_processes(_case_or_refusal, wanted)
+    return [c for c in made if isinstance(c, Case)], [r for r in made if isinstance(r, str)]
 
 
 @pytest.mark.distributed

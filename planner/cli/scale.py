@@ -120,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         for path in (destination, plot):
             if path is not None:
-                console.print(f"wrote {path}")
+                print(
+                    f"wrote {path}"
+                )  # not rich: it would wrap a long path and read [...] as markup
     return 0
 
 

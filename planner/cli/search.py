@@ -267,5 +267,7 @@ def run(args: argparse.Namespace) -> int:
             _compare_with_yours(job.imported, yours, plan, console)
         for path in (destination, plot):
             if path is not None:
-                console.print(f"wrote {path}")
+                print(
+                    f"wrote {path}"
+                )  # not rich: it would wrap a long path and read [...] as markup
     return 0
