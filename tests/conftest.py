@@ -24,9 +24,9 @@ def _offline(monkeypatch):
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2``, as ``pyproject.toml`` sets), the tests that spawn
-    ranks run one after another on one worker, each with the machine's cores, while the
-    other worker runs the single-process tests beside them."""
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, as the README and ``.ci/run`` run
+    it), the tests that spawn ranks run one after another on one worker, each with the
+    machine's cores, while the other worker runs the single-process tests beside them."""
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.xdist_group("ranks"))
