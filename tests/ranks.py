@@ -9,13 +9,17 @@ import os
 import socket
 import sys
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from planner.spec import Plan
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -76,3 +80,23 @@ def map_in_processes(function: Callable[[T], R], items: Iterable[T]) -> list[R]:
     workers = os.cpu_count() or 1
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
         return list(pool.map(function, items))
+
+
+class PlannedOnce(ABC):
+    """A test case (a frozen dataclass with a ``made`` field, ``(world size, plan JSON)``)
+    whose plan the test makes once and every rank reads: each rank making it would trace
+    the model again. Subclasses make the plan in :meth:`make_plan`."""
+
+    made: tuple[int, str] | None
+
+    @abstractmethod
+    def make_plan(self, world_size: int) -> Plan: ...
+
+    def planned(self, world_size: int) -> Self:
+        """This case with its plan for ``world_size`` ranks made here."""
+        return replace(self, made=(world_size, self.make_plan(world_size).model_dump_json()))
+
+    def plan(self, world_size: int) -> Plan:
+        if self.made is not None and self.made[0] == world_size:
+            return Plan.model_validate_json(self.made[1])
+        return self.make_plan(world_size)

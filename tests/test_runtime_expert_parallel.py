@@ -11,7 +11,7 @@ on the same global batch as one process and must agree within ``EXACT`` on every
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from strategies.apply import parallelize
 from strategies.expert_parallel import count_alltoall
 from strategies.parallel_model import ParallelModel, local_slice
 from strategies.runner import Trainer, synthetic_batch
-from tests.ranks import run_on_ranks
+from tests.ranks import PlannedOnce, run_on_ranks
 from tests.test_runtime_numerics import (
     BATCH,
     CLIP,
@@ -103,7 +103,7 @@ def build_handle(model: str, device: str = "cpu") -> ModelHandle:
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(PlannedOnce):
     """One EP strategy on one model (``strategy`` as :class:`Strategy` fields)."""
 
     name: str
@@ -112,14 +112,7 @@ class Case:
     optimizer: str = "sgd"  # Adam would hide a wrong scale of the expert gradients
     made: tuple[int, str] | None = field(default=None, compare=False)  # (world, plan JSON)
 
-    def planned(self, world_size: int) -> Case:
-        """This case with its plan for ``world_size`` ranks made here, once: the ranks
-        read it instead of each making it (and tracing the model) again."""
-        return replace(self, made=(world_size, self.plan(world_size).model_dump_json()))
-
-    def plan(self, world_size: int) -> Plan:
-        if self.made is not None and self.made[0] == world_size:
-            return Plan.model_validate_json(self.made[1])
+    def make_plan(self, world_size: int) -> Plan:
         strategy = Strategy.model_validate(self.strategy)
         training = Training(global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size,
                             seq_len=SEQ, dtype="fp32", optimizer=self.optimizer)  # fmt: skip

@@ -10,7 +10,7 @@ their loss must still fall.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from planner.tracing import trace_for_training
 from strategies.apply import parallelize
 from strategies.parallel_model import ParallelModel, local_slice
 from strategies.runner import Trainer, synthetic_batch
-from tests.ranks import run_on_ranks
+from tests.ranks import PlannedOnce, run_on_ranks
 
 STEPS = 4
 SEQ = 16
@@ -176,7 +176,7 @@ def _hf_family(name: str) -> nn.Module:
 
 
 @dataclass(frozen=True)
-class Case:
+class Case(PlannedOnce):
     """One strategy on one model; ``bound`` is the allowed loss difference per step."""
 
     name: str
@@ -188,17 +188,10 @@ class Case:
     optimizer: str = "adamw"
     apply_to: str | None = None  # build this model instead of the planned one
     whole: str = ""  # a region the "ilp" layout keeps whole (ilp_layout)
-    expect_error: str | None = None  # every rank must raise this before any collective
+    expect_error: str | None = None  # every rank must raise this (none left waiting)
     made: tuple[int, str] | None = field(default=None, compare=False)  # (world, plan JSON)
 
-    def planned(self, world_size: int) -> Case:
-        """This case with its plan for ``world_size`` ranks made here, once: the ranks
-        read it instead of each making it (and tracing the model) again."""
-        return replace(self, made=(world_size, self.plan(world_size).model_dump_json()))
-
-    def plan(self, world_size: int) -> Plan:
-        if self.made is not None and self.made[0] == world_size:
-            return Plan.model_validate_json(self.made[1])
+    def make_plan(self, world_size: int) -> Plan:
         strategy = Strategy.model_validate(self.strategy)
         training = Training(
             global_batch_size=BATCH, micro_batch_size=strategy.micro_batch_size, seq_len=SEQ,

@@ -267,7 +267,6 @@ def run(args: argparse.Namespace) -> int:
             _compare_with_yours(job.imported, yours, plan, console)
         for path in (destination, plot):
             if path is not None:
-                print(
-                    f"wrote {path}"
-                )  # not rich: it would wrap a long path and read [...] as markup
+                # not rich's print: it would wrap a long path and read [...] as markup
+                print(f"wrote {path}")
     return 0

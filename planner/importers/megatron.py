@@ -587,10 +587,10 @@ def _recompute(settings: Settings) -> dict[str, Any]:
             "use one of them",
         )  # fmt: skip
     method = settings.get("--recompute-method")
-    for key, value in (("--recompute-method", method), ("--recompute-num-layers", None)):
+    for key in ("--recompute-method", "--recompute-num-layers"):
         if key not in settings:  # TransformerConfig: full granularity needs both
             raise settings.refuse(
-                key, value, "Megatron-LM refuses --recompute-granularity full without "
+                key, None, "Megatron-LM refuses --recompute-granularity full without "
                 "--recompute-method (uniform or block) and --recompute-num-layers",
                 "add --recompute-method uniform --recompute-num-layers 1 (every layer), or "
                 "block with the layers per chunk",
