@@ -19,7 +19,7 @@ from typing import Any
 from planner.errors import SpecError
 from planner.io import read_json
 from planner.measured import MeasuredProfile, check_same_plan
-from planner.spec import Plan, Prediction, communication_s, load_document
+from planner.spec import Plan, Prediction, communication_s, compute_s, load_document
 
 __all__ = [
     "Row",
@@ -73,7 +73,7 @@ def _band_note(plan: Plan, prediction: Prediction) -> tuple[str, ...]:
 def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Prediction) -> Comparison:
     """Rows for a measured profile of ``plan`` (fingerprints are checked first).
 
-    Compute is forward + backward (+ recompute); communication includes the pipeline
+    Compute is forward + backward (+ recompute, gradient accumulation); communication includes the pipeline
     bubble, which a measured pipeline spends waiting in receives.
     """
     check_same_plan(plan, measured)
@@ -81,7 +81,7 @@ def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Predicti
     bubble = pred.get("bubble", 0.0)
     rows = [
         Row("step", prediction.step_time_s, measured.step_time_median_s),
-        Row("compute", pred.get("compute", 0.0) + pred.get("recompute", 0.0),
+        Row("compute", compute_s(pred),
             meas.get("forward", 0.0) + meas.get("backward", 0.0)),
         Row("communication + bubble" if bubble else "communication",
             communication_s(pred) + bubble, communication_s(meas)),

@@ -116,7 +116,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
         "grads_persist": True, "optimizer_impl": "fused", "flash_impl": "cudnn",
-        "expert_gemm": "per-expert",
+        "expert_gemm": "per-expert", "grad_accumulation": "fused",
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",

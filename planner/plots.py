@@ -48,6 +48,7 @@ _DPI = 120
 _TERMS = (
     ("compute", "compute (forward + backward)", "#4c72b0"),
     ("recompute", "activation recompute", "#8fb0de"),
+    ("grad_accumulation", "gradient accumulation", "#a6cee3"),
     ("comm_tp", "tensor-parallel comm.", "#dd8452"),
     ("comm_cp", "context-parallel comm.", "#e8b04a"),
     ("comm_pp", "pipeline send/recv", "#937860"),

@@ -50,6 +50,7 @@ __all__ = [
     "Strategy",
     "MeshAxis",
     "communication_s",
+    "compute_s",
     "ErrorBand",
     "MemoryBand",
     "ErrorBandTable",
@@ -873,6 +874,12 @@ def communication_s(breakdown: Mapping[str, float]) -> float:
     """Seconds of a step breakdown (predicted ``breakdown_s`` or measured phases) spent
     in communication: its ``comm*`` terms."""
     return sum(v for k, v in breakdown.items() if k.startswith("comm"))
+
+
+def compute_s(breakdown: Mapping[str, float]) -> float:
+    """Seconds of a predicted step breakdown spent in the forward and backward passes:
+    compute, recompute and the gradients' accumulation over micro-batches."""
+    return sum(breakdown.get(term, 0.0) for term in ("compute", "recompute", "grad_accumulation"))
 
 
 class MemoryBand(_Doc):

@@ -245,3 +245,26 @@ def test_the_optimizer_step_moves_what_its_implementation_reads_and_writes():
     }
     assert times["fused"] < times["foreach"] < 2.5 * times["fused"]
     assert times["for-loop"] == times["foreach"]  # the profile measured no eager overhead
+
+
+def test_autograd_sums_gradients_over_micro_batches_at_memory_speed():
+    """From the second micro-batch on, autograd adds each new gradient to the kept one
+    (fp32 here: 12 bytes per parameter read and written); Megatron's fused accumulation
+    adds in the weight-gradient GEMM. The pass stretches each pipeline rank's micro-batch,
+    so it lengthens the bubble too."""
+    from planner.cost.options import GradAccumulation
+
+    model = _model(32)
+    one, four, eight = (_model(4 * m).estimate(_strategy(num_microbatches=m)) for m in (1, 4, 8))
+    assert one.breakdown_s["grad_accumulation"] == 0.0
+    passes = eight.breakdown_s["grad_accumulation"] / four.breakdown_s["grad_accumulation"]
+    assert passes == pytest.approx(7 / 3)
+    params = model.whole_model(_strategy()).param_count / 2  # a pipeline rank's, about
+    bandwidth = model.profile.memory_bandwidth_GBps * 1e9 * model.profile.memory_efficiency
+    launch = model.profile.kernel_overhead_us * 1e-6
+    expected = 7 * (12 * params / bandwidth + launch)  # seven passes of a kernel each
+    assert eight.breakdown_s["grad_accumulation"] == pytest.approx(expected, rel=0.05)
+    fused = _model(32, grad_accumulation=GradAccumulation.FUSED).estimate(_strategy())
+    assert "grad_accumulation" not in {k for k, v in fused.breakdown_s.items() if v}
+    assert fused.breakdown_s["bubble"] < eight.breakdown_s["bubble"]
+    assert sum(eight.breakdown_s.values()) == pytest.approx(eight.step_time_s)

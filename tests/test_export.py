@@ -148,7 +148,6 @@ MEGATRON_OPTIONS: dict[str, tuple[int, set[str] | None]] = {
     "--data-parallel-sharding-strategy": (
         1, {"no_shard", "optim", "optim_grads", "optim_grads_params"}
     ),
-    "--no-gradient-accumulation-fusion": (0, None),
     "--ckpt-format": (1, {"torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"}),
     "--bf16": (0, None),
     "--fp16": (0, None),

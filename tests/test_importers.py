@@ -474,6 +474,9 @@ def test_megatron_shell_command_gives_world_model_and_strategy() -> None:
 def test_megatron_prices_its_kernels_and_its_recompute_modules() -> None:
     run = import_config(MEGATRON_SHELL, cluster=GPU).run
     assert run.options.fused_norm_swiglu and run.options.gqa_native
+    assert run.options.grad_accumulation.value == "fused"  # in the weight-gradient GEMM
+    unfused = MEGATRON_SHELL.replace("--bf16", "--bf16 --no-gradient-accumulation-fusion")
+    assert import_config(unfused, cluster=GPU).run.options.grad_accumulation.value == "autograd"
     assert run.options.selective.value == "attention"  # --recompute-modules: core_attn
     modules = MEGATRON_SHELL.replace(
         "--recompute-activations", "--recompute-granularity selective --recompute-modules "

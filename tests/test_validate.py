@@ -41,6 +41,15 @@ def test_matching_plan_passes() -> None:
     validate_plan_for_world(_plan(batch=8, dp=2, micro_batch_size=4), 2)
 
 
+def test_plain_data_parallelism_under_a_pipeline_is_refused_only_where_ddp_cannot_run() -> None:
+    """This runtime's DDP cannot run a pipeline schedule's backwards; Megatron-LM's DDP
+    runs under its pipeline (what a search for it may choose)."""
+    plan = _plan(batch=8, dp=2, pp=2, num_microbatches=4)
+    with pytest.raises(SpecError, match=r"strategy.zero = 0 .*DDP cannot run under a pipeline"):
+        validate_plan_for_world(plan, 4)
+    validate_plan_for_world(plan.model_copy(update={"target": "megatron==0.16"}), 4)
+
+
 def test_global_batch_must_match_dp_times_microbatches() -> None:
     with pytest.raises(
         SpecError, match=r"global_batch_size = 8 != dp\(2\) \* micro_batch_size\(1\)"

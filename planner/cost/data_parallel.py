@@ -46,7 +46,7 @@ from planner.cost.compression import (
 from planner.cost.compute import ComputeModel, fp8_weight_cast_bytes
 from planner.cost.memory import gradient_element_bytes, weight_element_bytes
 from planner.cost.optimizer_step import step_passes
-from planner.cost.options import CostOptions, OptimizerImpl
+from planner.cost.options import CostOptions, GradAccumulation, OptimizerImpl
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
 from planner.dtypes import HALF_BYTES
@@ -188,6 +188,18 @@ class DataParallelCost:
                 f"m * n): use a rank <= {useful}, or compression 'bf16'"
             )
         return work
+
+    def accumulation_time(self, strategy: Strategy, params: float) -> float:
+        """Seconds per micro-batch, averaged over the step, that summing the gradients of
+        the step's micro-batches costs a rank holding ``params`` parameters (its experts
+        too). Autograd's accumulation (:class:`~planner.cost.options.GradAccumulation`)
+        makes a memory-bound pass from the second micro-batch on, reading the kept and the
+        new gradient and writing the kept one; a fused one adds nothing."""
+        m = strategy.num_microbatches
+        if m == 1 or self.options.grad_accumulation is GradAccumulation.FUSED:
+            return 0.0
+        element = gradient_element_bytes(self.training, self.options, strategy.compression.kind)
+        return self.compute.memory_time(3 * element * params) * (m - 1) / m
 
     def optimizer_time(
         self, strategy: Strategy, params: float, expert_params: float = 0.0

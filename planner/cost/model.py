@@ -3,7 +3,8 @@
 :class:`CostModel` prices each segment type once per :class:`ShardKey` and recompute
 mode (cached), so :meth:`CostModel.estimate` only sums cached per-segment costs over
 pipeline ranks (:mod:`~planner.cost.ranks`) and adds the per-step terms: pipeline
-bubble and point-to-point here, data-parallel and FSDP communication, compression and
+bubble and point-to-point here, the gradients' accumulation over micro-batches (on
+each rank's micro-batch time), data-parallel and FSDP communication, compression and
 the optimizer step (:mod:`~planner.cost.data_parallel`), memory
 (:mod:`~planner.cost.memory`) and MFU/HFU (:mod:`~planner.cost.throughput`). Every
 time in the breakdown is the *exposed* part on the critical path; the parts add up to
@@ -411,7 +412,9 @@ class CostModel:
         self, strategy: Strategy, ranks: list[RankSums], modes: list[RecomputeMode]
     ) -> Prediction:
         m = strategy.num_microbatches
-        slowest = max(ranks, key=lambda r: r.time_s)
+        times = self._rank_times(strategy, ranks)
+        index = max(range(len(ranks)), key=times.__getitem__)
+        slowest, slowest_time = ranks[index], times[index]
         pipe = self._pipe_time(strategy, ranks)
         breakdown = {
             "compute": m * (slowest.total("forward_s") + slowest.total("backward_s")),
@@ -419,7 +422,8 @@ class CostModel:
             "comm_tp": m * slowest.total("comm_tp_s"),
             "comm_cp": m * slowest.total("comm_cp_s"),
             "comm_ep": m * slowest.total("comm_ep_s"),
-            "bubble": pipe - m * slowest.time_s,
+            "grad_accumulation": m * (slowest_time - slowest.time_s),
+            "bubble": pipe - m * slowest_time,
             "comm_pp": self._pp_time(strategy),
         }
         rounds = self._rounds(strategy)
@@ -444,8 +448,8 @@ class CostModel:
     def pipeline_floor_s(self, strategy: Strategy) -> float:
         """Seconds of the pipelined forward and backward alone over the default stages.
 
-        Compute, recompute, tensor/context-parallel and point-to-point communication
-        and the bubble: the step time without data-parallel communication, compression
+        Compute, recompute, gradient accumulation, tensor/context-parallel and
+        point-to-point communication and the bubble: the step time without data-parallel communication, compression
         and the optimizer, so a lower bound of :meth:`estimate`'s ``step_time_s`` that a
         search can use to skip candidates (independent of ZeRO and compression).
         """
@@ -460,8 +464,14 @@ class CostModel:
         per_round = self.options.pipeline_round_microbatches
         return schedule_rounds(strategy.pp, strategy.num_microbatches, per_round)
 
+    def _rank_times(self, strategy: Strategy, ranks: list[RankSums]) -> list[float]:
+        """Seconds per micro-batch on each pipeline rank: its segments' time and its
+        share of the step's gradient accumulation."""
+        accumulate = self._data_parallel.accumulation_time
+        return [r.time_s + accumulate(strategy, r.params + r.expert_params) for r in ranks]
+
     def _pipe_time(self, strategy: Strategy, ranks: list[RankSums]) -> float:
-        times, forwards = [r.time_s for r in ranks], [r.total("forward_s") for r in ranks]
+        times, forwards = self._rank_times(strategy, ranks), [r.total("forward_s") for r in ranks]
         v = strategy.virtual_stages
         return sum(
             pipeline_time(strategy.schedule, times, m, virtual_stages=v, forward_times=forwards)

@@ -24,6 +24,7 @@ __all__ = [
     "Fp8Linear",
     "Fp8Scaling",
     "OptimizerImpl",
+    "GradAccumulation",
     "ExpertGemm",
     "CostOptions",
     "DDP_BUCKET_MIB",
@@ -125,6 +126,21 @@ class OptimizerImpl(StrEnum):
     FUSED = "fused"
 
 
+class GradAccumulation(StrEnum):
+    """How a step of several micro-batches sums each parameter's gradients."""
+
+    # autograd's AccumulateGrad: from the second micro-batch on, each parameter's new
+    # gradient is added in place to the one kept (one pass reading both and writing one,
+    # a kernel per parameter tensor): PyTorch DDP under no_sync, FSDP2 without gradient
+    # sync, torch.distributed.pipelining stages, Megatron-LM before 2022
+    AUTOGRAD = "autograd"
+    # the weight-gradient GEMM adds into the kept gradient (beta = 1): Megatron's
+    # --gradient-accumulation-fusion, on by default (bf16 since Megatron-LM 83b1e42f30,
+    # 2022-02; fp16 since 07916bf245, 2022-09), Megatron-FSDP's buffers included (its
+    # gradient hook skips what Transformer Engine added: grad_added_to_main_grad)
+    FUSED = "fused"
+
+
 class ExpertGemm(StrEnum):
     """How a rank's routed experts run their GEMMs: what each launch costs once."""
 
@@ -187,6 +203,7 @@ class CostOptions(BaseModel):
     # its backward holding none (torchtitan, FSDP2, this runtime)
     grads_persist: bool = False
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH  # torch.optim's default on GPUs
+    grad_accumulation: GradAccumulation = GradAccumulation.AUTOGRAD
     # the data-parallel reduction copies gradients into buckets of dp_bucket_mib, two in
     # flight (DeepSpeed's IPG buckets); PyTorch DDP (with gradient_as_bucket_view, as this
     # runtime runs it: the gradients are its buckets), FSDP2 and Megatron-Core's bucketed

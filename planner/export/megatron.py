@@ -305,7 +305,6 @@ def _data_parallel_args(plan: Plan) -> list[Arg]:
     return [
         ("--use-megatron-fsdp",),
         ("--data-parallel-sharding-strategy", SHARDING[strategy.zero]),
-        ("--no-gradient-accumulation-fusion",),
         *args,
         ("--ckpt-format", "fsdp_dtensor"),
     ]

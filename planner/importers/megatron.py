@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from planner.cost.options import RecomputeModule, SelectivePolicy
+from planner.cost.options import GradAccumulation, RecomputeModule, SelectivePolicy
 from planner.errors import SpecError
 from planner.export.megatron import DTYPE_ARGS, SHARDING
 from planner.frameworks import (
@@ -704,6 +704,8 @@ def _cost_options(settings: Settings, dp: int, zero: int, notes: list[str]) -> d
         "fp8_param_gather": settings.flag("--fp8-param-gather"),
         **KERNELS[Framework.MEGATRON],
     }
+    if settings.flag("--no-gradient-accumulation-fusion"):
+        options["grad_accumulation"] = GradAccumulation.AUTOGRAD.value
     recipe = settings.get("--fp8-recipe")
     if recipe is not None:
         if recipe not in _FP8_RECIPES:
