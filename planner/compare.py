@@ -73,8 +73,8 @@ def _band_note(plan: Plan, prediction: Prediction) -> tuple[str, ...]:
 def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Prediction) -> Comparison:
     """Rows for a measured profile of ``plan`` (fingerprints are checked first).
 
-    Compute is forward + backward (+ recompute, gradient accumulation); communication includes the pipeline
-    bubble, which a measured pipeline spends waiting in receives.
+    Compute is forward + backward (+ recompute, gradient accumulation); communication
+    includes the pipeline bubble, which a measured pipeline spends waiting in receives.
     """
     check_same_plan(plan, measured)
     pred, meas = prediction.breakdown_s, measured.phases_s

@@ -189,16 +189,19 @@ class DataParallelCost:
             )
         return work
 
-    def accumulation_time(self, strategy: Strategy, params: float) -> float:
+    def accumulation_time(self, strategy: Strategy, params: float, *, least: bool = False) -> float:
         """Seconds per micro-batch, averaged over the step, that summing the gradients of
         the step's micro-batches costs a rank holding ``params`` parameters (its experts
         too). Autograd's accumulation (:class:`~planner.cost.options.GradAccumulation`)
         makes a memory-bound pass from the second micro-batch on, reading the kept and the
-        new gradient and writing the kept one; a fused one adds nothing."""
+        new gradient and writing the kept one; a fused one adds nothing. ``least``: the
+        gradients as a half-precision reduction would keep them, whatever the strategy's
+        compression (a bound for every compression)."""
         m = strategy.num_microbatches
         if m == 1 or self.options.grad_accumulation is GradAccumulation.FUSED:
             return 0.0
-        element = gradient_element_bytes(self.training, self.options, strategy.compression.kind)
+        kind = CompressionKind.BF16 if least else strategy.compression.kind
+        element = gradient_element_bytes(self.training, self.options, kind)
         return self.compute.memory_time(3 * element * params) * (m - 1) / m
 
     def optimizer_time(

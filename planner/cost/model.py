@@ -415,7 +415,7 @@ class CostModel:
         times = self._rank_times(strategy, ranks)
         index = max(range(len(ranks)), key=times.__getitem__)
         slowest, slowest_time = ranks[index], times[index]
-        pipe = self._pipe_time(strategy, ranks)
+        pipe = self._pipe_time(strategy, ranks, times)
         breakdown = {
             "compute": m * (slowest.total("forward_s") + slowest.total("backward_s")),
             "recompute": m * slowest.total("recompute_s"),
@@ -448,15 +448,17 @@ class CostModel:
     def pipeline_floor_s(self, strategy: Strategy) -> float:
         """Seconds of the pipelined forward and backward alone over the default stages.
 
-        Compute, recompute, gradient accumulation, tensor/context-parallel and
-        point-to-point communication and the bubble: the step time without data-parallel communication, compression
-        and the optimizer, so a lower bound of :meth:`estimate`'s ``step_time_s`` that a
-        search can use to skip candidates (independent of ZeRO and compression).
+        Compute, recompute, gradient accumulation (at its least bytes), tensor/context-
+        parallel and point-to-point communication and the bubble: the step time without
+        data-parallel communication, compression and the optimizer, so a lower bound of
+        :meth:`estimate`'s ``step_time_s`` that a search can use to skip candidates
+        (independent of ZeRO and compression).
         """
         chunks = self.default_stages(strategy)
         modes = self._recompute_modes(strategy, chunks)
         ranks = self._ranks(strategy, chunks, self._table(strategy, modes))
-        return self._pipe_time(strategy, ranks) + self._pp_time(strategy)
+        times = self._rank_times(strategy, ranks, least=True)
+        return self._pipe_time(strategy, ranks, times) + self._pp_time(strategy)
 
     def _rounds(self, strategy: Strategy) -> list[int]:
         """Micro-batches of each pipeline schedule in a step (one schedule unless the
@@ -464,14 +466,21 @@ class CostModel:
         per_round = self.options.pipeline_round_microbatches
         return schedule_rounds(strategy.pp, strategy.num_microbatches, per_round)
 
-    def _rank_times(self, strategy: Strategy, ranks: list[RankSums]) -> list[float]:
+    def _rank_times(
+        self, strategy: Strategy, ranks: list[RankSums], *, least: bool = False
+    ) -> list[float]:
         """Seconds per micro-batch on each pipeline rank: its segments' time and its
-        share of the step's gradient accumulation."""
+        share of the step's gradient accumulation (``least``: at its least bytes,
+        :meth:`DataParallelCost.accumulation_time`)."""
         accumulate = self._data_parallel.accumulation_time
-        return [r.time_s + accumulate(strategy, r.params + r.expert_params) for r in ranks]
+        return [
+            r.time_s + accumulate(strategy, r.params + r.expert_params, least=least) for r in ranks
+        ]
 
-    def _pipe_time(self, strategy: Strategy, ranks: list[RankSums]) -> float:
-        times, forwards = self._rank_times(strategy, ranks), [r.total("forward_s") for r in ranks]
+    def _pipe_time(self, strategy: Strategy, ranks: list[RankSums], times: list[float]) -> float:
+        """Seconds of the pipeline schedules of a step whose ranks take ``times`` seconds
+        per micro-batch."""
+        forwards = [r.total("forward_s") for r in ranks]
         v = strategy.virtual_stages
         return sum(
             pipeline_time(strategy.schedule, times, m, virtual_stages=v, forward_times=forwards)

@@ -130,9 +130,9 @@ class GradAccumulation(StrEnum):
     """How a step of several micro-batches sums each parameter's gradients."""
 
     # autograd's AccumulateGrad: from the second micro-batch on, each parameter's new
-    # gradient is added in place to the one kept (one pass reading both and writing one,
-    # a kernel per parameter tensor): PyTorch DDP under no_sync, FSDP2 without gradient
-    # sync, torch.distributed.pipelining stages, Megatron-LM before 2022
+    # gradient is added in place to the one kept (a memory-bound pass reading both and
+    # writing one): PyTorch DDP under no_sync, FSDP2 without gradient sync,
+    # torch.distributed.pipelining stages, Megatron-LM before 2022
     AUTOGRAD = "autograd"
     # the weight-gradient GEMM adds into the kept gradient (beta = 1): Megatron's
     # --gradient-accumulation-fusion, on by default (bf16 since Megatron-LM 83b1e42f30,
