@@ -144,6 +144,9 @@ CASES = (
     Case("70b interleaved", "llama3-70b", H100, 256, 512,
          Pins(tp=8, pp=4, cp=1, zero=1, sequence_parallel=True, virtual_stages=2,
               schedule=Schedule.INTERLEAVED_1F1B, recompute=SELECTIVE)),
+    Case("70b ddp under pp", "llama3-70b", H100, 256, 512,
+         Pins(tp=8, pp=4, cp=1, zero=0, sequence_parallel=True, schedule=Schedule.ONE_F_ONE_B,
+              recompute=NONE), target="megatron"),  # Megatron-LM's DDP runs a pipeline
     Case("70b zero-bubble", "llama3-70b", H100, 256, 512,
          Pins(tp=8, pp=4, cp=1, zero=1, sequence_parallel=True, schedule=Schedule.ZERO_BUBBLE,
               recompute=NONE)),
