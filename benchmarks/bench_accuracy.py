@@ -385,6 +385,32 @@ def fit_matmul_efficiency(cases: list[Case]) -> None:
               f"held-out {len(test)} rows: mean |err| {mean:.1%}, max {worst:.1%}")  # fmt: skip
 
 
+# The Megatron-LM README's strong scaling of the table's 177B model (images/strong_scaling.png
+# at f2e5db40): batch 1152 from 96 to 4608 GPUs, "MFU from 47% to 42%". The figure's GPU
+# counts (96, 144, ..., 4608) are 48 x (2, 3, ...): the table's tp 8 x pp 6, dp 2 to 96.
+STRONG_SCALING = ((96, 2, 0.47), (4608, 96, 0.42))  # (GPUs, dp, MFU)
+
+
+def strong_scaling_report(cases: list[Case]) -> None:
+    """The 177B strong-scaling ends priced with the table row's settings, under 1F1B and
+    interleaved schedules (the source states neither): predicted against stated MFU."""
+    base = next((c for c in cases if c.label.startswith("GPT-177B")), None)
+    if base is None:
+        return
+    print(
+        "\nMegatron-LM H100 strong scaling, GPT-177B, batch 1152 (README text; schedule not stated)"
+    )
+    for gpus, dp, mfu in STRONG_SCALING:
+        for virtual in (1, 2, 4):
+            config = {**base.config, "cluster": {**base.config["cluster"], "num_gpus": gpus}}
+            config["training"] = {**base.config["training"], "global_batch_size": 1152}
+            config["strategy"] = {**base.config["strategy"], "dp": dp, **_schedule(6, virtual)}
+            predicted = estimate_run(config).mfu
+            print(f"  {gpus:>5} GPUs tp8 pp6 dp{dp:<3} {config['strategy']['schedule']:<17}"
+                  f"v{virtual}: MFU stated {mfu:.0%}, predicted {predicted:.1%} "
+                  f"(step {mfu / predicted - 1:+.1%})")  # fmt: skip
+
+
 def estimate_speed(case: Case, repeats: int = 200) -> tuple[float, float]:
     """(first, cached) milliseconds per CostModel.estimate for ``case``'s configuration."""
     run = RunConfig.from_dict(case.config)
@@ -789,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     first, cached = estimate_speed(largest)
     print(f"\nestimate speed ({largest.label[:40]}): first {first:.1f} ms, cached {cached:.2f} ms "
           f"per call (contract: < 50 ms once blocks are costed)")  # fmt: skip
+    strong_scaling_report(cases)
     print(f"\nshared rows' targets met: {'yes' if met else 'no'}")
     if args.fit:
         fit_matmul_efficiency(cases)

@@ -113,6 +113,20 @@ def test_compare_measured_rows_and_errors() -> None:
         compare_measured(make_plan(recompute="full"), measured, prediction)
 
 
+def test_the_compute_row_holds_what_the_backward_spends_summing_micro_batches() -> None:
+    """A measured backward includes autograd's gradient accumulation: the compute row
+    compares it with compute, recompute and ``grad_accumulation`` together."""
+    plan = make_plan(micro_batch_size=1, num_microbatches=4)
+    profile = load_profile("a100-sxm-80gb")
+    prediction = predict_plan(plan, profile, measured_run_options(profile))
+    terms = prediction.breakdown_s
+    assert terms["grad_accumulation"] > 0
+    comparison = compare_measured(plan, fake_measured(plan), prediction)
+    compute = next(row for row in comparison.rows if row.name == "compute")
+    expected = terms["compute"] + terms["recompute"] + terms["grad_accumulation"]
+    assert compute.predicted == pytest.approx(expected)
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     plan = make_plan()
     profile = load_profile("a100-sxm-80gb")
