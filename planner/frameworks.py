@@ -52,6 +52,7 @@ __all__ = [
     "expert_tensor_parallel_refusal",
     "compressed_experts_refusal",
     "blockless_chunk_refusal",
+    "ddp_blocker",
     "model_refusal",
     "parse_target",
     "pipeline_refusal",
@@ -314,6 +315,13 @@ def blockless_chunk_refusal(target: Target) -> Refusal | None:
         "give every chunk a block (fewer pp x virtual_stages: a plan for this runtime), or "
         "run the plan with megatron or torchtitan",
     )
+
+
+def ddp_blocker(target: Target, dims: ParallelDims, *, tied: bool) -> str | None:
+    """Why plain data parallelism (ZeRO-0) cannot replicate ``dims`` for ``target``, or
+    ``None``: this runtime's DDP rule (:meth:`ParallelDims.ddp_blocker`); the frameworks
+    run their own plain data parallelism (Megatron-LM's under a pipeline too)."""
+    return dims.ddp_blocker(tied=tied) if target.is_planner else None
 
 
 def _expert_tensor_parallel(

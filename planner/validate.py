@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from planner.cost.build import spec_graph
 from planner.cost.compression import max_useful_rank, should_compress
 from planner.errors import PlanMismatchError, SpecError
-from planner.frameworks import parse_target
+from planner.frameworks import ddp_blocker, parse_target
 from planner.parallel_dims import ParallelDims
 from planner.spec import (
     Activation,
@@ -229,14 +229,13 @@ def _check_pipeline(plan: Plan) -> None:
 
 
 def check_replication(plan: Plan, tied: bool) -> None:
-    """Plain data parallelism (ZeRO-0) only where this runtime's DDP runs; elsewhere ZeRO
-    >= 1 does. A plan for another framework replicates as that framework does (the
-    search's rule: Megatron-LM runs DDP under a pipeline). ``tied``: the model shares
-    parameters (known once the module is at hand)."""
+    """Plain data parallelism (ZeRO-0) only where the plan's target runs it
+    (:func:`~planner.frameworks.ddp_blocker`); elsewhere ZeRO >= 1 does. ``tied``: the
+    model shares parameters (known once the module is at hand)."""
     s = plan.strategy
-    if s.zero >= 1 or not parse_target(plan.target).is_planner:
+    if s.zero >= 1:
         return
-    blocker = ParallelDims.of(s).ddp_blocker(tied=tied)
+    blocker = ddp_blocker(parse_target(plan.target), ParallelDims.of(s), tied=tied)
     if blocker is not None:
         raise SpecError(
             f"strategy.zero = 0 with dp({s.dp}) x cp({s.cp}) replicas: {blocker}; use zero >= 1 "

@@ -18,7 +18,7 @@ beside sequence parallelism only where the target runs it,
 tensor-parallel ranks likewise, :func:`~planner.frameworks.expert_tensor_parallel_refusal`),
 the sequence splits on the mesh (:meth:`~ParallelDims.sequence_blocker`:
 ``2 cp`` equal chunks, and ``seq / cp`` divisible by tp under sequence parallelism),
-plain data parallelism only where DDP runs (:meth:`~ParallelDims.ddp_blocker`), and
+plain data parallelism only where DDP runs (:func:`~planner.frameworks.ddp_blocker`), and
 compression, pinned or allowed, only where it runs
 (:meth:`~ParallelDims.compression_blocker`). Heuristic restrictions on top: at least
 256 tokens per context-parallel rank unless cp is pinned; micro-batches of at most 16;
@@ -78,6 +78,7 @@ from planner.frameworks import (
     Target,
     blockless_chunk_refusal,
     compressed_experts_refusal,
+    ddp_blocker,
     expert_tensor_parallel_refusal,
     experts_beside_sequence_parallel_refusal,
     strategy_refusal,
@@ -459,7 +460,7 @@ class _Space:
 
         ZeRO shards over dp x cp (context-parallel ranks hold the same weights), so it
         applies with dp = 1 when cp > 1. Plain DP only where DDP runs
-        (:meth:`ParallelDims.ddp_blocker`).
+        (:func:`~planner.frameworks.ddp_blocker`).
         """
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
         if dims.replicas == 1:
@@ -467,10 +468,7 @@ class _Space:
                 yield 0, 1
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
-        # this runtime's DDP; the frameworks run their own plain data parallelism
-        ddp = (
-            not self.target.is_planner or dims.ddp_blocker(tied=not self.limits.ddp_over_tp) is None
-        )
+        ddp = ddp_blocker(self.target, dims, tied=not self.limits.ddp_over_tp) is None
         for zero in (0, 1, 2, 3):
             if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
                 continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
@@ -976,12 +974,12 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
             reasons.append(split)
     if pins.dp is not None and batch % pins.dp:
         reasons.append(f"dp({pins.dp}) does not divide global_batch_size({batch})")
-    if pins.zero == 0 and space.target.is_planner:
+    if pins.zero == 0:
         dims = ParallelDims(
             dp=pins.dp or max(1, gpus // product), cp=pins.cp or 1, tp=pins.tp or 1,
             pp=pins.pp or 1,
         )  # fmt: skip
-        blocker = dims.ddp_blocker(tied=not limits.ddp_over_tp)
+        blocker = ddp_blocker(space.target, dims, tied=not limits.ddp_over_tp)
         if blocker is not None:
             reasons.append(f"zero(0): {blocker}; ZeRO >= 1 replicates the same gradients")
     if pins.ep is not None and pins.ep > 1 and limits.expert_problem:
