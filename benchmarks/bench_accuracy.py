@@ -189,6 +189,8 @@ def megatron_case(row: dict[str, str], source: str) -> Case:
     else:  # Megatron's --gradient-accumulation-fusion (bf16, since 2022-02)
         options["grad_accumulation"] = KERNELS[Framework.MEGATRON]["grad_accumulation"]
     options["optimizer_impl"] = KERNELS[Framework.MEGATRON]["optimizer_impl"]  # Apex FusedAdam
+    # the distributed optimizer reduce-scatters its gradient buffer once per step
+    options["zero_accumulation"] = KERNELS[Framework.MEGATRON]["zero_accumulation"]
     if modern:  # Transformer Engine's attention: cuDNN's kernel on Hopper
         options["flash_impl"] = KERNELS[Framework.MEGATRON]["flash_impl"]
     config = {

@@ -93,7 +93,9 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # --fp8-recipe says otherwise; its gradients
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
-# across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist);
+# across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist), and
+# under ZeRO-1 are reduce-scattered once per step, not per micro-batch as FSDP2 does
+# (zero_accumulation);
 # DeepSpeed reduces them through buckets of its own (separate_grad_buckets), and without
 # ZeRO its engine all-reduces them after backward (ddp_overlap off). torchtitan's
 # selective recompute is its per-op policy (selective_ac_option "op"). Optimizer
@@ -117,11 +119,11 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
         "grads_persist": True, "optimizer_impl": "fused", "flash_impl": "cudnn",
-        "expert_gemm": "per-expert", "grad_accumulation": "fused",
+        "expert_gemm": "per-expert", "grad_accumulation": "fused", "zero_accumulation": "step",
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",
-        "ddp_overlap": False,
+        "ddp_overlap": False, "zero_accumulation": "step",
     },
 }  # fmt: skip
 

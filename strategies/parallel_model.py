@@ -468,15 +468,17 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
-    """Reduce gradients only on the last micro-batch (DDP ``no_sync``, FSDP2 flag, expert
-    replicas' averaging)."""
+    """Average gradients over the replicas only on the last micro-batch (DDP's
+    ``no_sync``, HSDP's all-reduce, expert replicas' averaging). FSDP2 reduce-scatters
+    every micro-batch's gradients into its shards, as torchtitan runs it, so no rank holds
+    a whole unsharded gradient between micro-batches (what the cost model prices)."""
     expert_parallel.set_gradient_sync(_unwrapped(model), sync)
     if isinstance(model, DistributedDataParallel) and not sync:
         with model.no_sync():
             yield
         return
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_all_reduce(sync)
     yield
 
 

@@ -52,10 +52,12 @@ def test_megatron_18_bytes_and_fp32_has_no_master():
 
 
 @pytest.mark.parametrize(
-    ("zero", "per_param"), [(0, (2, 2, 4)), (2, (2, 2 / 8, 4 / 8)), (3, (2 / 8, 2 / 8, 4 / 8))]
+    ("zero", "per_param"), [(0, (2, 2, 4)), (2, (2, 2 / 8, 6 / 8)), (3, (2 / 8, 2 / 8, 4 / 8))]
 )
 def test_pure_bf16_keeps_every_state_in_two_bytes_and_no_master(zero, per_param):
-    """torchtitan's training.dtype = "bfloat16": 8 bytes per parameter with Adam."""
+    """torchtitan's training.dtype = "bfloat16": 8 bytes per parameter with Adam; under
+    ZeRO-2 the shard the optimizer updates sits beside the gathered weights (FSDP2's
+    sharded parameters, with the moments)."""
     pure = Training(global_batch_size=1, dtype=DType.BF16, param_dtype=DType.BF16)
     states = model_state_bytes(1.0, zero=zero, shard=8, training=pure, gradient_bytes=2)
     assert (states.weights, states.gradients, states.optimizer) == pytest.approx(per_param)

@@ -268,3 +268,29 @@ def test_autograd_sums_gradients_over_micro_batches_at_memory_speed():
     assert "grad_accumulation" not in {k for k, v in fused.breakdown_s.items() if v}
     assert fused.breakdown_s["bubble"] < eight.breakdown_s["bubble"]
     assert sum(eight.breakdown_s.values()) == pytest.approx(eight.step_time_s)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_gathers_and_reduce_scatters_every_micro_batch_a_distributed_optimizer_once(zero):
+    """Without a pipeline FSDP2 runs each micro-batch whole (gather, reduce-scatter into
+    the shards, which autograd's accumulation then sums: 1 / shard of the gradients);
+    Megatron's distributed optimizer (ZeRO-1/2: ``zero_accumulation='step'``) reduces the
+    whole buffer once per step."""
+    from planner.cost.options import ZeroAccumulation
+
+    def comm(m, **options):
+        strategy = Strategy(dp=16, zero=zero, micro_batch_size=2, num_microbatches=m)
+        breakdown = _model(32 * m, **options).estimate(strategy).breakdown_s
+        gathers = breakdown["comm_dp"] + breakdown.get("comm_fsdp", 0.0)
+        return gathers, breakdown["grad_accumulation"]
+
+    (one, _), (four, summed) = comm(1), comm(4)
+    assert four == pytest.approx(4 * one, rel=0.05)
+    dp_only = Strategy(dp=16, micro_batch_size=2, num_microbatches=4)
+    whole = _model(128).estimate(dp_only).breakdown_s["grad_accumulation"]
+    assert summed < whole / 4  # over 1/16 of the gradients (each pass a kernel launch too)
+    step = {"zero_accumulation": ZeroAccumulation.STEP}
+    if zero == 3:  # ZeRO-3 frees its gathered weights in every framework
+        assert comm(4, **step)[0] == pytest.approx(four)
+    else:
+        assert comm(4, **step)[0] == pytest.approx(comm(1, **step)[0], rel=0.05)

@@ -122,7 +122,10 @@ def model_state_bytes(
             kept * params / shard, gradient_bytes * params / shard, moments * params / shard,
             params / shard,
         )  # fmt: skip
-    master = FP32_BYTES if training.master_copy else 0
+    # the shard the optimizer updates beside the gathered compute weights: the fp32
+    # master under mixed precision, else the parameters' own shard (FSDP2's sharded
+    # parameters, DeepSpeed's partition)
+    master = FP32_BYTES if training.master_copy else (kept if zero >= 1 and shard > 1 else 0)
     updated = params / (shard if zero >= 1 else 1)
     gradient_total = gradient_bytes * params / (shard if zero >= 2 else 1)
     weight = training.dtype.activation_bytes if weight_bytes is None else weight_bytes
@@ -267,11 +270,12 @@ class MemoryModel:
         compression: float | None,
     ) -> dict[str, float]:  # fmt: skip
         states = self._states(strategy, dims, rank.params, rank.expert_params)
-        weights, transient = states.weights, 0.0
+        weights, transient, computing = states.weights, 0.0, 0.0
         if not dims.gathered_under_pipeline:
             unsharded = sum(rank.largest_params)  # the modules being gathered and computed
+            computing = weight_element_bytes(self.training, self.options) * unsharded
             if strategy.zero >= 3:
-                weights += weight_element_bytes(self.training, self.options) * unsharded
+                weights += computing
             if strategy.zero >= 3 or (strategy.zero == 2 and dims.shards_parameters):
                 # FSDP2 reduce-scatters each module's unsharded gradient in fp32
                 transient = FP32_BYTES * unsharded
@@ -293,11 +297,17 @@ class MemoryModel:
                 self.training, self.options, strategy.compression.kind
             )
             parts["gradients"] = transient or computed * sum(rank.largest_params)
+        if self._accumulates_beside_buckets(strategy, dims):
+            parts["gradients"] += states.gradients
         stepping = {  # the optimizer step's: no activations, the update's temporaries
             **held,
             "optimizer": held["optimizer"] + self._step_temporary_bytes(strategy, rank, states),
             "activations": 0.0, "logits": 0.0,
         }  # fmt: skip
+        if strategy.zero < 3 and self.options.fsdp_per_microbatch(strategy):
+            # FSDP2 frees each module's gathered weights after its backward, as ZeRO-3 does:
+            # the backward ends (and the step starts) holding those of the last modules only
+            stepping["weights"] = computing
         if sum(stepping.values()) > sum(parts.values()):
             parts = stepping
         parts["allocator_margin"] = self.options.allocator_margin * sum(parts.values())
@@ -337,6 +347,13 @@ class MemoryModel:
         all of them at the optimizer step."""
         freed = not (self.options.grads_persist or dims.uses_ddp)
         return freed and strategy.num_microbatches == 1
+
+    def _accumulates_beside_buckets(self, strategy: Strategy, dims: ParallelDims) -> bool:
+        """Whether PyTorch DDP holds a step's gradients twice in its backward: under
+        ``no_sync`` the micro-batches before the last create each ``.grad`` afresh (the
+        optimizer freed them: not ``grads_persist``) beside the buckets DDP keeps, which
+        they become views of in the last micro-batch only."""
+        return dims.uses_ddp and not self.options.grads_persist and strategy.num_microbatches > 1
 
     def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims, gradients: float) -> float:
         """Communication buffers and library workspaces (with ``separate_grad_buckets``,

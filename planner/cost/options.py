@@ -14,6 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.parallel_dims import ParallelDims
+from planner.spec import Strategy
+
 __all__ = [
     "AttentionKernel",
     "CpAttention",
@@ -25,6 +28,7 @@ __all__ = [
     "Fp8Scaling",
     "OptimizerImpl",
     "GradAccumulation",
+    "ZeroAccumulation",
     "ExpertGemm",
     "CostOptions",
     "DDP_BUCKET_MIB",
@@ -141,6 +145,20 @@ class GradAccumulation(StrEnum):
     FUSED = "fused"
 
 
+class ZeroAccumulation(StrEnum):
+    """How ZeRO-1/2 without a pipeline runs a step of several micro-batches."""
+
+    # FSDP2 (torchtitan, this runtime): each micro-batch gathers the weights in its
+    # forward, reduce-scatters its gradients into the shards in its backward and reshards
+    # (reshard_after_backward); HSDP all-reduces over the replicas in the last one only
+    MICROBATCH = "micro-batch"
+    # the gradients accumulate whole in the framework's buffer, reduce-scattered once in
+    # the last micro-batch's backward, the weights gathered once after the optimizer step
+    # (Megatron-Core's distributed optimizer, DeepSpeed ZeRO-1; DeepSpeed ZeRO-2 reduces
+    # every micro-batch's gradients into its partitions, priced as ZeRO-1 for now)
+    STEP = "step"
+
+
 class ExpertGemm(StrEnum):
     """How a rank's routed experts run their GEMMs: what each launch costs once."""
 
@@ -204,6 +222,7 @@ class CostOptions(BaseModel):
     grads_persist: bool = False
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH  # torch.optim's default on GPUs
     grad_accumulation: GradAccumulation = GradAccumulation.AUTOGRAD
+    zero_accumulation: ZeroAccumulation = ZeroAccumulation.MICROBATCH
     # the data-parallel reduction copies gradients into buckets of dp_bucket_mib, two in
     # flight (DeepSpeed's IPG buckets); PyTorch DDP (with gradient_as_bucket_view, as this
     # runtime runs it: the gradients are its buckets), FSDP2 and Megatron-Core's bucketed
@@ -246,6 +265,16 @@ class CostOptions(BaseModel):
     def dp_bucket_bytes(self) -> float:
         """Bytes of one gradient bucket."""
         return self.dp_bucket_mib * 2**20
+
+    def fsdp_per_microbatch(self, strategy: Strategy) -> bool:
+        """Whether FSDP2 runs each micro-batch whole: gathers the weights, reduce-scatters
+        the gradients into the shards and frees the gathered weights after the backward
+        (no pipeline: ZeRO-3, and ZeRO-1/2 under
+        :attr:`ZeroAccumulation.MICROBATCH`)."""
+        dims = ParallelDims.of(strategy)
+        if not dims.shards_parameters or dims.gathered_under_pipeline:
+            return False
+        return strategy.zero >= 3 or self.zero_accumulation is ZeroAccumulation.MICROBATCH
 
 
 def device_options(device_kind: Literal["gpu", "cpu"]) -> CostOptions:
