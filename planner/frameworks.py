@@ -95,7 +95,7 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
 # across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist), and
 # under ZeRO-1 are reduce-scattered once per step, not per micro-batch as FSDP2 does
-# (zero_accumulation);
+# (zero_accumulation; DeepSpeed's ZeRO-2 reduces each micro-batch's into its partitions);
 # DeepSpeed reduces them through buckets of its own (separate_grad_buckets), and without
 # ZeRO its engine all-reduces them after backward (ddp_overlap off). torchtitan's
 # selective recompute is its per-op policy (selective_ac_option "op"). Optimizer
@@ -123,7 +123,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",
-        "ddp_overlap": False, "zero_accumulation": "step",
+        "ddp_overlap": False, "zero_accumulation": "partitioned",
     },
 }  # fmt: skip
 

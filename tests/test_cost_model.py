@@ -275,7 +275,8 @@ def test_fsdp2_gathers_and_reduce_scatters_every_micro_batch_a_distributed_optim
     """Without a pipeline FSDP2 runs each micro-batch whole (gather, reduce-scatter into
     the shards, which autograd's accumulation then sums: 1 / shard of the gradients);
     Megatron's distributed optimizer (ZeRO-1/2: ``zero_accumulation='step'``) reduces the
-    whole buffer once per step."""
+    whole buffer once per step, DeepSpeed's ZeRO-2 (``'partitioned'``) every micro-batch
+    without gathering again."""
     from planner.cost.options import ZeroAccumulation
 
     def comm(m, **options):
@@ -290,7 +291,9 @@ def test_fsdp2_gathers_and_reduce_scatters_every_micro_batch_a_distributed_optim
     whole = _model(128).estimate(dp_only).breakdown_s["grad_accumulation"]
     assert summed < whole / 4  # over 1/16 of the gradients (each pass a kernel launch too)
     step = {"zero_accumulation": ZeroAccumulation.STEP}
+    partitioned = comm(4, zero_accumulation=ZeroAccumulation.PARTITIONED)[0]
     if zero == 3:  # ZeRO-3 frees its gathered weights in every framework
-        assert comm(4, **step)[0] == pytest.approx(four)
-    else:
+        assert comm(4, **step)[0] == pytest.approx(four) == pytest.approx(partitioned)
+    else:  # DeepSpeed's ZeRO-2: a reduce-scatter every micro-batch, one gather a step
         assert comm(4, **step)[0] == pytest.approx(comm(1, **step)[0], rel=0.05)
+        assert comm(4, **step)[0] < partitioned < four

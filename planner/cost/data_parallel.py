@@ -13,8 +13,9 @@ ZeRO stage is FSDP2 with the stage's weights gathered for the whole step
 (:attr:`~planner.parallel_dims.ParallelDims.gathered_under_pipeline`): one gather and one
 reduce-scatter per step, whatever the stage. Without one, ZeRO-3 gathers and
 reduce-scatters every micro-batch, as ZeRO-1/2 do under FSDP2 (once per step in
-Megatron-Core's distributed optimizer: :class:`~planner.cost.options.ZeroAccumulation`);
-HSDP's all-reduce over the replicas runs in the last micro-batch only.
+Megatron-Core's distributed optimizer; DeepSpeed's ZeRO-2 reduces every micro-batch and
+gathers once: :class:`~planner.cost.options.ZeroAccumulation`); HSDP's all-reduce over
+the replicas runs in the last micro-batch only.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class DataParallelCost:
             return 0.0
         kind = CompressionKind.BF16 if least else strategy.compression.kind
         element = gradient_element_bytes(self.training, self.options, kind)
-        if self.options.fsdp_per_microbatch(strategy):  # into the reduce-scattered shards
+        if self.options.reduces_every_microbatch(strategy):  # into the reduce-scattered shards
             params /= ParallelDims.of(strategy).zero_shard_ranks
         return self.compute.memory_time(3 * element * params) * (m - 1) / m
 
@@ -322,9 +323,11 @@ class DataParallelCost:
         if strategy.zero < 3:
             # the last micro-batch's gather and reduce-scatter, the replicas' all-reduce with it
             comm = exposed(scatter + replica, bwd, last_rs, reduce) + ag_fwd
-            if self.options.fsdp_per_microbatch(strategy):  # FSDP2: each earlier one's too
-                earlier = exposed(scatter, bwd, last_rs, reduce) + ag_fwd
-                comm += (strategy.num_microbatches - 1) * earlier
+            earlier = strategy.num_microbatches - 1  # each earlier micro-batch's, where run
+            if self.options.reduces_every_microbatch(strategy):
+                comm += earlier * exposed(scatter, bwd, last_rs, reduce)
+            if self.options.fsdp_per_microbatch(strategy):
+                comm += earlier * ag_fwd
             return {"comm_dp": comm}
         # gather before forward and backward, reduce-scatter per micro-batch; the HSDP
         # replica all-reduce shares the last micro-batch's backward with its transfers

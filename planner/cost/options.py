@@ -154,9 +154,13 @@ class ZeroAccumulation(StrEnum):
     MICROBATCH = "micro-batch"
     # the gradients accumulate whole in the framework's buffer, reduce-scattered once in
     # the last micro-batch's backward, the weights gathered once after the optimizer step
-    # (Megatron-Core's distributed optimizer, DeepSpeed ZeRO-1; DeepSpeed ZeRO-2 reduces
-    # every micro-batch's gradients into its partitions, priced as ZeRO-1 for now)
+    # (Megatron-Core's distributed optimizer)
     STEP = "step"
+    # DeepSpeed: ZeRO-2 reduces every micro-batch's gradients into its partitions
+    # (partition_gradients: stage_1_and_2.py, reduce_ready_partitions_and_remove_grads),
+    # ZeRO-1 accumulates them whole and reduces at the boundary; the weights stay whole,
+    # gathered once after the optimizer step
+    PARTITIONED = "partitioned"
 
 
 class ExpertGemm(StrEnum):
@@ -267,14 +271,27 @@ class CostOptions(BaseModel):
         return self.dp_bucket_mib * 2**20
 
     def fsdp_per_microbatch(self, strategy: Strategy) -> bool:
-        """Whether FSDP2 runs each micro-batch whole: gathers the weights, reduce-scatters
-        the gradients into the shards and frees the gathered weights after the backward
-        (no pipeline: ZeRO-3, and ZeRO-1/2 under
-        :attr:`ZeroAccumulation.MICROBATCH`)."""
-        dims = ParallelDims.of(strategy)
-        if not dims.shards_parameters or dims.gathered_under_pipeline:
+        """Whether each micro-batch gathers the weights and frees them after its backward
+        (no pipeline: ZeRO-3, and ZeRO-1/2 under :attr:`ZeroAccumulation.MICROBATCH`)."""
+        if not _sharded_without_pipeline(strategy):
             return False
         return strategy.zero >= 3 or self.zero_accumulation is ZeroAccumulation.MICROBATCH
+
+    def reduces_every_microbatch(self, strategy: Strategy) -> bool:
+        """Whether each micro-batch reduce-scatters its gradients into the ZeRO shards
+        (no pipeline): :meth:`fsdp_per_microbatch`, and ZeRO-2 under
+        :attr:`ZeroAccumulation.PARTITIONED`."""
+        partitioned = self.zero_accumulation is ZeroAccumulation.PARTITIONED
+        if partitioned and strategy.zero == 2 and _sharded_without_pipeline(strategy):
+            return True
+        return self.fsdp_per_microbatch(strategy)
+
+
+def _sharded_without_pipeline(strategy: Strategy) -> bool:
+    """ZeRO shards over more than one rank and no pipeline schedule gathers the stage
+    for the whole step."""
+    dims = ParallelDims.of(strategy)
+    return dims.shards_parameters and not dims.gathered_under_pipeline
 
 
 def device_options(device_kind: Literal["gpu", "cpu"]) -> CostOptions:
