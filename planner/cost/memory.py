@@ -19,7 +19,10 @@ Gradients stay held from one step to the next in frameworks that keep them in bu
 (``grads_persist``: Megatron-Core, DeepSpeed) and under DDP (views into its buckets);
 PyTorch's optimizers free them at ``zero_grad``, so a step of one micro-batch peaks
 either at the start of its backward, holding only the gradients of the modules being
-computed, or at the optimizer step, holding them all and no activations.
+computed, or at the optimizer step, holding them all and no activations. With several
+micro-batches DDP's ``no_sync`` ones accumulate fresh gradients beside its buckets (two
+copies), and FSDP2 reduce-scatters each micro-batch's into the shards, freeing the
+gathered weights after each backward (ZeRO-1/2 too: the step holds the shards only).
 
 Activations per micro-batch follow the graph's saved bytes (Korthikanti et al. 2022
 for the built-in blocks); full recompute keeps only each block's input, and
