@@ -358,6 +358,9 @@ WORLD2 = [
     Case("tiny-gpt tp (loss parallel)", "tiny-gpt", _per_rank(1, tp=2)),
     Case("tiny-gpt ddp 2 micro-batches", "tiny-gpt", _per_rank(2, num_microbatches=2)),
     Case("tiny-llama fsdp 2 micro-batches", "tiny-llama", _per_rank(2, zero=3, num_microbatches=2)),
+    _sgd(
+        "tiny-llama zero2 2 micro-batches", "tiny-llama", _per_rank(2, zero=2, num_microbatches=2)
+    ),
     _sgd("tiny-llama fsdp", "tiny-llama", _per_rank(2, zero=3)),
     _sgd("tiny-llama tp+sp", "tiny-llama", _per_rank(1, tp=2, sequence_parallel=True)),
     _sgd("tiny-gpt pp 1f1b", "tiny-gpt", _per_rank(1, pp=2, num_microbatches=2)),
@@ -388,6 +391,11 @@ WORLD4 = [
     Case("tiny-gpt ddp", "tiny-gpt", _per_rank(4)),
     Case("tiny-llama fsdp", "tiny-llama", _per_rank(4, zero=3)),
     Case("tiny-gpt hsdp 2x2", "tiny-gpt", _per_rank(4, zero=3, dp_shard=2)),
+    Case(  # reduce-scatters every micro-batch, all-reduces over the replicas in the last
+        "tiny-gpt hsdp 2x2 2 micro-batches",
+        "tiny-gpt",
+        _per_rank(4, zero=3, dp_shard=2, num_microbatches=2),
+    ),  # fmt: skip
     Case("tiny-gpt tp4", "tiny-gpt", _per_rank(1, tp=4)),
     Case("tiny-gpt tp x dp (zero 0)", "tiny-gpt", _per_rank(2, tp=2)),
     Case(
