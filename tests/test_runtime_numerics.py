@@ -395,7 +395,7 @@ WORLD4 = [
         "tiny-gpt hsdp 2x2 2 micro-batches",
         "tiny-gpt",
         _per_rank(4, zero=3, dp_shard=2, num_microbatches=2),
-    ),  # fmt: skip
+    ),
     Case("tiny-gpt tp4", "tiny-gpt", _per_rank(1, tp=4)),
     Case("tiny-gpt tp x dp (zero 0)", "tiny-gpt", _per_rank(2, tp=2)),
     Case(
