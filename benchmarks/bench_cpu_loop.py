@@ -6,15 +6,16 @@
 CPU, gloo, 2 ranks with one thread each (``OMP_NUM_THREADS=1``). The benchmark
 
 1. runs ``plan calibrate`` (microbenchmarks) under torchrun;
-2. measures plans of two *other* GPT sizes (the calibration runs) and eight plans of a
+2. measures plans of two *other* GPT sizes (the calibration runs) and ten plans of a
    GPT with 6 layers, hidden 384, sequence 256 (DP, FSDP, TP, TP+SP, PP 1F1B with 4
-   micro-batches, DP with PowerSGD, full recompute, context parallel), all in one
+   micro-batches, DP with PowerSGD, full recompute, context parallel, DP and FSDP over
+   2 micro-batches), all in one
    torchrun job with ``strategies.measure.measure_plan`` (what ``plan measure`` runs),
    in ``--passes`` interleaved passes: each plan keeps its pass with the lowest median
    step, since other processes on a shared machine slow whole runs down, never speed
    them up;
 3. refits the profile to the calibration runs alone with ``plan calibrate --from``
-   (the target model is never seen), predicts the eight target plans with the
+   (the target model is never seen), predicts the ten target plans with the
    refitted profile and prints the table: plan, predicted, measured, error, rank by
    prediction, rank by measurement, the peak-memory error and the prediction from the
    microbenchmarks alone; then each plan's components (predicted against measured) and
@@ -65,6 +66,8 @@ TARGET_PLANS: dict[str, dict[str, Any]] = {
                     "compression": {"kind": "powersgd", "rank": 4}},
     "DP recompute": {"dp": 2, "micro_batch_size": 2, "recompute": "full"},
     "CP": {"cp": 2, "micro_batch_size": 4},
+    "DP x2": {"dp": 2, "micro_batch_size": 1, "num_microbatches": 2},
+    "FSDP x2": {"dp": 2, "zero": 3, "micro_batch_size": 1, "num_microbatches": 2},
 }  # fmt: skip
 CALIBRATION_PLANS = ("DP", "TP", "PP 1F1B x4", "FSDP")
 
