@@ -94,8 +94,9 @@ MICS_REMOVED: Version = (0, 19, 7)  # DeepSpeed drops MiCS (mics_shard_size) her
 # accumulate in a main_grad buffer of the reduction's dtype (bf16 under
 # --grad-reduce-in-bf16: param_and_grad_buffer.py, group_params_for_buffers), kept
 # across steps like DeepSpeed ZeRO's contiguous gradient partitions (grads_persist), and
-# under ZeRO-1 are reduce-scattered once per step, not per micro-batch as FSDP2 does
-# (zero_accumulation; DeepSpeed's ZeRO-2 reduces each micro-batch's into its partitions);
+# under ZeRO-1 are reduce-scattered once per step, not per micro-batch as FSDP2 does,
+# and under ZeRO-2 (Megatron-FSDP's optim_grads, as DeepSpeed's) into the partitions
+# every micro-batch without gathering the weights again (zero_accumulation);
 # DeepSpeed reduces them through buckets of its own (separate_grad_buckets), and without
 # ZeRO its engine all-reduces them after backward (ddp_overlap off). torchtitan's
 # selective recompute is its per-op policy (selective_ac_option "op"). Optimizer
@@ -119,7 +120,8 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,
         "grads_persist": True, "optimizer_impl": "fused", "flash_impl": "cudnn",
-        "expert_gemm": "per-expert", "grad_accumulation": "fused", "zero_accumulation": "step",
+        "expert_gemm": "per-expert", "grad_accumulation": "fused",
+        "zero_accumulation": "partitioned",
     },
     Framework.DEEPSPEED: {
         "grads_persist": True, "separate_grad_buckets": True, "optimizer_impl": "fused",

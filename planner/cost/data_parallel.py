@@ -12,10 +12,10 @@ a longer backward (recompute) never hides more than it adds. Under a pipeline ev
 ZeRO stage is FSDP2 with the stage's weights gathered for the whole step
 (:attr:`~planner.parallel_dims.ParallelDims.gathered_under_pipeline`): one gather and one
 reduce-scatter per step, whatever the stage. Without one, ZeRO-3 gathers and
-reduce-scatters every micro-batch, as ZeRO-1/2 do under FSDP2 (once per step in
-Megatron-Core's distributed optimizer; DeepSpeed's ZeRO-2 reduces every micro-batch and
-gathers once: :class:`~planner.cost.options.ZeroAccumulation`); HSDP's all-reduce over
-the replicas runs in the last micro-batch only.
+reduce-scatters every micro-batch, as ZeRO-1/2 do under FSDP2; Megatron-Core and
+DeepSpeed keep the weights whole, reduce ZeRO-1's gradients once per step and ZeRO-2's
+every micro-batch (:class:`~planner.cost.options.ZeroAccumulation`); HSDP's all-reduce
+over the replicas runs in the last micro-batch only.
 """
 
 from __future__ import annotations

@@ -152,14 +152,12 @@ class ZeroAccumulation(StrEnum):
     # forward, reduce-scatters its gradients into the shards in its backward and reshards
     # (reshard_after_backward); HSDP all-reduces over the replicas in the last one only
     MICROBATCH = "micro-batch"
-    # the gradients accumulate whole in the framework's buffer, reduce-scattered once in
-    # the last micro-batch's backward, the weights gathered once after the optimizer step
-    # (Megatron-Core's distributed optimizer)
-    STEP = "step"
-    # DeepSpeed: ZeRO-2 reduces every micro-batch's gradients into its partitions
-    # (partition_gradients: stage_1_and_2.py, reduce_ready_partitions_and_remove_grads),
-    # ZeRO-1 accumulates them whole and reduces at the boundary; the weights stay whole,
-    # gathered once after the optimizer step
+    # the weights stay whole; ZeRO-1 accumulates the gradients whole in its buffer and
+    # reduce-scatters them once, in the last micro-batch's backward, ZeRO-2 reduces every
+    # micro-batch's into its partitions; the weights are gathered once after the optimizer
+    # step (Megatron-Core's distributed optimizer and Megatron-FSDP's optim_grads, whose
+    # no_sync "in grads shard mode" still reduces: megatron_fsdp.py; DeepSpeed ZeRO-1/2,
+    # stage_1_and_2.py's reduce_ready_partitions_and_remove_grads)
     PARTITIONED = "partitioned"
 
 

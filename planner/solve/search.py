@@ -70,6 +70,7 @@ from planner.cost.memory import (
     weight_element_bytes,
 )
 from planner.cost.model import WholeModelCost
+from planner.cost.options import ZeroAccumulation
 from planner.cost.pipeline import schedule_rounds
 from planner.errors import InfeasibleError, SpecError
 from planner.frameworks import (
@@ -469,9 +470,14 @@ class _Space:
             return
         per_node = max(1, self.cluster.gpus_per_node // (tp * cp))
         ddp = ddp_blocker(self.target, dims, tied=not self.limits.ddp_over_tp) is None
+        # under FSDP2 ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated (where
+        # ZeRO-2 reduces every micro-batch and ZeRO-1 once a step, it is not)
+        zero1_dominated = self.model.options.zero_accumulation is ZeroAccumulation.MICROBATCH
         for zero in (0, 1, 2, 3):
-            if not self.pins.allows("zero", zero) or (zero == 1 and self.pins.zero is None):
-                continue  # ZeRO-1 moves the bytes ZeRO-2 moves and keeps more: dominated
+            if not self.pins.allows("zero", zero):
+                continue
+            if zero == 1 and self.pins.zero is None and zero1_dominated:
+                continue
             if zero == 3 and pp > 1 and self.pins.zero is None:
                 continue  # under a pipeline ZeRO-3 is ZeRO-2 (ParallelDims.gathered_under_pipeline)
             if zero == 0 and not ddp:
