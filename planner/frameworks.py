@@ -115,7 +115,7 @@ KERNELS: dict[Framework, dict[str, bool | str]] = {
     Framework.PLANNER: {
         "selective": "matmuls", "optimizer_impl": "for-loop", "cp_attention": "all-gather",
     },
-    Framework.TORCHTITAN: {"selective": "op", "optimizer_impl": "fused"},
+    Framework.TORCHTITAN: {"selective": "op", "optimizer_impl": "fused", "ddp_no_sync": False},
     Framework.MEGATRON: {
         "fused_norm_swiglu": True, "gqa_native": True, "moe_probs_in_activation": True,
         "fp8_linear": "te", "fp8_scaling": "delayed", "grads_in_reduce_dtype": True,

@@ -297,3 +297,21 @@ def test_fsdp2_gathers_and_reduce_scatters_every_micro_batch_megatron_keeps_weig
         assert one_p < four_p < four
     else:
         assert four_p == pytest.approx(one_p, rel=0.05)
+
+
+def test_torchtitan_all_reduces_every_micro_batch_this_runtime_once_a_step():
+    """DDP: this runtime's micro-batches before the last run under ``no_sync`` (one
+    all-reduce a step, the gradients held twice: beside the buckets); torchtitan's
+    ``replicate`` all-reduces every micro-batch's (``ddp_no_sync=False``)."""
+    from planner.frameworks import KERNELS, Framework
+
+    def predicted(m, **options):
+        strategy = Strategy(dp=16, micro_batch_size=2, num_microbatches=m)
+        return _model(32 * m, **options).estimate(strategy)
+
+    titan = KERNELS[Framework.TORCHTITAN]
+    assert predicted(4).breakdown_s["comm_dp"] == pytest.approx(predicted(1).breakdown_s["comm_dp"])
+    every = predicted(4, ddp_no_sync=titan["ddp_no_sync"]).breakdown_s["comm_dp"]
+    assert every == pytest.approx(4 * predicted(1).breakdown_s["comm_dp"])
+    one_copy = predicted(1).memory_gib["gradients"]
+    assert predicted(4).memory_gib["gradients"] == pytest.approx(2 * one_copy)

@@ -95,8 +95,9 @@ def test_a_megatron_target_prices_its_kernels_unless_the_options_say_otherwise()
     chosen = framework_options(Framework.MEGATRON, given)
     assert not chosen.gqa_native and chosen.dropout  # what the user set stays
     assert chosen.fused_norm_swiglu and chosen.moe_probs_in_activation
-    titan = framework_options(Framework.TORCHTITAN, given)  # its fused AdamW, per-op SAC
-    kernels = {"optimizer_impl": OptimizerImpl.FUSED, "selective": SelectivePolicy.OP}
+    titan = framework_options(Framework.TORCHTITAN, given)  # fused AdamW, per-op SAC, DDP
+    kernels = {"optimizer_impl": OptimizerImpl.FUSED, "selective": SelectivePolicy.OP,
+               "ddp_no_sync": False}  # fmt: skip
     assert titan == given.model_copy(update=kernels)
 
 

@@ -293,8 +293,11 @@ class DataParallelCost:
         grad = reduce_bytes * params
         fwd, bwd = slowest.total("forward_s"), slowest.reduce_window_s
         experts = self._expert_collectives(strategy, slowest, reduce_bytes, scatter_bytes)
-        if strategy.zero == 0:  # DDP over dp x cp
-            return {"comm_dp": self._all_reduce(grad, dims.replicas, dims, bwd, experts.all_reduce)}
+        if strategy.zero == 0:  # DDP over dp x cp, once per schedule or every micro-batch
+            each = not self.options.ddp_no_sync and strategy.pp == 1
+            reductions = strategy.num_microbatches if each else 1
+            once = self._all_reduce(grad, dims.replicas, dims, bwd, experts.all_reduce)
+            return {"comm_dp": reductions * once}
         shard, replicate = dims.zero_shard_ranks, strategy.replicate_degree
         scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
         half = weight_element_bytes(self.training, self.options) * params

@@ -356,7 +356,8 @@ class MemoryModel:
         ``no_sync`` the micro-batches before the last create each ``.grad`` afresh (the
         optimizer freed them: not ``grads_persist``) beside the buckets DDP keeps, which
         they become views of in the last micro-batch only."""
-        return dims.uses_ddp and not self.options.grads_persist and strategy.num_microbatches > 1
+        several = strategy.num_microbatches > 1 and self.options.ddp_no_sync
+        return dims.uses_ddp and not self.options.grads_persist and several
 
     def _buffer_bytes(self, strategy: Strategy, dims: ParallelDims, gradients: float) -> float:
         """Communication buffers and library workspaces (with ``separate_grad_buckets``,

@@ -191,6 +191,10 @@ class CostOptions(BaseModel):
     cp_attention: CpAttention = CpAttention.RING  # torch's context_parallel
     overlap_grad_reduce: bool = True  # data-parallel reduction runs during backward
     ddp_overlap: bool = True  # ZeRO-0's all-reduce too (DeepSpeed: after backward)
+    # ZeRO-0 all-reduces once per step, the micro-batches before the last under no_sync
+    # (this runtime, Megatron-Core, DeepSpeed's boundary); torchtitan's replicate has no
+    # no_sync and all-reduces every micro-batch's gradients (train.py's accumulation loop)
+    ddp_no_sync: bool = True
     overlap_param_gather: bool = True  # ZeRO/FSDP all-gathers prefetched under compute
     overlap_powersgd: bool = True  # PowerSGD's bucket reductions run during backward (not when the hook waits, as on gloo)
     tp_comm_overlap: bool = False  # tensor-parallel collectives overlapped with GEMMs
