@@ -73,6 +73,13 @@ class ParallelDims:
         return self.pp > 1 and self.shards_parameters
 
     @property
+    def sharded_per_microbatch(self) -> bool:
+        """Whether ZeRO shards the states with no pipeline schedule keeping the stage
+        gathered: each micro-batch's gathers and reductions are the framework's to time
+        (:class:`~planner.cost.options.ZeroAccumulation`)."""
+        return self.shards_parameters and not self.gathered_under_pipeline
+
+    @property
     def uses_ddp(self) -> bool:
         """Whether DDP averages the gradients: replicas without FSDP2."""
         return self.replicas > 1 and not self.shards_parameters

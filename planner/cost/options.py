@@ -135,8 +135,8 @@ class GradAccumulation(StrEnum):
 
     # autograd's AccumulateGrad: from the second micro-batch on, each parameter's new
     # gradient is added in place to the one kept (a memory-bound pass reading both and
-    # writing one): PyTorch DDP under no_sync, FSDP2 without gradient sync,
-    # torch.distributed.pipelining stages, Megatron-LM before 2022
+    # writing one): PyTorch DDP under no_sync, FSDP2 into its shards (and unsharded
+    # under torch.distributed.pipelining), Megatron-LM before 2022
     AUTOGRAD = "autograd"
     # the weight-gradient GEMM adds into the kept gradient (beta = 1): Megatron's
     # --gradient-accumulation-fusion, on by default (bf16 since Megatron-LM 83b1e42f30,
@@ -275,7 +275,7 @@ class CostOptions(BaseModel):
     def fsdp_per_microbatch(self, strategy: Strategy) -> bool:
         """Whether each micro-batch gathers the weights and frees them after its backward
         (no pipeline: ZeRO-3, and ZeRO-1/2 under :attr:`ZeroAccumulation.MICROBATCH`)."""
-        if not _sharded_without_pipeline(strategy):
+        if not ParallelDims.of(strategy).sharded_per_microbatch:
             return False
         return strategy.zero >= 3 or self.zero_accumulation is ZeroAccumulation.MICROBATCH
 
@@ -284,16 +284,9 @@ class CostOptions(BaseModel):
         (no pipeline): :meth:`fsdp_per_microbatch`, and ZeRO-2 under
         :attr:`ZeroAccumulation.PARTITIONED`."""
         partitioned = self.zero_accumulation is ZeroAccumulation.PARTITIONED
-        if partitioned and strategy.zero == 2 and _sharded_without_pipeline(strategy):
+        if partitioned and strategy.zero == 2 and ParallelDims.of(strategy).sharded_per_microbatch:
             return True
         return self.fsdp_per_microbatch(strategy)
-
-
-def _sharded_without_pipeline(strategy: Strategy) -> bool:
-    """ZeRO shards over more than one rank and no pipeline schedule gathers the stage
-    for the whole step."""
-    dims = ParallelDims.of(strategy)
-    return dims.shards_parameters and not dims.gathered_under_pipeline
 
 
 def device_options(device_kind: Literal["gpu", "cpu"]) -> CostOptions:
