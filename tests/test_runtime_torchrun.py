@@ -80,9 +80,11 @@ def test_plan_run_resumes_under_another_plan_and_exports(tmp_path: Path) -> None
     assert hf.config.num_hidden_layers == 4
 
 
-def _user_plans(tmp_path: Path, model: str) -> tuple[str, Path, Path]:
-    """The model's source and its plans at tp 2 with SP (2 ranks) and on one rank, made
-    on a device where tensor parallelism pays even for tiny layers."""
+def _user_plans(
+    tmp_path: Path, model: str, pins: planner.Pins | None = None, micro_batch_size: int = 8
+) -> tuple[str, Path, Path]:
+    """The model's source and its plans with ``pins`` on 2 ranks (default tp 2 with SP)
+    and on one rank, made on a device where tensor parallelism pays even for tiny layers."""
     if model == "hf-llama":
         source = tmp_path / "llama"
         source.mkdir()
@@ -94,11 +96,14 @@ def _user_plans(tmp_path: Path, model: str) -> tuple[str, Path, Path]:
             "tests.user_models:gpt_tied",
         )
     device = str(write_tp_pays(tmp_path))
-    training = Training(global_batch_size=8, micro_batch_size=8, seq_len=16, dtype="fp32")
+    training = Training(
+        global_batch_size=8, micro_batch_size=micro_batch_size, seq_len=16, dtype="fp32"
+    )
     paths = []
-    for gpus, pins in ((2, planner.Pins(tp=2, sequence_parallel=True)), (1, planner.Pins())):
-        plan = planner.make_plan(handle, Cluster(gpu=device, num_gpus=gpus), training, pins=pins)
-        assert plan.strategy.tp == gpus
+    pins = pins or planner.Pins(tp=2, sequence_parallel=True)
+    for gpus, pinned in ((2, pins), (1, planner.Pins())):
+        plan = planner.make_plan(handle, Cluster(gpu=device, num_gpus=gpus), training, pins=pinned)
+        assert plan.strategy.world_size == gpus
         paths.append(tmp_path / f"plan-{gpus}.json")
         paths[-1].write_text(plan.to_json())
     return source_arg, paths[0], paths[1]
@@ -120,6 +125,27 @@ def test_a_users_loop_under_torchrun_matches_one_process(tmp_path, monkeypatch, 
     reference = plan_run_losses(
         [sys.executable, USER_LOOP, source, str(single), "3", "parallel", loss_from]
     )
+    assert distributed == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("model", ["hf-llama", "nanogpt-tied"])
+def test_a_users_loop_accumulating_under_fsdp_matches_one_process(
+    tmp_path, monkeypatch, model, zero
+):
+    """HF Llama and a tied nanoGPT-style module (fused c_attn, ModuleList blocks) under
+    FSDP2 over 2 ranks, 2 micro-batches of 2 sequences each: every micro-batch's
+    gradients reduce-scattered into the shards, trained as the README says."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pins = planner.Pins(dp=2, zero=zero)
+    source, sharded, single = _user_plans(tmp_path, model, pins, micro_batch_size=2)
+    assert json.loads(sharded.read_text())["strategy"]["num_microbatches"] == 2
+    distributed = plan_run_losses([*TORCHRUN, "2", USER_LOOP, source, str(sharded), "3",
+                                   "parallel", "own"])  # fmt: skip
+    reference = plan_run_losses([sys.executable, USER_LOOP, source, str(single), "3",
+                                 "parallel", "own"])  # fmt: skip
     assert distributed == pytest.approx(reference, abs=1e-5)
 
 
