@@ -444,6 +444,8 @@ def nvl72_domain(gpus: int) -> int:
 
 
 MEGATRON_FRAMEWORKS = ("Megatron",)  # framework column prefixes run by Megatron-Core
+# dispatchers sending a token once to each rank (and node) holding its experts: ep_dedup
+DEDUP_DISPATCHERS = ("DeepEP", "HybridEP")
 
 
 @dataclass
@@ -542,8 +544,10 @@ def moe_config(row: dict[str, str]) -> dict[str, Any]:
     options.update(_moe_kernels(row["framework"]), **recompute_options)
     if "ep_overlap" in row["routing"]:
         options["ep_overlap"] = True
-    if "DeepEP" in row["notes"] or "DeepEP" in row["framework"]:  # the source's dispatcher
-        options["ep_dedup"] = True
+    if any(d in row["notes"] + row["framework"] for d in DEDUP_DISPATCHERS):
+        options["ep_dedup"] = True  # the source's dispatcher
+    if "--no-overlap-grad-reduce" in row["notes"]:  # the source's launch settings
+        options["overlap_grad_reduce"] = False
     if "--no-gradient-accumulation-fusion" in row["notes"]:  # the source's launch line
         options["grad_accumulation"] = "autograd"
     if "current scaling" in row["notes"]:  # FP8-CS: an amax pass before each cast
