@@ -123,7 +123,7 @@ def parallelize(
     world size (the ranks agree on it before building anything).
     """
     from planner.errors import SpecError
-    from planner.models import handle_for_module
+    from planner.models import handle_for_module, random_state_kept
     from planner.planning import make_plan
     from planner.spec import Plan, load_document
     from strategies.apply import parallelize as apply_plan  # the runtime, imported on use
@@ -133,7 +133,8 @@ def parallelize(
             raise SpecError(
                 "parallelize needs a plan, or cluster= and training= to plan the model first"
             )
-        plan = make_plan(handle_for_module(model), cluster, training, pins=pins, lossy=lossy)
+        with random_state_kept():
+            plan = make_plan(handle_for_module(model), cluster, training, pins=pins, lossy=lossy)
     elif cluster is not None or training is not None or pins is not None or lossy is not None:
         raise SpecError(
             "give parallelize either a plan or cluster=/training= (with pins=, lossy=), not both"

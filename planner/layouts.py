@@ -28,7 +28,7 @@ from torch import nn
 from planner.cost.tp import TPAssignment
 from planner.errors import InfeasibleError, SpecError
 from planner.graph import OpGraph
-from planner.models import ModelHandle, handle_for_module
+from planner.models import ModelHandle, handle_for_module, random_state_kept
 from planner.modules import find_blocks
 from planner.rehearse import RehearsalFailure, rehearse
 from planner.solve.layout import (
@@ -397,9 +397,10 @@ def check_plan_layout(plan: Plan, module: nn.Module) -> TPLayout | None:
     (``None`` without tensor parallelism); raises :class:`SpecError` naming the module."""
     if plan.strategy.tp == 1:
         return None
-    handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
-    graph = trace_for_training(handle, plan.training)
-    return plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
+    with random_state_kept():  # one rank checks for all: it must not draw apart
+        handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
+        graph = trace_for_training(handle, plan.training)
+        return plan_layout(handle, graph, plan, FIXED_STYLE_PRICER)
 
 
 def layout_differences(

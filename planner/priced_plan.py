@@ -32,6 +32,7 @@ from planner.models import (
     fingerprint,
     handle_for_module,
     is_import_path,
+    random_state_kept,
     resolve_model,
 )
 from planner.planning import search_options
@@ -91,8 +92,9 @@ def traced_plan_model(
     checked against the graph the plan was priced on (``plan.model_digest``): a config
     edit that keeps the parameter shapes (experts per token, heads of another width) is
     refused."""
-    handle = _rebuilt_handle(plan, module, source, keep_buffers)
-    graph = trace_for_training(handle, plan.training)
+    with random_state_kept():
+        handle = _rebuilt_handle(plan, module, source, keep_buffers)
+        graph = trace_for_training(handle, plan.training)
     if plan.model_digest and graph.digest != plan.model_digest:
         raise SpecError(
             f"{source}: {plan.model_source or plan.model_name!r} now traces to another model "

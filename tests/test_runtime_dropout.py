@@ -40,6 +40,10 @@ class DropoutGPT(GPT):
             x = self.drop(block(x))
         return self.lm_head(self.transformer.ln_f(x))
 
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        """Drawn at random, as user modules' often are: tracing draws them."""
+        return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+
 
 def _model() -> DropoutGPT:
     torch.manual_seed(0)
@@ -47,13 +51,16 @@ def _model() -> DropoutGPT:
 
 
 def _train(plan_json: str, seed_per_rank: bool, rank: int) -> list[float]:
-    """Three AdamW steps; the final norm's weight (replicated over tp) as this rank holds it."""
+    """Three AdamW steps; the final norm's weight (replicated over tp) as this rank holds it.
+    Only the first rank checks the plan's layout (a trace and a rehearsal of the model):
+    the ranks still draw alike after ``parallelize``."""
     from strategies.apply import parallelize
     from strategies.runner import Trainer, synthetic_batch
 
     plan = Plan.model_validate_json(plan_json)
-    parallel = parallelize(_model(), plan)
-    torch.manual_seed(rank if seed_per_rank else 0)
+    parallel = parallelize(_model(), plan)  # seeded alike before it is built, as users do
+    if seed_per_rank:
+        torch.manual_seed(rank)
     trainer = Trainer(parallel, lr=1e-2)
     for step in range(3):
         trainer.step(*synthetic_batch(VOCAB, BATCH, SEQ, seed=0, step=step))

@@ -28,7 +28,7 @@ from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training
 from planner.tracing import trace_for_training
 from tests.devices import write_tp_pays
-from tests.user_models import GPT
+from tests.user_models import GPT, SEQ, VOCAB
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config
@@ -361,3 +361,31 @@ def test_a_tp_pin_refused_after_its_layouts_failed_says_which_module_failed(
         "no layout at tp 2 splits a weight of the model's blocks (the layouts that do failed "
         "when run: module 'layers.0.self_attn': its output is not a tensor"
     ) in str(refused.value)
+
+
+class _DrawingGPT(GPT):
+    """nanoGPT with dropout whose example inputs are drawn at random."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) + self.drop(torch.zeros(()))
+
+    def example_inputs(self, batch_size: int) -> tuple[torch.Tensor]:
+        return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+
+
+def test_checking_a_plan_on_one_rank_leaves_its_random_state_as_the_others(tmp_path):
+    """``planner.parallelize`` checks a tensor-parallel layout on the first rank alone; the
+    check draws the module's example inputs and traces and rehearses its dropout, yet
+    that rank's random stream is left where its peers' are, so tp ranks seeded alike
+    before the call still drop alike."""
+    cluster = Cluster(gpu=str(write_tp_pays(tmp_path)), num_gpus=2)
+    plan = make_plan(handle_for_module(_DrawingGPT()), cluster, TRAINING, pins=Pins(tp=2))
+    torch.manual_seed(0)
+    model = _DrawingGPT()
+    before = torch.get_rng_state()
+    check_plan_layout(plan, model)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -13,8 +13,8 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -39,6 +39,7 @@ __all__ = [
     "build",
     "get_preset",
     "handle_for_module",
+    "random_state_kept",
     "is_import_path",
     "list_models",
     "parameters_on_meta",
@@ -202,6 +203,17 @@ def is_hf_model(module: nn.Module) -> bool:
 def is_import_path(source: str) -> bool:
     """Whether a model source names a ``module:function`` (not a file)."""
     return ":" in source and not Path(source).exists()
+
+
+@contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Planning code running a caller's module (its example inputs, a trace, a layout
+    rehearsal) leaves the process's random streams as it found them (CPU, and every GPU
+    already in use): ranks seeded alike stay alike, and training draws what it would
+    have drawn without the plan."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 def handle_for_module(
