@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from planner.cost import CostModel, CostOptions
@@ -50,22 +51,27 @@ def searched_options(plan: Plan, source: str = "plan") -> CostOptions:
 
 
 def _rebuilt_handle(
-    plan: Plan, module: nn.Module | None, source: str, keep_buffers: bool
+    plan: Plan, module: nn.Module | None, source: str, keep_buffers: bool, host_seed: int | None
 ) -> ModelHandle:
     """The model of :func:`traced_plan_model`; raises :class:`SpecError` when it cannot be
     built or is another model than the plan's."""
     origin = plan.model_source
+    device = "meta" if host_seed is None else "cpu"
     if module is not None:
         handle = handle_for_module(module, name=plan.model_name, inputs=plan.inputs)
     elif origin and is_import_path(origin):
-        handle = resolve_model(origin, keep_buffers=keep_buffers)
+        handle = resolve_model(
+            origin, keep_buffers=keep_buffers and host_seed is None, device=device, seed=host_seed
+        )
     elif origin in SMALL_MODELS:
-        handle = resolve_model(origin)
+        handle = resolve_model(origin, device=device, seed=host_seed)
     elif origin and origin != "module":
         from planner.hf import resolve_hf_config  # transformers: only for such plans
 
         _check_relative_path("plan.model_source", origin, "plan --hf-config", source)
-        handle = resolve_hf_config(origin)
+        if host_seed is not None:
+            torch.manual_seed(host_seed)  # the config's initialisation draws from it
+        handle = resolve_hf_config(origin, device=device)
     else:
         raise SpecError(
             f"{source}: the plan for {plan.model_name!r} was made for a module given in Python "
@@ -83,17 +89,20 @@ def _rebuilt_handle(
 
 
 def traced_plan_model(
-    plan: Plan, module: nn.Module | None = None, source: str = "plan", keep_buffers: bool = False
-) -> tuple[ModelHandle, OpGraph]:
+    plan: Plan, module: nn.Module | None = None, source: str = "plan", keep_buffers: bool = False,
+    host_seed: int | None = None,
+) -> tuple[ModelHandle, OpGraph]:  # fmt: skip
     """The traced model ``plan`` was made for, built again on the meta device from
     ``plan.model_source`` (or ``module``, built by the caller; ``keep_buffers``: a
-    ``module:function``'s buffers as its ``__init__`` computes them, to train it) and
+    ``module:function``'s buffers as its ``__init__`` computes them, to train it;
+    ``host_seed``: built on the CPU instead, seeded so, with the values its ``__init__``
+    gives every tensor) and
     checked against the plan's fingerprint, and its trace at the plan's training shape,
     checked against the graph the plan was priced on (``plan.model_digest``): a config
     edit that keeps the parameter shapes (experts per token, heads of another width) is
     refused."""
     with random_state_kept():
-        handle = _rebuilt_handle(plan, module, source, keep_buffers)
+        handle = _rebuilt_handle(plan, module, source, keep_buffers, host_seed)
         graph = trace_for_training(handle, plan.training)
     if plan.model_digest and graph.digest != plan.model_digest:
         raise SpecError(

@@ -244,8 +244,9 @@ def _not_initialised(module: nn.Module, where: str, buffer: bool) -> str:
             f"give {kind} a reset_parameters() that computes it, or give {init}"
         )
     return (
-        f"{where!r} ({kind}) was not initialised: {unset}; give {kind} a reset_parameters() "
-        f"(all that plan run and plan measure call), or give {init}"
+        f"{where!r} ({kind}) was not initialised: {unset}; give {kind} a reset_parameters(), "
+        f"or give {init}, or build the model on the CPU as its __init__ sets it (plan run "
+        "and plan measure: --build-on cpu)"
     )
 
 

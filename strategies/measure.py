@@ -282,10 +282,10 @@ def _phases_per_axis(plan: Plan, phases: dict[str, float]) -> dict[str, float]:
 
 
 def _run(
-    plan: Plan, steps: int, warmup: int, seed: int, lr: float
+    plan: Plan, steps: int, warmup: int, seed: int, lr: float, host_seed: int | None
 ) -> tuple[list[float], dict[str, float], float, float, str]:
     """Step times, profiled phases and their step's wall time, peak GiB and its method."""
-    model = model_to_run(plan, "plan measure")  # each rank allocates only its shards
+    model = model_to_run(plan, "plan measure", host_seed)  # on meta: each rank its shards
     trainer = Trainer(parallelize(model.module, plan, seed=seed), lr=lr)
     batches = _Batches(plan, model, seed)
     for step in range(warmup):
@@ -297,9 +297,11 @@ def _run(
 
 
 def measure_plan(
-    plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, command: str = ""
-) -> MeasuredProfile:
-    """Run ``plan`` (on the current process group) and return what it measured.
+    plan: Plan, *, steps: int, warmup: int, seed: int = 0, lr: float = 1e-3, command: str = "",
+    host_seed: int | None = None,
+) -> MeasuredProfile:  # fmt: skip
+    """Run ``plan`` (on the current process group) and return what it measured
+    (``host_seed``: its model built on the CPU, seeded so: :func:`~strategies.runner.model_to_run`).
 
     Every rank must call this; every rank returns the same profile.
     """
@@ -307,7 +309,9 @@ def measure_plan(
         raise SpecError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
     world = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world)  # before building a model that may not fit here
-    times, phases, profiled_wall, peak, memory_method = _run(plan, steps, warmup, seed, lr)
+    times, phases, profiled_wall, peak, memory_method = _run(
+        plan, steps, warmup, seed, lr, host_seed
+    )
     gc.collect()  # free FSDP's module cycles while the process group lives (else: abort at exit)
     if dist.is_initialized():
         dist.barrier()

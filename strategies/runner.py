@@ -116,15 +116,20 @@ class RunModel:
     hf_config: dict[str, Any] | None = None
 
 
-def model_to_run(plan: Plan, command: str) -> RunModel:
+def model_to_run(plan: Plan, command: str, host_seed: int | None = None) -> RunModel:
     """The plan's model built again: its zoo or spec-file transformer, the Hugging Face
     config it was planned from (``plan.model_source``, as given to ``plan --hf-config``),
-    or the token model a ``module:function`` builds (its function called again on the
-    meta device; token ids as far as its embeddings and logits reach)."""
+    or the token model a ``module:function`` builds (its function called again; token
+    ids as far as its embeddings and logits reach). On the meta device, each rank then
+    initialising only its shards; ``host_seed``: on the CPU, seeded so on every rank,
+    with the values its ``__init__`` gives (a module that sets its parameters there and
+    has no ``reset_parameters``), each rank holding the whole model until the plan cuts it."""
     if plan.model is not None:
         seq_len = plan.seq_len
         assert seq_len is not None  # a plan with a model spec has one
-        return RunModel(build(plan.model, device="meta"), plan.model.vocab_size, seq_len)
+        device = "meta" if host_seed is None else "cpu"
+        zoo = build(plan.model, device=device, seed=host_seed)
+        return RunModel(zoo, plan.model.vocab_size, seq_len)
     source = plan.model_source
     if not source or source in SMALL_MODELS:
         what = (
@@ -140,8 +145,8 @@ def model_to_run(plan: Plan, command: str) -> RunModel:
     from planner.staging import token_vocab
     from planner.tracing import default_seq_len
 
-    # on meta, in the config's torch_dtype; a module's buffers as its __init__ computes them
-    handle, _ = traced_plan_model(plan, source=command, keep_buffers=True)
+    # in the config's torch_dtype; on meta, a module's buffers as its __init__ computes them
+    handle, _ = traced_plan_model(plan, source=command, keep_buffers=True, host_seed=host_seed)
     seq_len = plan.training.seq_len or default_seq_len(handle)
     config: Any = handle.module.config if is_hf_model(handle.module) else None
     vocab = int(config.vocab_size) if config is not None else token_vocab(handle, seq_len)
@@ -179,9 +184,11 @@ def run_plan(
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     save_every: int | None = None,
+    host_seed: int | None = None,
 ) -> Iterator[StepRecord]:
     """Build the plan's model on the meta device, apply the plan (each rank initialises only
-    its shards, seeded by ``seed``) and train up to step ``steps`` on synthetic tokens.
+    its shards, seeded by ``seed``) and train up to step ``steps`` on synthetic tokens
+    (``host_seed``: built on the CPU, seeded so, :func:`model_to_run`).
 
     With ``checkpoint_dir``, the model and optimizer are saved there after the last step
     and every ``save_every`` steps; ``resume`` first loads its latest checkpoint (saved
@@ -189,7 +196,7 @@ def run_plan(
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     validate_plan_for_world(plan, world)  # before building a model that may not fit here
-    model = model_to_run(plan, "plan run")
+    model = model_to_run(plan, "plan run", host_seed)
     parallel = parallelize(model.module, plan, seed=seed)
     trainer = Trainer(parallel, lr=lr)
     start = 0

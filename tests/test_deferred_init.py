@@ -11,11 +11,13 @@ same seed.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import planner
@@ -382,3 +384,33 @@ def test_planning_a_module_of_your_own_allocates_no_parameter() -> None:
     this machine's memory costs nothing (its buffers are not needed to plan)."""
     handle = planner.resolve_model("tests.user_models:huge_embedding")
     assert handle.module.tok_embeddings.weight.is_meta
+
+
+def test_plan_run_builds_a_module_that_sets_its_parameters_in_init_on_the_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nanoGPT's LayerNorm sets its parameters in ``__init__`` and has no
+    ``reset_parameters``: built on the meta device it has no values, and ``plan run``
+    says so with the fixes; ``--build-on cpu`` builds it as its function does (seeded
+    with ``--seed``) and trains from those weights."""
+    from planner.cli import main
+    from planner.planning import make_plan
+    from strategies.runner import synthetic_batch
+
+    source = "tests.user_models:gpt_own_norm"
+    training = Training(global_batch_size=2, seq_len=16, dtype="fp32")
+    plan = make_plan(
+        planner.resolve_model(source), Cluster(gpu="h100-sxm-80gb", num_gpus=1), training
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    assert main(["run", str(path), "--steps", "1"]) == 2
+    assert "was not initialised" in (err := capsys.readouterr().err) and "--build-on cpu" in err
+    assert (
+        main(["run", str(path), "--steps", "1", "--build-on", "cpu", "--seed", "3", "--json"]) == 0
+    )
+    loss = json.loads(capsys.readouterr().out)["steps"][0]["loss"]
+    model = planner.resolve_model(source, device="cpu", seed=3).module
+    inputs, targets = synthetic_batch(VOCAB, 2, 16, seed=3, step=0)
+    expected = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    assert loss == pytest.approx(expected.item(), rel=1e-6)

@@ -164,8 +164,32 @@ class RotaryGPT(GPT):
             block.attn = RotaryAttention(64, 4)
 
 
+class OwnLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: parameters set in ``__init__``, no ``reset_parameters``."""
+
+    def __init__(self, ndim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class OwnNormGPT(GPT):
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.transformer.h:
+            block.ln_1, block.ln_2 = OwnLayerNorm(64), OwnLayerNorm(64)
+        self.transformer.ln_f = OwnLayerNorm(64)
+
+
 def gpt() -> GPT:
     return GPT()
+
+
+def gpt_own_norm() -> OwnNormGPT:
+    return OwnNormGPT()
 
 
 def gpt_positions() -> PositionGPT:

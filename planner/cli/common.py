@@ -36,6 +36,8 @@ __all__ = [
     "positive_int",
     "count",
     "seed",
+    "add_run_args",
+    "host_seed",
     "positive_float",
     "output",
     "plot_output",
@@ -101,6 +103,25 @@ def positive_float(limit: Limit | None = None) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def add_run_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--seed`` and ``--build-on`` of a command that builds the plan's model and
+    trains it (``what``: what the seed also draws besides the weights)."""
+    parser.add_argument("--seed", type=seed, default=0,
+                        help=f"weights and {what} seed (default: 0)")  # fmt: skip
+    parser.add_argument(
+        "--build-on", choices=("meta", "cpu"), default="meta",
+        help="meta (default): build the model on the meta device and initialise each rank's "
+        "shards with its modules' reset_parameters() or the model's _init_weights; cpu: build "
+        "it with the values its __init__ gives, seeded alike on every rank, for modules that "
+        "set their parameters there (each rank holds the whole model until the plan cuts it)",
+    )  # fmt: skip
+
+
+def host_seed(args: argparse.Namespace) -> int | None:
+    """The seed to build the model with on the CPU (``--build-on cpu``), else ``None``."""
+    return args.seed if args.build_on == "cpu" else None
 
 
 def output(text: str | None, option: str) -> Path | None:

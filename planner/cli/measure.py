@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from planner.cli.common import MAX_STEPS, count, output, seed
+from planner.cli.common import MAX_STEPS, add_run_args, count, host_seed, output
 from planner.io import document_json, write_text_atomic
 from planner.measured import MeasuredProfile
 from planner.spec import Plan, load_document
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="timed steps (default 10)")  # fmt: skip
     parser.add_argument("--warmup", type=count(MAX_STEPS, least=0), default=3,
                         help="untimed steps first (default 3)")  # fmt: skip
-    parser.add_argument("--seed", type=seed, default=0, help="weights and data seed (default 0)")
+    add_run_args(parser, "data")
     parser.set_defaults(func=run)
 
 
@@ -57,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
         status = Console(stderr=True).status(steps) if rank == 0 else contextlib.nullcontext()
         with status:
             measured = measure.measure_plan(
-                plan, steps=args.steps, warmup=args.warmup, seed=args.seed, command=command
+                plan,
+                steps=args.steps,
+                warmup=args.warmup,
+                seed=args.seed,
+                command=command,
+                host_seed=host_seed(args),
             )
         if rank == 0:
             write_text_atomic(destination, document_json(measured) + "\n", option="--output")

@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from planner.cli.common import MAX_STEPS, count, positive_float, seed
+from planner.cli.common import MAX_STEPS, add_run_args, count, host_seed, positive_float
 from planner.errors import SpecError
 from planner.io import dumps_json
 from planner.spec import Plan, load_document
@@ -36,13 +36,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Apply a plan with torch.distributed and train its model on synthetic "
         "tokens, printing the global mean loss and the time of each step. The model is a "
         "zoo or spec-file transformer, a Hugging Face config or a module:function token "
-        "model, built again on the meta device. A plan whose degrees are all 1 runs "
+        "model, built again (on the meta device, or --build-on cpu). A plan whose degrees are all 1 runs "
         "without torchrun.",
     )
     parser.add_argument("plan", type=Path, help="plan JSON file")
     parser.add_argument("--steps", type=count(MAX_STEPS), default=10,
                         help="optimizer steps (default: 10)")  # fmt: skip
-    parser.add_argument("--seed", type=seed, default=0, help="weights and data seed (default: 0)")
+    add_run_args(parser, "data")
     parser.add_argument("--lr", type=positive_float(), default=1e-3,
                         help="learning rate, a positive number (default: 1e-3)")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         records = runner.run_plan(
             plan, steps=args.steps, seed=args.seed, lr=args.lr,
             checkpoint_dir=args.checkpoint_dir, resume=args.resume, save_every=args.save_every,
+            host_seed=host_seed(args),
         )  # fmt: skip
         steps = [_report(record, show=rank == 0 and not args.json) for record in records]
         if rank == 0 and args.export_hf is not None:
