@@ -43,7 +43,8 @@ def resolve_cluster(
     to a node."""
     is_file = name_or_path.endswith(".json") or Path(name_or_path).is_file()
     if is_file and not _is_gpu_profile(Path(name_or_path)):
-        return _fixed(load_document(Cluster, Path(name_or_path)), name_or_path, num_gpus)
+        cluster = _profile_beside(load_document(Cluster, Path(name_or_path)), Path(name_or_path))
+        return _fixed(cluster, name_or_path, num_gpus)
     if name_or_path in list_clusters():
         return _fixed(load_cluster(name_or_path), name_or_path, num_gpus)
     if not is_file and name_or_path not in list_profiles():
@@ -65,6 +66,23 @@ def _is_gpu_profile(path: Path) -> bool:
     except SpecError:
         return False  # load_document says what is wrong with it
     return isinstance(document, dict) and "peak_tflops" in document
+
+
+def _profile_beside(cluster: Cluster, path: Path) -> Cluster:
+    """``cluster`` read from ``path``, its ``gpu`` naming a hardware-profile file by a
+    relative path read from the cluster file's directory (as a config's own paths are);
+    raises naming the field when that file does not exist."""
+    if not cluster.gpu.endswith(".json") or Path(cluster.gpu).is_absolute():
+        return cluster
+    profile = path.parent / cluster.gpu
+    if not profile.is_file():
+        raise SpecError(
+            f"{path}: gpu = {cluster.gpu!r} names a hardware-profile file, but {profile} does "
+            f"not exist (a relative path is read from the cluster file's directory, "
+            f"{path.parent}): give its path from there or an absolute one, or a GPU profile "
+            f"name ({', '.join(list_profiles())})"
+        )
+    return cluster.model_copy(update={"gpu": str(profile)})
 
 
 def _fixed(cluster: Cluster, source: str, num_gpus: int | None) -> Cluster:

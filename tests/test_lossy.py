@@ -1,5 +1,7 @@
 """Compression-aware search: lossy options only when allowed, only where they run and pay."""
 
+from pathlib import Path
+
 import pytest
 
 from planner.assemble import assemble_plan
@@ -300,3 +302,20 @@ def test_tied_weights_keep_ddp_hooks_off_tensor_parallel_shards():
     plan = assemble_plan(handle, cluster, Training(global_batch_size=64, seq_len=16), strategy)
     with pytest.raises(SpecError, match="tied weights: DDP cannot run over tensor-parallel"):
         check_model_against_plan(plan, handle.module)
+
+
+def test_a_cluster_files_profile_path_is_read_from_the_cluster_files_directory(
+    tmp_path, monkeypatch
+):
+    """A cluster JSON naming its GPU by a profile file (``plan calibrate``'s) beside it
+    works from any directory; a missing one is refused naming the cluster's field."""
+    (tmp_path / "my-gpu.json").write_text((profile_dir() / "h100-sxm-80gb.json").read_text())
+    (tmp_path / "cluster.json").write_text('{"gpu": "my-gpu.json", "num_gpus": 8}')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cluster = resolve_cluster("../cluster.json")
+    assert Path(cluster.gpu) == Path("../my-gpu.json") and Path(cluster.gpu).is_file()
+    (tmp_path / "bad.json").write_text('{"gpu": "gone.json", "num_gpus": 8}')
+    with pytest.raises(SpecError, match=r"gpu = 'gone.json' names a hardware-profile file"):
+        resolve_cluster("../bad.json")
