@@ -709,6 +709,14 @@ class Compression(_Doc):
         return self.kind.value
 
 
+def virtual_stages_problem(schedule: Schedule | None, virtual_stages: int) -> str | None:
+    """Why ``virtual_stages`` model chunks per pipeline rank cannot run under ``schedule``
+    (``None``: any schedule may be chosen), or ``None``."""
+    if virtual_stages > 1 and schedule not in (None, Schedule.INTERLEAVED_1F1B):
+        return f"virtual_stages ({virtual_stages}) > 1 needs schedule 'interleaved-1f1b'"
+    return None
+
+
 class Strategy(_Doc):
     """How one training step is split over GPUs.
 
@@ -751,10 +759,9 @@ class Strategy(_Doc):
                 f"etp ({self.etp}) > 1 needs ep > 1: experts are split over tensor-parallel "
                 "ranks only beside expert parallelism; set ep >= 2 or etp = 1"
             )
-        if self.virtual_stages > 1 and self.schedule is not Schedule.INTERLEAVED_1F1B:
-            raise ValueError(
-                f"virtual_stages ({self.virtual_stages}) > 1 needs schedule 'interleaved-1f1b'"
-            )
+        chunks = virtual_stages_problem(self.schedule, self.virtual_stages)
+        if chunks is not None:
+            raise ValueError(chunks)
         if self.recompute_per_stage is not None and len(self.recompute_per_stage) != self.pp:
             raise ValueError(
                 f"recompute_per_stage has {len(self.recompute_per_stage)} entries, pp is {self.pp}"

@@ -32,6 +32,7 @@ from planner.spec import (
     ModelSpec,
     Plan,
     RecomputeMode,
+    Schedule,
     Strategy,
     Training,
     load_document,
@@ -156,6 +157,34 @@ def test_pins_that_cannot_hold_name_the_factors():
     uneven, limits = _setup(gpus=4, batch=8, seq=2046)  # 2046 tokens: not 2 cp chunks of 4
     with pytest.raises(SpecError, match=r"seq_len 2046 is not divisible by 2 \* cp\(2\) = 4"):
         search(uneven, limits, pins=Pins(cp=2, dp=2))
+    odd, limits = _setup(gpus=4, batch=8, seq=2047)  # 2047 tokens: not split over tp 2
+    with pytest.raises(SpecError, match=r"2047 tokens per rank is not divisible by tp\(2\)"):
+        search(odd, limits, pins=Pins(tp=2, sequence_parallel=True))
+
+
+@pytest.mark.parametrize(
+    ("pins", "reason"),
+    [
+        (Pins(schedule=Schedule.ONE_F_ONE_B, virtual_stages=2), r"virtual_stages \(2\) > 1 needs "
+         r"schedule 'interleaved-1f1b'"),
+        (Pins(etp=2), r"etp\(2\) > 1 needs ep > 1 \(this model has no experts\)"),
+        (Pins(zero=0, dp_shard=2), r"dp_shard\(2\) needs a zero >= 1 and a data-parallel"),
+        (Pins(dp=16, zero=3, dp_shard=3), r"dp_shard\(3\) needs a data-parallel degree it divides"),
+    ],
+)  # fmt: skip
+def test_pins_that_contradict_each_other_name_the_rule(pins, reason):
+    """Not the generic 'no mesh divides...': the rule the pins break together."""
+    model, limits = _setup(gpus=16)
+    with pytest.raises(SpecError, match=reason):
+        search(model, limits, pins=pins)
+
+
+def test_a_pinned_shard_group_inside_one_node_is_searched():
+    """Hybrid sharding with a pinned shard group smaller than a node's data-parallel ranks
+    (ZeRO-3 over 2, replicated over 4 on 8 GPUs of one node): searched and priced."""
+    model, limits = _setup(gpus=8, batch=32)
+    best = search(model, limits, pins=Pins(dp=8, zero=3, dp_shard=2)).best.strategy
+    assert (best.dp, best.shard_degree, best.replicate_degree) == (8, 2, 4)
 
 
 def test_pins_that_do_not_apply_are_errors_not_ignored():

@@ -5,7 +5,8 @@ Every candidate is a point of the space
     dp x tp x pp x cp = num_gpus   (every factorisation; tp and cp may cross nodes)
     ep dividing the experts and the ranks EP is carved from (MoE models only), and
     expert tensor parallelism etp in {1, tp} where the target runs it
-    zero in 0..3, dp_shard in {dp, ranks per node} (hybrid sharding), sequence parallel,
+    zero in 0..3, dp_shard in {dp, ranks per node, a pinned divisor of dp} (hybrid
+    sharding), sequence parallel,
     recompute in {none, selective, full}, micro-batch size, pipeline schedule and
     virtual stages, and the lossy gradient compression the user allows
     (:mod:`planner.solve.lossy`: on the meshes the runtime can run it on)
@@ -103,6 +104,7 @@ from planner.spec import (
     SolverStats,
     Strategy,
     Training,
+    virtual_stages_problem,
 )
 
 __all__ = ["Headroom", "ModelLimits", "Pins", "Scored", "SearchResult", "in_search_space", "search"]
@@ -224,8 +226,8 @@ class ModelLimits:
         """Why the model's shapes (or its layout's reach) rule out tensor parallelism ``tp``."""
         if self.max_tp is not None and tp > self.max_tp:
             return (
-                f"tp({tp}) > {self.max_tp}: tensor parallelism of this model stays within "
-                "a node (its layout is solved per degree up to the GPUs per node)"
+                f"tp({tp}) > {self.max_tp}, the GPUs of one node here: tensor parallelism of "
+                "this model stays within a node (its layout is solved per degree up to that)"
             )
         heads = [h for h in (self.num_heads, self.num_kv_heads) if h is not None]
         if any(h % tp for h in heads):
@@ -482,10 +484,18 @@ class _Space:
                 continue  # under a pipeline ZeRO-3 is ZeRO-2 (ParallelDims.gathered_under_pipeline)
             if zero == 0 and not ddp:
                 continue
-            shards = [1] if zero == 0 or dp == 1 else sorted({dp, math.gcd(dp, per_node)} - {1})
+            shards = [1] if zero == 0 or dp == 1 else self._shard_degrees(dp, per_node)
             for shard in shards:
                 if self.pins.allows("dp_shard", shard if zero else None):
                     yield zero, shard
+
+    def _shard_degrees(self, dp: int, per_node: int) -> list[int]:
+        """ZeRO shard group sizes to search over ``dp`` replicas: all of dp, its ranks in
+        one node (``per_node``: hybrid sharding across nodes), and a pinned one that
+        divides dp."""
+        pinned = self.pins.dp_shard
+        shards = {dp, math.gcd(dp, per_node)} | ({pinned} if pinned and dp % pinned == 0 else set())
+        return sorted(shards - {1})
 
     def expert_degrees(self, dp: int, tp: int, cp: int) -> list[_Experts]:
         """(ep, etp) pairs to search on the mesh: (1, 1), and each divisor ``ep`` of the
@@ -931,8 +941,15 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         factors = " * ".join(f"{name}({value})" for name, value in pinned.items())
         reasons.append(f"{factors} = {product} does not divide num_gpus({gpus})")
     shape_blocker = limits.tp_blocker(pins.tp) if pins.tp is not None else None
+    split_over_tp = (
+        limits.sequence_blocker(pins.tp, pins.cp or 1, sp=True)
+        if pins.sequence_parallel and pins.tp is not None and pins.tp > 1
+        else None
+    )
     if shape_blocker is not None:
         reasons.append(shape_blocker)
+    elif split_over_tp is not None:
+        reasons.append(split_over_tp)
     elif pins.tp is not None and pins.tp > 1 and space.target.is_planner:
         options = [sp for sp in (False, True) if pins.allows("sequence_parallel", sp)]
         blockers = {sp: limits.layout_blocker(pins.tp, sp) for sp in options}
@@ -953,12 +970,14 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
     elif pins.pp is not None and pins.pp * (pins.virtual_stages or 1) > space.max_chunks:
         reasons.append(_too_many_chunks(pins, limits, space))
     if pins.dp_shard is not None:
-        per_node = model.cluster.gpus_per_node
+        needs = "a zero >= 1 and " if pins.zero == 0 else ""
         reasons.append(
-            f"dp_shard({pins.dp_shard}): ZeRO shards over all of dp or over the data-parallel "
-            f"ranks of one node (gpus_per_node({per_node}) / (tp * cp)), and needs zero >= 1; "
-            "no mesh here gives that shard group"
+            f"dp_shard({pins.dp_shard}) needs {needs}a data-parallel degree it divides, and no "
+            "mesh here gives one"
         )
+    chunks = virtual_stages_problem(pins.schedule, pins.virtual_stages or 1)
+    if chunks is not None:
+        reasons.append(chunks)
     pipelined = (pins.virtual_stages or 1) > 1 or pins.schedule not in (None, Schedule.ONE_F_ONE_B)
     if pipelined and (pins.pp == 1 or limits.pipeline_problem):
         why = "pp is pinned to 1" if pins.pp == 1 else limits.pipeline_problem
@@ -1003,13 +1022,14 @@ def _no_candidates(model: CostModel, limits: ModelLimits, pins: Pins, space: _Sp
         )  # fmt: skip
         if refusal is not None:
             reasons.append(f"{refusal.describe()} ({refusal.fix})")
-    if pins.etp is not None and pins.etp > 1 and pins.ep == 1:
-        reasons.append(f"etp({pins.etp}) > 1 needs ep > 1")
+    if pins.etp is not None and pins.etp > 1 and (pins.ep == 1 or not limits.num_experts):
+        blocker = ParallelDims(etp=pins.etp).expert_blocker(limits.num_experts)
+        reasons.append(f"{blocker}{'' if limits.num_experts else ' (this model has no experts)'}")
     if space.compression_blocked is not None:
         reasons.append(space.compression_blocked)
     if not reasons:
         reasons.extend(_micro_batch_reason(model.training, pins, space))
-    detail = "; ".join(reasons) or (
+    detail = "; ".join(dict.fromkeys(reasons)) or (
         "no dp x tp x pp x cp of the GPUs divides the heads, the blocks and the global batch "
         "with the other pins"
     )
