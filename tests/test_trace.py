@@ -433,9 +433,12 @@ def test_a_token_model_of_ones_own_is_priced_with_the_loss_its_step_computes(cap
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             return super().forward(idx)[:, [-1], :]
 
-    graph = trace(handle_for_module(LastPosition()), seq_len=16)
+    handle = handle_for_module(LastPosition())
+    graph = trace(handle, seq_len=16)
     assert "the training loss is not priced" in caplog.text
     assert all(n.kind is not OpKind.LOSS for s in graph.types.values() for n in s.nodes)
+    trace(handle, batch_size=2, seq_len=16)  # the search traces at several shapes
+    assert caplog.text.count("the training loss is not priced") == 1  # said once
 
 
 def test_a_mask_handed_to_the_attention_kernel_is_priced_over_every_block():

@@ -28,6 +28,7 @@ import itertools
 import logging
 import math
 import traceback
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,13 +175,13 @@ def prepare_traced_module(
     # experts at their expected load, whichever device the model was built on
     kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     expected_load_experts(model, model_type=str(kind))
-    if handle.spec is None and not hf and not _trains_on_tokens(model, inputs):
+    if handle.spec is None and not hf and not _trains_on_tokens(model, inputs, handle.module):
         return model, inputs, ""
     targets = torch.empty(inputs[0].shape, dtype=torch.long, device="meta")
     return _WithLoss(model, hf), (inputs[0], targets), _WRAPPED
 
 
-def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
+def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...], built: nn.Module) -> bool:
     """Whether a module of one's own is a token model ``ParallelModel.step`` trains with
     its default loss: one input, token ids (batch, seq), and logits per token out (else
     that step refuses, :func:`planner.staging.logits_problem`, and a loss of one's own
@@ -193,8 +194,22 @@ def _trains_on_tokens(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> boo
         raise TraceError(_meta_failure(type(model).__name__, exc)) from None
     problem = logits_problem(logits.shape, inputs[0].shape)
     if problem is not None:
-        logger.warning("the training loss is not priced: %s", problem)
+        _warn_once(built, "loss", f"the training loss is not priced: {problem}")
     return problem is None
+
+
+# what was said about each module built by the caller: a model is traced at several
+# shapes (and again to check its plan), and one finding is said once
+_SAID: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(module: nn.Module, finding: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``finding`` is said about ``module``
+    (at any shape)."""
+    said = _SAID.setdefault(module, set())
+    if finding not in said:
+        said.add(finding)
+        logger.warning("%s", message)
 
 
 def _meta_failure(name: str, exc: BaseException) -> str:
@@ -631,13 +646,15 @@ class _MaskedCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _warn_unknown_ops(ops: Sequence[RawOp], name: str) -> None:
+def _warn_unknown_ops(ops: Sequence[RawOp], handle: ModelHandle) -> None:
     unknown = sorted({op.op for op in ops if not is_known(op)})
     if unknown:
-        logger.warning(
-            "%s: no pricing rule for %s; counted as element-wise ops (bytes only, 0 FLOPs, "
-            "nothing saved for backward)", name, ", ".join(unknown),
-        )  # fmt: skip
+        _warn_once(
+            handle.module,
+            f"unknown {unknown}",
+            f"{handle.name}: no pricing rule for {', '.join(unknown)}; counted as element-wise "
+            "ops (bytes only, 0 FLOPs, nothing saved for backward)",
+        )
 
 
 def trace(
@@ -661,7 +678,7 @@ def trace(
     builder = _GraphBuilder(block_fqns, prefix, module_roles(root), moe)
     _assemble(traced, builder)
     ops = _raw_ops(traced)
-    _warn_unknown_ops(ops, handle.name)
+    _warn_unknown_ops(ops, handle)
     logger.info(
         "traced %s with %s: %d segments, %d types", handle.name, traced.tracer,
         len(builder.segments), len(builder.types),
