@@ -247,10 +247,12 @@ def _value(value: float, unit: str) -> str:
 
 def format_comparison(comparison: Comparison) -> str:
     """A fixed-width table: component, predicted, measured, error."""
-    lines = [comparison.title, f"{'component':<15} {'predicted':>12} {'measured':>12} {'error':>8}"]
+    width = max(15, *(len(row.name) for row in comparison.rows))
+    header = f"{'component':<{width}} {'predicted':>12} {'measured':>12} {'error':>8}"
+    lines = [comparison.title, header]
     for row in comparison.rows:
         error = "-" if row.error is None else f"{row.error:+.1%}"
-        lines.append(f"{row.name:<15} {_value(row.predicted, row.unit):>12} "
+        lines.append(f"{row.name:<{width}} {_value(row.predicted, row.unit):>12} "
                      f"{_value(row.measured, row.unit):>12} {error:>8}")  # fmt: skip
     lines += [f"  {note}" for note in comparison.notes]
     return "\n".join(lines)

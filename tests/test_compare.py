@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from planner.calibrate import measured_run_options, predict_plan
 from planner.calibrate.refit import predict_op_classes
 from planner.compare import (
+    Comparison,
+    Row,
     compare_measured,
     compare_trace,
     format_comparison,
@@ -212,3 +214,12 @@ def test_a_run_config_on_a_cpu_profile_fills_options_from_the_cpu(tmp_path: Path
     })  # fmt: skip
     assert run.options.workspace_gib == 0.0 and run.options.allocator_margin == 0.0
     assert run.options.overlap_param_gather  # given
+
+
+def test_the_table_keeps_its_columns_for_a_long_component_name() -> None:
+    """A pipeline's 'communication + bubble' row is wider than the name column was: every
+    value still ends in the same column."""
+    rows = (Row("step", 0.01, 0.02), Row("communication + bubble", 0.001, 0.002),
+            Row("peak memory", 1.0, 1.1, unit="GiB"))  # fmt: skip
+    lines = format_comparison(Comparison("pp2", rows)).splitlines()[1:]
+    assert len({len(line) for line in lines}) == 1

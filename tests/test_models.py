@@ -130,7 +130,7 @@ def test_module_function_path_resolves(monkeypatch):
     module.wide = lambda: (nn.Linear(4, 6), torch.randn(2, 4))  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "user_zoo_models", module)
     handle = resolve_model("user_zoo_models:wide")
-    assert handle.name == "wide"
+    assert handle.name == "user_zoo_models:wide"  # the path it was built from
     assert handle.device == torch.device("meta")
     assert handle.make_inputs(1, 1)[0].shape == (2, 4)
 
@@ -197,3 +197,8 @@ def test_spec_validation_names_both_fields():
         ValueError, match=r"hidden_size \(65\) must be divisible by num_heads \(4\)"
     ):
         ModelSpec(family="gpt", num_layers=1, hidden_size=65, num_heads=4, vocab_size=8, seq_len=4)
+
+
+def test_a_python_file_given_as_a_model_is_told_to_name_its_function():
+    with pytest.raises(SpecError, match=r"'\.\./nanogpt\.py' is a Python file: .*nanogpt:build"):
+        resolve_model("../nanogpt.py")

@@ -315,7 +315,7 @@ def resolve_model(
             raise SpecError(
                 f"model path {source!r} returned {type(module).__name__}, not an nn.Module"
             )
-        return _from_module(source.rpartition(":")[2], source, module, inputs)
+        return _from_module(source, source, module, inputs)  # named by its path: "pkg:build"
     if source.endswith(".json"):
         spec = load_model_spec(source)
     elif source in SMALL_MODELS:
@@ -325,6 +325,13 @@ def resolve_model(
             return _from_module(source, source, SMALL_MODELS[source](), None)
     elif ALIASES.get(source, source) in PRESETS:
         spec = get_preset(source)
+    elif source.endswith(".py"):
+        module_name = Path(source).stem
+        raise SpecError(
+            f"model {source!r} is a Python file: name the function in it that builds the "
+            f"model as module:function (e.g. {module_name}:build), run from its directory "
+            f"({Path(source).parent or '.'}) or with it on PYTHONPATH"
+        )
     else:
         raise UnknownNameError("model", source, list_models())
     if seq_len is not None:
