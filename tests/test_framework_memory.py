@@ -155,6 +155,29 @@ def test_core_attn_module_is_megatrons_default_selective_recompute():
     )  # fmt: skip
 
 
+def test_mlp_and_shared_experts_recompute_checkpoint_their_module_whole():
+    """Megatron-Core's ``mlp`` recomputes a dense block's feed-forward and
+    ``shared_experts`` the shared experts, each keeping only its input; a block with
+    routed experts has no dense MLP."""
+    graph = graph_from_spec(LLAMA)
+    none, seg = _block(graph, CostOptions(), RecomputeMode.NONE)
+    mlp, _ = _block(graph, _modules("mlp"), RecomputeMode.SELECTIVE)
+    ff = [n for n in seg.nodes if n.module.split(".")[0] == "feed_forward"]
+    dropped = sum(n.saved_bytes for n in ff) - ff[0].input_bytes
+    assert none.activation_bytes - mlp.activation_bytes == pytest.approx(dropped)
+    assert 0 < mlp.recompute_s < none.forward_s
+    shared = MOE.model_copy(update={"num_shared_experts": 1})
+    moe_graph = graph_from_spec(shared)
+    routed, moe_seg = _block(moe_graph, _modules("mlp"), RecomputeMode.SELECTIVE)
+    assert routed.recompute_s == 0  # no dense MLP in a block with experts
+    moe_none, _ = _block(moe_graph, CostOptions(), RecomputeMode.NONE)
+    kept, _ = _block(moe_graph, _modules("shared_experts"), RecomputeMode.SELECTIVE)
+    members = [n for n in moe_seg.nodes if n.role is OpRole.SHARED_EXPERTS]
+    dropped = sum(n.saved_bytes for n in members) - members[0].input_bytes
+    assert moe_none.activation_bytes - kept.activation_bytes == pytest.approx(dropped)
+    assert kept.recompute_s > 0
+
+
 def test_an_unknown_recompute_module_is_refused_naming_the_field():
     with pytest.raises(ValidationError, match="recompute_modules"):
         CostOptions(selective="modules", recompute_modules=("moe",))

@@ -79,6 +79,10 @@ class RecomputeModule(StrEnum):
     # latent attention's up-projections, norms and rotary: attention keeps no queries,
     # keys or values (made again from the latents before its backward)
     MLA_UP_PROJ = "mla_up_proj"
+    # checkpointed whole, each keeping only its input: a dense block's feed-forward (none
+    # in a block with experts) and the shared experts
+    MLP = "mlp"
+    SHARED_EXPERTS = "shared_experts"
 
 
 class ExpertChoice(StrEnum):

@@ -13,7 +13,7 @@ block holds then beyond what it kept (the unfused attention's scores, say).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from planner.cost.communication import MeshLinks, collective_time
@@ -347,6 +347,9 @@ def _module_recompute_nodes(
         again |= _expert_activation(nodes)[0]
     if RecomputeModule.MLA_UP_PROJ in modules:
         again |= _latent_up(nodes)
+    for module in _CHECKPOINTED:
+        if module in modules:
+            again |= _CHECKPOINTED[module](nodes)
     return again
 
 
@@ -370,7 +373,45 @@ def _module_recompute_kept(
         for i, node in enumerate(nodes):  # queries, keys and values are made again
             if node.kind is OpKind.ATTENTION:
                 kept[i] = replace(node, saved_bytes=0.0)
+    for module, members in _CHECKPOINTED.items():
+        if module in modules:
+            _keep_checkpoint_input(nodes, members(nodes), kept)
     return kept
+
+
+def _keep_checkpoint_input(
+    nodes: Sequence[OpNode], checkpointed: set[int], kept: list[OpNode]
+) -> None:
+    """A module checkpointed whole in ``kept``: its first operator keeps the module's
+    input (the checkpoint's), its operators nothing else."""
+    for i in checkpointed:
+        kept[i] = replace(nodes[i], saved_bytes=0.0)
+    if checkpointed:
+        first = min(checkpointed)
+        kept[first] = replace(nodes[first], saved_bytes=nodes[first].input_bytes)
+
+
+def _dense_feed_forward(nodes: Sequence[OpNode]) -> set[int]:
+    """A dense block's feed-forward (``feed_forward`` and its submodules); none in a block
+    with experts (Megatron-Core's ``mlp`` recompute is the dense MLP's)."""
+    if any(n.role is OpRole.EXPERTS for n in nodes):
+        return set()
+    return {
+        i for i, n in enumerate(nodes)
+        if n.module == _FEED_FORWARD or n.module.startswith(f"{_FEED_FORWARD}.")
+    }  # fmt: skip
+
+
+def _shared_experts(nodes: Sequence[OpNode]) -> set[int]:
+    return {i for i, n in enumerate(nodes) if n.role is OpRole.SHARED_EXPERTS}
+
+
+_FEED_FORWARD = "feed_forward"  # the formula graphs' (and the zoo's) feed-forward module
+# Megatron-Core's recompute modules under normal checkpointing: the operators of each
+_CHECKPOINTED: dict[RecomputeModule, Callable[[Sequence[OpNode]], set[int]]] = {
+    RecomputeModule.MLP: _dense_feed_forward,
+    RecomputeModule.SHARED_EXPERTS: _shared_experts,
+}
 
 
 def _keep_norm_inputs(nodes: Sequence[OpNode], norms: set[int], kept: list[OpNode]) -> None:
