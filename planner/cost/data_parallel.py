@@ -15,7 +15,11 @@ reduce-scatter per step, whatever the stage. Without one, ZeRO-3 gathers and
 reduce-scatters every micro-batch, as ZeRO-1/2 do under FSDP2; Megatron-Core and
 DeepSpeed keep the weights whole, reduce ZeRO-1's gradients once per step and ZeRO-2's
 every micro-batch (:class:`~planner.cost.options.ZeroAccumulation`); HSDP's all-reduce
-over the replicas runs in the last micro-batch only.
+over the replicas runs in the last micro-batch only. FSDP2 (and ZeRO-3 anywhere) gathers
+and reduce-scatters unit by unit (each block, and each chunk's root holding the rest:
+``RankSums.fsdp_units``), each call paying its latency and dispatch, the last unit's
+never hidden; Megatron-Core's and DeepSpeed's ZeRO-1/2 reduce in buckets, their last
+bucket never hidden.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from planner.cost.compression import (
 from planner.cost.compute import ComputeModel, fp8_weight_cast_bytes
 from planner.cost.memory import gradient_element_bytes, weight_element_bytes
 from planner.cost.optimizer_step import step_passes
-from planner.cost.options import CostOptions, GradAccumulation, OptimizerImpl
+from planner.cost.options import CostOptions, GradAccumulation, OptimizerImpl, ZeroAccumulation
 from planner.cost.ranks import RankSums
 from planner.cost.tp import TPAssignment
 from planner.dtypes import HALF_BYTES
@@ -77,6 +81,25 @@ def exposed_together(window: float, tail: float, *parts: tuple[float, bool]) -> 
     hidden = sum(comm for comm, overlapped in parts if overlapped)
     shown = sum(comm for comm, overlapped in parts if not overlapped)
     return shown + (exposed(hidden, window, tail, True) if hidden > 0 else 0.0)
+
+
+@dataclass(frozen=True)
+class CallTimes:
+    """Seconds of an array moved in several collective calls: all of them, the last."""
+
+    total: float
+    last: float
+
+
+def in_call_times(
+    kind: Collective, nbytes: float, ranks: int, link: LinkModel, calls: int
+) -> CallTimes:
+    """``nbytes`` of ``kind`` over ``ranks`` split evenly into ``calls`` collectives
+    (FSDP2's units): each call pays its own fixed cost (latency steps, launch, dispatch)
+    and moves its share."""
+    calls = max(1, calls)
+    last = collective_time(kind, nbytes / calls, ranks, link)
+    return CallTimes(calls * last, last)
 
 
 def _refuse(blocker: str | None) -> None:
@@ -278,6 +301,21 @@ class DataParallelCost:
         overlap = self.options.overlap_grad_reduce and self.options.ddp_overlap
         return exposed(reduce, window, last, overlap)
 
+    def _bucketed(self, kind: Collective, nbytes: float, ranks: int, link: LinkModel) -> CallTimes:
+        """``nbytes`` of ``kind`` reduced in buckets (Megatron-Core's and DeepSpeed's ZeRO):
+        priced as one call whose last bucket is the part never hidden."""
+        bucket = min(nbytes, self.options.dp_bucket_bytes)
+        return CallTimes(
+            collective_time(kind, nbytes, ranks, link), collective_time(kind, bucket, ranks, link)
+        )
+
+    def _per_unit(self, strategy: Strategy) -> bool:
+        """Whether ZeRO gathers and reduce-scatters unit by unit: FSDP2 (this runtime,
+        torchtitan) at any stage, and ZeRO-3 in every framework (DeepSpeed gathers each
+        submodule, Megatron-FSDP each module); Megatron-Core's distributed optimizer and
+        DeepSpeed's ZeRO-1/2 reduce in buckets."""
+        return strategy.zero >= 3 or self.options.zero_accumulation is ZeroAccumulation.MICROBATCH
+
     def _reduction_times(
         self,
         strategy: Strategy,
@@ -301,20 +339,21 @@ class DataParallelCost:
         shard, replicate = dims.zero_shard_ranks, strategy.replicate_degree
         scattered = (reduce_bytes if scatter_bytes is None else scatter_bytes) * params
         half = weight_element_bytes(self.training, self.options) * params
-        bucket = self.options.dp_bucket_bytes
         shard_link = self._data_link(shard, dims)
         rep_link = self.links.group(replicate, dims, Axis.DP_REPLICATE)
-        replica = experts.replica + collective_time(
-            Collective.ALL_REDUCE, grad / shard, replicate, rep_link
-        )
-        scatter = experts.scatter + collective_time(
-            Collective.REDUCE_SCATTER, scattered, shard, shard_link
-        )
-        gather = experts.gather + collective_time(Collective.ALL_GATHER, half, shard, shard_link)
-        last_rs = collective_time(
-            Collective.REDUCE_SCATTER, min(scattered, bucket), shard, shard_link
-        )
-        last_ag = collective_time(Collective.ALL_GATHER, min(half, bucket), shard, shard_link)
+        per_unit = self._per_unit(strategy)
+
+        def in_calls(kind: Collective, nbytes: float, ranks: int, link: LinkModel) -> CallTimes:
+            if per_unit:  # one call per unit, each paying its latency and dispatch
+                return in_call_times(kind, nbytes, ranks, link, slowest.fsdp_units)
+            return self._bucketed(kind, nbytes, ranks, link)
+
+        replica = in_calls(Collective.ALL_REDUCE, grad / shard, replicate, rep_link).total
+        replica += experts.replica
+        scatters = in_calls(Collective.REDUCE_SCATTER, scattered, shard, shard_link)
+        gathers = in_calls(Collective.ALL_GATHER, half, shard, shard_link)
+        scatter, last_rs = experts.scatter + scatters.total, scatters.last
+        gather, last_ag = experts.gather + gathers.total, gathers.last
         prefetch, reduce = self.options.overlap_param_gather, self.options.overlap_grad_reduce
         ag_fwd = exposed(gather, fwd, last_ag, prefetch)
         if dims.gathered_under_pipeline:

@@ -47,9 +47,16 @@ class SegmentTable:
         columns["head_activation_bytes"] = [
             c.activation_bytes if k == "head" else 0.0 for k, c in pairs
         ]
+        self.params = [c.param_count + c.expert_param_count for c in costs]
+        # FSDP2's units: each block with parameters, and the parameters of the rest
+        columns["block_units"] = [
+            1.0 if k == "block" and p > 0 else 0.0 for k, p in zip(kinds, self.params, strict=True)
+        ]
+        columns["root_params"] = [
+            0.0 if k == "block" else p for k, p in zip(kinds, self.params, strict=True)
+        ]
         self.prefix = {field: [0.0, *accumulate(values)] for field, values in columns.items()}
         self.recompute_peak = [c.recompute_peak_bytes for c in costs]
-        self.params = [c.param_count + c.expert_param_count for c in costs]
 
     def span(self, field: str, start: int, stop: int) -> float:
         """The sum of ``field`` over segments ``start`` to ``stop - 1``."""
@@ -65,6 +72,9 @@ class RankSums:
     activation_bytes: float  # at its peak, all in-flight micro-batches
     recompute_peak_bytes: float  # the largest transient of one recomputed segment
     largest_params: tuple[float, ...]  # parameter counts (experts too) of its two largest segments
+    # FSDP2 units (one gather and one reduce-scatter each): its blocks with parameters and,
+    # per model chunk holding others (embeddings, norm, head), the chunk's root
+    fsdp_units: int = 1
 
     @property
     def time_s(self) -> float:
@@ -118,5 +128,9 @@ def sum_ranks(
         )
         peak = max((max(table.recompute_peak[a:b]) for a, b in spans), default=0.0)
         params = sorted((p for a, b in spans for p in table.params[a:b]), reverse=True)
-        ranks.append(RankSums(totals, activations, peak, tuple(params[:2])))
+        units = sum(
+            table.span("block_units", a, b) + (table.span("root_params", a, b) > 0)
+            for a, b in spans
+        )
+        ranks.append(RankSums(totals, activations, peak, tuple(params[:2]), max(1, round(units))))
     return ranks
