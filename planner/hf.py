@@ -133,8 +133,11 @@ def _token_inputs(device: torch.device) -> Callable[[int, int], tuple[torch.Tens
     return make
 
 
-def resolve_hf_config(path: str | Path, *, device: str | torch.device = "meta") -> ModelHandle:
-    """Build the causal LM a Hugging Face ``config.json`` (or its directory) describes.
+def resolve_hf_config(
+    path: str | Path, *, device: str | torch.device = "meta", seed: int | None = None
+) -> ModelHandle:
+    """Build the causal LM a Hugging Face ``config.json`` (or its directory) describes
+    (on ``device``, its initialisation seeded with ``seed`` when given).
 
     Raises :class:`SpecError` for a missing or invalid file and when transformers is
     not installed, :class:`UnknownNameError` for an unknown ``model_type``.
@@ -144,6 +147,8 @@ def resolve_hf_config(path: str | Path, *, device: str | torch.device = "meta") 
     transformers = _transformers()
     config = _build_config(transformers, data, file)
     device = torch.device(device)
+    if seed is not None:
+        torch.manual_seed(seed)
     requested = data.get("attn_implementation") or data.get("_attn_implementation")
     model = _build_model(transformers, config, device, file, requested)
     check_expert_layouts(model, model_type=data["model_type"])  # priceable, or refused now

@@ -16,7 +16,6 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from planner.cost import CostModel, CostOptions
@@ -69,9 +68,7 @@ def _rebuilt_handle(
         from planner.hf import resolve_hf_config  # transformers: only for such plans
 
         _check_relative_path("plan.model_source", origin, "plan --hf-config", source)
-        if host_seed is not None:
-            torch.manual_seed(host_seed)  # the config's initialisation draws from it
-        handle = resolve_hf_config(origin, device=device)
+        handle = resolve_hf_config(origin, device=device, seed=host_seed)
     else:
         raise SpecError(
             f"{source}: the plan for {plan.model_name!r} was made for a module given in Python "

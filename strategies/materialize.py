@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import SpecError
+from planner.models import random_state_kept
 from strategies.state import local_part
 
 __all__ = ["Init", "is_deferred", "check_deferrable", "check_same_weights", "apply", "module_seed"]
@@ -208,7 +209,7 @@ def _initialise_module(
         return
     twin = _full_twin(module)
     blank = {key: (tensor, tensor._version) for key, tensor in _own_tensors(twin)}
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with random_state_kept(), torch.no_grad():
         torch.manual_seed(module_seed(seed, name))
         initialise(twin)
     for key, where, target in targets:

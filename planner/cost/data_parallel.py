@@ -294,16 +294,13 @@ class DataParallelCost:
         """Exposed seconds of DDP's bucketed all-reduce of ``nbytes`` under ``window``
         (none of it hidden without ``ddp_overlap``), with ``also_s`` of other reductions
         sharing it."""
-        link = self._data_link(ranks, dims)
-        reduce = also_s + collective_time(Collective.ALL_REDUCE, nbytes, ranks, link)
-        bucket = min(nbytes, self.options.dp_bucket_bytes)
-        last = collective_time(Collective.ALL_REDUCE, bucket, ranks, link)
+        buckets = self._bucketed(Collective.ALL_REDUCE, nbytes, ranks, self._data_link(ranks, dims))
         overlap = self.options.overlap_grad_reduce and self.options.ddp_overlap
-        return exposed(reduce, window, last, overlap)
+        return exposed(also_s + buckets.total, window, buckets.last, overlap)
 
     def _bucketed(self, kind: Collective, nbytes: float, ranks: int, link: LinkModel) -> CallTimes:
-        """``nbytes`` of ``kind`` reduced in buckets (Megatron-Core's and DeepSpeed's ZeRO):
-        priced as one call whose last bucket is the part never hidden."""
+        """``nbytes`` of ``kind`` reduced in buckets (DDP, Megatron-Core's and DeepSpeed's
+        ZeRO-1/2): priced as one call whose last bucket is the part never hidden."""
         bucket = min(nbytes, self.options.dp_bucket_bytes)
         return CallTimes(
             collective_time(kind, nbytes, ranks, link), collective_time(kind, bucket, ranks, link)

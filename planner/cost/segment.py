@@ -347,9 +347,9 @@ def _module_recompute_nodes(
         again |= _expert_activation(nodes)[0]
     if RecomputeModule.MLA_UP_PROJ in modules:
         again |= _latent_up(nodes)
-    for module in _CHECKPOINTED:
+    for module, members in _CHECKPOINTED.items():
         if module in modules:
-            again |= _CHECKPOINTED[module](nodes)
+            again |= members(nodes)
     return again
 
 
