@@ -86,7 +86,7 @@ def compare_measured(plan: Plan, measured: MeasuredProfile, prediction: Predicti
         Row("communication + bubble" if bubble else "communication",
             communication_s(pred) + bubble, communication_s(meas)),
         Row("optimizer", pred.get("optimizer", 0.0), meas.get("optimizer", 0.0)),
-        Row("other", 0.0, meas.get("other", 0.0)),
+        Row("other", pred.get("framework", 0.0), meas.get("other", 0.0)),
         Row("peak memory", prediction.peak_memory_gib, measured.peak_memory_max_gib, "GiB"),
     ]  # fmt: skip
     notes = (

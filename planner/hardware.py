@@ -139,7 +139,16 @@ class HardwareProfile(_Frozen):
     ``op_overhead_us`` per operator of the priced graph (dispatch, autograd, Python
     between operators), once in its forward and twice in its backward;
     ``param_overhead_us`` per parameter tensor per optimizer step (the optimizer's own
-    kernels per tensor, gradient clipping and zeroing).
+    kernels per tensor, gradient clipping and zeroing). What only the runtime's
+    distributed wrappers pay beyond that (measured by ``plan calibrate``'s probe plans):
+    ``dtensor_op_overhead_us`` per operator a tensor-parallel layout shards (DTensor's
+    dispatch and redistribution, once forward and twice backward),
+    ``dtensor_param_overhead_us`` per parameter tensor held as a DTensor (sharded by
+    FSDP2 or tensor parallelism) per optimizer step, and ``fsdp_call_overhead_us`` per
+    FSDP2 unit's all-gather or reduce-scatter (its hooks and copies in and out);
+    ``step_overhead_us`` per optimizer step (the training loop's own time: the loss's
+    host sync, zeroing, Python between phases) and ``pipeline_step_overhead_us`` more per
+    pipeline schedule run (its set-up: splitting the batch, checks, merging the losses).
     """
 
     schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
@@ -163,6 +172,11 @@ class HardwareProfile(_Frozen):
     kernel_overhead_us: Latency  # fixed cost per memory-bound kernel
     op_overhead_us: Latency | None = None  # eager framework time per operator (forward)
     param_overhead_us: Latency | None = None  # eager optimizer time per parameter tensor
+    dtensor_op_overhead_us: Latency | None = None  # per tensor-parallel sharded operator (forward)
+    dtensor_param_overhead_us: Latency | None = None  # per DTensor parameter per optimizer step
+    fsdp_call_overhead_us: Latency | None = None  # per FSDP2 unit gather or reduce-scatter
+    step_overhead_us: Latency | None = None  # the training loop's own time per step
+    pipeline_step_overhead_us: Latency | None = None  # per pipeline schedule run
     gpus_per_node: NodeSize
     links: Links
     sources: dict[str, str]

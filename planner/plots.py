@@ -57,8 +57,9 @@ _TERMS = (
     ("comm_dp", "data-parallel grad. reduce", "#8c8c8c"),
     ("compression", "gradient compression", "#da8bc3"),
     ("optimizer", "optimizer step", "#c44e52"),
+    ("framework", "training loop per step", "#7f7f7f"),
 )
-_SPARE_COLOURS = ("#64b5cd", "#8172b3", "#ccb974", "#7f7f7f", "#17becf", "#bcbd22")
+_SPARE_COLOURS = ("#64b5cd", "#8172b3", "#ccb974", "#17becf", "#bcbd22")
 _LABEL_WIDTH = 30  # characters per line of a strategy label
 _UNIT_NAMES = {"s": "seconds", "ms": "milliseconds"}
 

@@ -25,9 +25,15 @@ import torch
 import torch.distributed as dist
 
 from planner.cost.communication import Collective
+from planner.measured import MeasuredProfile
+from planner.spec import Plan
 from strategies.data_parallel import ddp
+from strategies.measure import measure_plan
 
-__all__ = ["CollectiveSample", "DEFAULT_COLLECTIVE_BYTES", "collective_sweep", "data_parallel"]
+__all__ = [
+    "CollectiveSample", "DEFAULT_COLLECTIVE_BYTES", "collective_sweep", "data_parallel",
+    "probe_runs",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +134,12 @@ def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` as this runtime runs data parallelism over the process group (DDP): what
     the calibration's training-step probe times."""
     return ddp(model)
+
+
+def probe_runs(plans: Sequence[Plan], *, steps: int, warmup: int) -> list[MeasuredProfile]:
+    """Each of ``plans`` measured as ``plan measure`` measures it (every rank must call
+    this with the same plans; every rank gets the same profiles)."""
+    return [
+        measure_plan(plan, steps=steps, warmup=warmup, command="plan calibrate (probe run)")
+        for plan in plans
+    ]

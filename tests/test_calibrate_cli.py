@@ -37,6 +37,13 @@ def test_calibrate_writes_a_cpu_profile_that_plan_search_uses(tmp_path: Path) ->
     assert 0 < profile.matmul_efficiency <= 1
     assert profile.sources["links.intra_node.latency_us"].startswith("measured ")
     assert "copy of intra_node" in profile.sources["links.inter_node.bandwidth_GBps"]
+    # the probe plans measured what DTensor, FSDP2, the loop and the pipeline cost
+    assert "runtime      " in result.stdout
+    for field in ("dtensor_op_overhead_us", "dtensor_param_overhead_us", "fsdp_call_overhead_us",
+                  "step_overhead_us", "pipeline_step_overhead_us"):  # fmt: skip
+        assert getattr(profile, field) is not None, field
+        assert "probe plan" in profile.sources[field]
+    assert profile.fsdp_call_overhead_us > 0 and profile.dtensor_op_overhead_us > 0
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"gpu": str(profile_path), "num_gpus": 2, "gpus_per_node": 2}))
     plan_path = tmp_path / "plan.json"

@@ -34,6 +34,7 @@ __all__ = [
     "StepSample",
     "training_step_sample",
     "PROBE_MODEL",
+    "PROBE_MICRO_BATCH",
     "DEFAULT_MATMUL_SHAPES",
     "DEFAULT_MEMORY_ELEMENTS",
     "DEFAULT_ATTENTION_SHAPES",

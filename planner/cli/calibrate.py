@@ -5,6 +5,10 @@ Microbenchmarks (launch under torchrun so the collectives run over the process g
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m planner calibrate -o my-cpu.json
     torchrun --nproc-per-node 8 -m planner calibrate --base h100-sxm-80gb -o my-h100.json
 
+On CPUs over 2 or more ranks the microbenchmarks end with the probe plans
+(:mod:`planner.calibrate.probes`): the probe model trained under DDP, FSDP, TP, TP+SP
+and a pipeline, to which the framework and collective overheads are refitted.
+
 Refit to measured runs (no torchrun)::
 
     plan calibrate --profile my-cpu.json --from m1.json m2.json -o my-cpu-fit.json
@@ -86,6 +90,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=RUNTIME_DTYPES,
                         help="GEMM dtype (default: fp32 on CPU, bf16 on GPU)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    parser.add_argument(
+        "--no-probe-runs", dest="probe_runs", action="store_false",
+        help="on CPUs over 2+ ranks, do not train the probe model's DDP, FSDP, TP, TP+SP and "
+        "pipeline plans and refit the framework and collective overheads to them (the "
+        "profile then prices only what a DDP step shows)",
+    )  # fmt: skip
     refit = parser.add_argument_group("refit to measured runs")
     refit.add_argument("--from", dest="runs", nargs="+", type=Path, metavar="measured.json",
                        help="measured profiles written by 'plan measure'")  # fmt: skip
@@ -207,6 +217,7 @@ def _mean_abs(errors: list[RunError]) -> float:
 def _microbenchmark(args: argparse.Namespace) -> int:
     import torch
 
+    from planner.calibrate.probes import refit_to_probe_runs
     from planner.calibrate.profile import build_profile
     from strategies import microbench as collectives
     from strategies import runner  # the runtime: torch.distributed only there
@@ -218,15 +229,18 @@ def _microbenchmark(args: argparse.Namespace) -> int:
     with runner.process_group_from_env() as rank:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         with _sweep_status(show=rank == 0) as announce:
-            measured = _measure(args, device, dtype, collectives, announce)
+            measured, runs = _measure(args, device, dtype, collectives, announce)
     if rank != 0:  # rank 0 fits after the group is gone: a failed fit strands no rank
         return 0
     peak, peak_source = _peak(args, base, measured.matmul)
+    stamp = _stamp()
     profile, report = build_profile(
-        measured, name=args.name or args.output.stem, stamp=_stamp(),
+        measured, name=args.name or args.output.stem, stamp=stamp,
         device_kind="gpu" if gpu else "cpu", base=base, peak_tflops=peak,
         peak_source=peak_source, memory_capacity_gib=_capacity(gpu, measured.ranks_per_node),
     )  # fmt: skip
+    if runs:
+        profile, report.fits["runtime"] = refit_to_probe_runs(profile, runs, stamp)
     save_profile(profile, args.output)
     print(format_profile(profile, report))
     print(f"wrote {args.output}")
@@ -297,8 +311,10 @@ def _measure(
     dtype: DType,
     collectives: ModuleType,
     announce: Callable[[str], None],
-) -> Measurements:
+) -> tuple[Measurements, list[MeasuredProfile]]:
+    """What the sweeps measured, and the probe plans' runs (CPUs over 2+ ranks)."""
     from planner.calibrate import microbench
+    from planner.calibrate.probes import probe_plans
     from planner.calibrate.profile import Measurements
     from planner.torch_dtypes import TORCH_DTYPES
 
@@ -337,7 +353,12 @@ def _measure(
         )  # fmt: skip
         # a GPU's narrow GEMM waits on memory and launch, not on its kernel's panel
         narrow = microbench.narrow_matmul_sample(device, torch_dtype, repeats=repeats)
-    return Measurements(dtype, matmul, memory, attention, samples, local, step, narrow)
+    runs: list[MeasuredProfile] = []
+    if not gpu and world > 1 and args.probe_runs:
+        plans = probe_plans(world, local, args.name or args.output.stem)
+        announce(f"{len(plans)} probe plans of {microbench.PROBE_MODEL} over {world} ranks")
+        runs = collectives.probe_runs(plans, steps=3 if args.quick else 8, warmup=2)
+    return Measurements(dtype, matmul, memory, attention, samples, local, step, narrow), runs
 
 
 def format_profile(profile: HardwareProfile, report: CalibrationReport) -> str:

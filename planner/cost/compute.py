@@ -26,7 +26,8 @@
   ``fused_pointwise`` a run of consecutive memory-bound operators is one kernel that reads
   the run's first input and writes its last output.
 - Every operator also pays the profile's eager ``op_overhead_us`` once forward and twice
-  backward (0 unless a calibrated CPU profile measured it).
+  backward (0 unless a calibrated CPU profile measured it), and one a tensor-parallel
+  layout shards its ``dtensor_op_overhead_us`` as well (:meth:`ComputeModel.with_dtensor`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ class ComputeModel:
         self.gemm_s = profile.matmul_overhead_us * 1e-6
         self.op_s = (profile.op_overhead_us or 0.0) * 1e-6  # eager framework, per operator
         self.param_s = (profile.param_overhead_us or 0.0) * 1e-6  # eager, per parameter tensor
+        self.dtensor_op_s = (profile.dtensor_op_overhead_us or 0.0) * 1e-6
+        self.dtensor_param_s = (profile.dtensor_param_overhead_us or 0.0) * 1e-6
+        self.fsdp_call_s = (profile.fsdp_call_overhead_us or 0.0) * 1e-6
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds for one memory-bound kernel moving ``nbytes``."""
@@ -168,6 +172,17 @@ class ComputeModel:
         if not self.op_s:
             return times
         return [OpTime(t.forward_s + self.op_s, t.backward_s + 2 * self.op_s) for t in times]
+
+    def with_dtensor(self, times: list[OpTime], work_divisor: Sequence[int]) -> list[OpTime]:
+        """``times`` with DTensor's dispatch added to every operator a tensor-parallel
+        layout shards (``work_divisor > 1``), once forward and twice backward."""
+        extra = self.dtensor_op_s
+        if not extra:
+            return times
+        return [
+            OpTime(t.forward_s + extra, t.backward_s + 2 * extra) if divisor > 1 else t
+            for t, divisor in zip(times, work_divisor, strict=True)
+        ]
 
     def node_time(
         self, node: OpNode, scale: float, *, low_precision: bool = True, cp: int = 1

@@ -92,13 +92,14 @@ class CallTimes:
 
 
 def in_call_times(
-    kind: Collective, nbytes: float, ranks: int, link: LinkModel, calls: int
-) -> CallTimes:
+    kind: Collective, nbytes: float, ranks: int, link: LinkModel, calls: int,
+    wrapper_s: float = 0.0,
+) -> CallTimes:  # fmt: skip
     """``nbytes`` of ``kind`` over ``ranks`` split evenly into ``calls`` collectives
-    (FSDP2's units): each call pays its own fixed cost (latency steps, launch, dispatch)
-    and moves its share."""
+    (FSDP2's units): each call pays its own fixed cost (latency steps, launch, dispatch,
+    and ``wrapper_s`` of the framework's hooks around it) and moves its share."""
     calls = max(1, calls)
-    last = collective_time(kind, nbytes / calls, ranks, link)
+    last = collective_time(kind, nbytes / calls, ranks, link) + wrapper_s
     return CallTimes(calls * last, last)
 
 
@@ -243,7 +244,8 @@ class DataParallelCost:
         sharded over the expert shard ranks. Under Transformer Engine fp8, the step's
         weight casts (:func:`~planner.cost.compute.fp8_weight_cast_bytes`). A for-loop
         update pays the profile's eager ``param_overhead_us`` per parameter tensor of the
-        rank's stage.
+        rank's stage, and its ``dtensor_param_overhead_us`` more where the parameters are
+        DTensors (:meth:`_dtensor_params`).
         """
         dims = ParallelDims.of(strategy)
         moved = self._step_bytes(strategy, params, dims.zero_shard_ranks)
@@ -251,8 +253,16 @@ class DataParallelCost:
         moved += fp8_weight_cast_bytes(params + expert_params, self.options, self.training.dtype)
         overhead = 0.0
         if self.options.optimizer_impl is OptimizerImpl.FOR_LOOP:  # one tensor at a time
-            overhead = self._param_tensors / strategy.pp * self.compute.param_s
+            per_tensor = self.compute.param_s
+            if self._dtensor_params(strategy):
+                per_tensor += self.compute.dtensor_param_s
+            overhead = self._param_tensors / strategy.pp * per_tensor
         return self.compute.memory_time(moved) + overhead
+
+    def _dtensor_params(self, strategy: Strategy) -> bool:
+        """Whether the runtime holds the parameters as DTensors: sharded by tensor
+        parallelism, or by FSDP2 (:meth:`_per_unit`) at any ZeRO stage."""
+        return strategy.tp > 1 or (strategy.zero >= 1 and self._per_unit(strategy))
 
     def _step_bytes(self, strategy: Strategy, params: float, shard: int) -> float:
         """Bytes the optimizer step moves for ``params`` sharded ``shard`` ways by ZeRO:
@@ -341,8 +351,9 @@ class DataParallelCost:
         per_unit = self._per_unit(strategy)
 
         def in_calls(kind: Collective, nbytes: float, ranks: int, link: LinkModel) -> CallTimes:
-            if per_unit:  # one call per unit, each paying its latency and dispatch
-                return in_call_times(kind, nbytes, ranks, link, slowest.fsdp_units)
+            if per_unit:  # one call per unit, each paying its latency, dispatch and hooks
+                units = slowest.fsdp_units
+                return in_call_times(kind, nbytes, ranks, link, units, self.compute.fsdp_call_s)
             return self._bucketed(kind, nbytes, ranks, link)
 
         replica = in_calls(Collective.ALL_REDUCE, grad / shard, replicate, rep_link).total

@@ -432,6 +432,9 @@ class CostModel:
         breakdown["optimizer"] = self._data_parallel.optimizer_time(
             strategy, heaviest.params, heaviest.expert_params
         )
+        framework = self._framework_time(strategy, len(rounds))
+        if framework:
+            breakdown["framework"] = framework
         step = sum(breakdown.values())
         memory = self._memory.peak(
             strategy, ranks, logits_bytes=self._logits_bytes(strategy),
@@ -439,6 +442,16 @@ class CostModel:
             schedule_microbatches=max(rounds),
         )  # fmt: skip
         return self._throughput.prediction(strategy, step, breakdown, memory, modes)
+
+    def _framework_time(self, strategy: Strategy, schedules: int) -> float:
+        """Seconds per step of the training loop's own time, and of each of the step's
+        ``schedules`` pipeline schedule runs' set-up (a calibrated CPU profile's
+        ``step_overhead_us`` and ``pipeline_step_overhead_us``; 0 elsewhere)."""
+        profile = self.profile
+        seconds = (profile.step_overhead_us or 0.0) * 1e-6
+        if strategy.pp > 1:
+            seconds += schedules * (profile.pipeline_step_overhead_us or 0.0) * 1e-6
+        return seconds
 
     def _logits_bytes(self, strategy: Strategy) -> float:
         """The head's logits and their gradient per micro-batch (bytes)."""

@@ -99,6 +99,7 @@ class SegmentPricer:
         saved = [key.token_scale / d for d in split.saved_divisor]
         low_precision = seg_type.kind != "head"  # fp8 recipes keep the output layer in bf16
         times = self.compute.segment_times(nodes, work, low_precision=low_precision, cp=key.cp)
+        times = self.compute.with_dtensor(times, split.work_divisor)
         times = self._imbalanced(nodes, times, key)
         tp_fwd, tp_bwd = self._tp_comm(split, times, key)
         cp_fwd, cp_bwd = self._cp_comm(nodes, times, work, key)

@@ -1,0 +1,124 @@
+"""The plans ``plan calibrate`` runs on a CPU: the probe model trained in each way this
+runtime parallelizes it (DDP, FSDP, tensor parallel with and without sequence
+parallelism, a pipeline).
+
+The eager DDP step (:func:`~planner.calibrate.microbench.training_step_sample`) prices
+what every plan pays per operator and parameter tensor, but not what only the others
+pay: DTensor's dispatch per operator and per parameter tensor, FSDP2's hooks and copies
+per unit, the pipeline schedule's actions, and the wait of each of their many small
+collectives for the other ranks, which a back-to-back sweep never sees. ``plan
+calibrate`` measures these runs as ``plan measure`` would and refits the profile's
+framework and collective overheads to them
+(:func:`~planner.calibrate.refit.refit_profile`, what ``plan calibrate --from`` does
+with runs of your own), so that a plan made on the profile prices what ``plan measure``
+then sees, whichever runtime the search picks.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.assemble import assemble_plan
+from planner.calibrate.fit import FitResult, rms
+from planner.calibrate.microbench import PROBE_MICRO_BATCH, PROBE_MODEL
+from planner.calibrate.options import measured_run_options
+from planner.calibrate.refit import PROBE_PARAMETERS, predict_plan, refit_profile, with_parameters
+from planner.hardware import HardwareProfile
+from planner.measured import MeasuredProfile
+from planner.models import resolve_model
+from planner.spec import Cluster, DType, Plan, Schedule, Strategy, Training
+
+__all__ = ["PROBE_PIPELINE_MICROBATCHES", "probe_strategies", "probe_plans", "refit_to_probe_runs"]
+
+PROBE_PIPELINE_MICROBATCHES = 4  # a pipeline's micro-batches per step (its bubble shows)
+
+
+def probe_strategies(world: int) -> dict[str, Strategy]:
+    """The probe's strategies over ``world`` ranks by name, each rank training
+    :data:`~planner.calibrate.microbench.PROBE_MICRO_BATCH` sequences a step: data
+    parallel and FSDP over every rank; with an even ``world``, tensor parallel (with and
+    without sequence parallelism) and two-stage pipelines (1F1B over several micro-batches,
+    zero-bubble over one), each over pairs of ranks and data parallel over the pairs."""
+    per_rank = PROBE_MICRO_BATCH
+    plans = {
+        "DP": Strategy(dp=world, micro_batch_size=per_rank),
+        "FSDP": Strategy(dp=world, zero=3, micro_batch_size=per_rank),
+    }
+    if world % 2:
+        return plans
+    pairs = world // 2
+    pipeline_batch = 2 * per_rank // PROBE_PIPELINE_MICROBATCHES
+    return plans | {
+        "TP": Strategy(dp=pairs, tp=2, micro_batch_size=2 * per_rank),
+        "TP+SP": Strategy(dp=pairs, tp=2, sequence_parallel=True, micro_batch_size=2 * per_rank),
+        "PP": Strategy(
+            dp=pairs, pp=2, micro_batch_size=pipeline_batch,
+            num_microbatches=PROBE_PIPELINE_MICROBATCHES, schedule=Schedule.ONE_F_ONE_B,
+        ),
+        "PP ZB x1": Strategy(
+            dp=pairs, pp=2, micro_batch_size=2 * per_rank, schedule=Schedule.ZERO_BUBBLE,
+        ),
+    }  # fmt: skip
+
+
+def probe_plans(world: int, ranks_per_node: int, profile: str) -> list[Plan]:
+    """The plans of :func:`probe_strategies` for ``world`` ranks, ``ranks_per_node`` to a
+    node, on the hardware profile named ``profile`` (fp32, AdamW, clipped)."""
+    handle = resolve_model(PROBE_MODEL)
+    cluster = Cluster(gpu=profile, num_gpus=world, gpus_per_node=min(ranks_per_node, world))
+    training = Training(global_batch_size=world * PROBE_MICRO_BATCH, dtype=DType.FP32)
+    return [
+        assemble_plan(handle, cluster, training, strategy)
+        for strategy in probe_strategies(world).values()
+    ]
+
+
+def refit_to_probe_runs(
+    profile: HardwareProfile, runs: Sequence[MeasuredProfile], stamp: str
+) -> tuple[HardwareProfile, FitResult]:
+    """``profile`` with the runtime's overheads fitted to the probe plans' ``runs``: the
+    DTensor parameter overhead on their optimizer phases
+    (:func:`_with_dtensor_param_overhead`), then :data:`PROBE_PARAMETERS` on their step
+    times (:func:`~planner.calibrate.refit.refit_profile`), and the fit's report (each
+    fitted field's value; RMS log error of the step times before and after)."""
+    profile = _with_dtensor_param_overhead(profile, runs, stamp)
+    fitted, report = refit_profile(
+        profile, runs, options=measured_run_options(profile), stamp=f"{stamp}: probe plans",
+        parameters=PROBE_PARAMETERS,
+    )  # fmt: skip
+    values = {"dtensor_param_overhead_us": profile.dtensor_param_overhead_us or 0.0}
+    values |= report.fitted
+    before = np.array([math.log(1 + e.error) for e in report.before])
+    after = np.array([math.log(1 + e.error) for e in report.after])
+    return fitted, FitResult(values, rms(before), rms(after), len(runs), report.at_bound)
+
+
+def _with_dtensor_param_overhead(
+    profile: HardwareProfile, runs: Sequence[MeasuredProfile], stamp: str
+) -> HardwareProfile:
+    """``profile`` with ``dtensor_param_overhead_us``: the median, over the ``runs`` that
+    hold DTensor parameters, of what their optimizer phase took beyond its price, per
+    parameter tensor (a step-time fit sees totals, not where they go)."""
+    options = measured_run_options(profile)
+
+    def optimizer_s(run: MeasuredProfile, overhead_us: float) -> float:
+        trial = profile.model_copy(update={"dtensor_param_overhead_us": overhead_us})
+        return predict_plan(run.plan, trial, options).breakdown_s["optimizer"]
+
+    per_us = []
+    for run in runs:
+        bare = optimizer_s(run, 0.0)
+        slope = optimizer_s(run, 1.0) - bare
+        if slope > 0 and "optimizer" in run.phases_s:
+            per_us.append(max(run.phases_s["optimizer"] - bare, 0.0) / slope)
+    if not per_us:
+        return profile
+    how = (
+        f"{stamp}: the optimizer phase of {len(per_us)} probe plan(s) holding DTensor "
+        "parameters, beyond its price, per parameter tensor (median)"
+    )
+    return with_parameters(profile, {"dtensor_param_overhead_us": statistics.median(per_us)}, how)
