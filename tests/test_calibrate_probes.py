@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from planner.calibrate import measured_run_options, predict_plan
+from planner.calibrate import CalibrationError, measured_run_options, predict_plan
 from planner.calibrate.probes import probe_plans, probe_strategies, refit_to_probe_runs
 from planner.calibrate.refit import with_parameters
 from planner.compare import compare_measured
 from planner.hardware import HardwareProfile
 from planner.measured import MeasuredProfile, Provenance, plan_fingerprint
 from planner.spec import Plan, Prediction
+from planner.validate import validate_plan_for_world
 from tests.test_calibrate_fit import _cpu_profile
 
 TRUTH = {
@@ -47,6 +48,7 @@ def test_the_probe_covers_every_way_the_runtime_splits_a_model_over_the_ranks() 
             assert s.dp * s.tp * s.pp == world
             assert plan.training.global_batch_size == 4 * world  # 4 sequences a rank
             assert plan.cluster.gpu == "my-cpu"
+            validate_plan_for_world(plan, world)  # what plan measure checks first
 
 
 def test_each_overhead_is_paid_by_the_plans_whose_runtime_pays_it() -> None:
@@ -108,3 +110,30 @@ def test_compare_sets_the_training_loops_time_against_what_the_profiler_calls_ot
     run = _measured(plan, prediction).model_copy(update={"phases_s": {"other": 3e-3}})
     other = next(row for row in compare_measured(plan, run, prediction).rows if row.name == "other")
     assert (other.predicted, other.measured) == (pytest.approx(2e-3), 3e-3)
+
+
+def test_probe_runs_the_overheads_cannot_explain_are_refused_naming_the_way_out() -> None:
+    profile = _cpu_profile(op_overhead_us=15.0)
+    plans = probe_plans(2, 2, "synthetic-cpu")
+    runs = [_measured(plan, _predict(plan, profile)) for plan in plans]
+    runs[0] = runs[0].model_copy(update={"step_time_median_s": 100 * runs[0].step_time_median_s})
+    with pytest.raises(
+        CalibrationError, match=r"the probe plans \(dp2 mb4x1.*did not converge.*--no-probe-runs"
+    ):
+        refit_to_probe_runs(profile, runs, "today")
+
+
+def test_an_odd_world_fits_only_what_its_probes_show(caplog: pytest.LogCaptureFixture) -> None:
+    truth = _cpu_profile(op_overhead_us=15.0, **TRUTH)
+    plans = probe_plans(3, 3, "synthetic-cpu")  # DP and FSDP: no pairs to split over
+    runs = [_measured(plan, _predict(plan, truth)) for plan in plans]
+    fitted, fit = refit_to_probe_runs(_cpu_profile(op_overhead_us=15.0), runs, "today")
+    # two runs for three fitted values (the priors hold the third): the runs repriced
+    assert fit.rms_after < 0.02 < fit.rms_before
+    assert fitted.fsdp_call_overhead_us == pytest.approx(1500.0, rel=0.15)
+    assert fitted.step_overhead_us == pytest.approx(2000.0, rel=0.15)
+    assert fitted.dtensor_param_overhead_us == pytest.approx(100.0, rel=0.05)  # FSDP2's
+    # no run shows DTensor dispatch or a pipeline: left as they were, and no warning
+    assert fitted.dtensor_op_overhead_us is None and fitted.pipeline_step_overhead_us is None
+    assert "dtensor_op_overhead_us" not in fit.values and fit.at_bounds == ()
+    assert "bound" not in caplog.text

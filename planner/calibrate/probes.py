@@ -23,13 +23,20 @@ from collections.abc import Sequence
 import numpy as np
 
 from planner.assemble import assemble_plan
-from planner.calibrate.fit import FitResult, rms
+from planner.calibrate.fit import CalibrationError, FitResult, rms
 from planner.calibrate.microbench import PROBE_MICRO_BATCH, PROBE_MODEL
 from planner.calibrate.options import measured_run_options
-from planner.calibrate.refit import PROBE_PARAMETERS, predict_plan, refit_profile, with_parameters
+from planner.calibrate.refit import (
+    PROBE_PARAMETERS,
+    parameters_shown,
+    predict_plan,
+    refit_profile,
+    with_parameters,
+)
 from planner.hardware import HardwareProfile
 from planner.measured import MeasuredProfile
 from planner.models import resolve_model
+from planner.parallel_dims import ParallelDims
 from planner.spec import Cluster, DType, Plan, Schedule, Strategy, Training
 
 __all__ = ["PROBE_PIPELINE_MICROBATCHES", "probe_strategies", "probe_plans", "refit_to_probe_runs"]
@@ -42,7 +49,8 @@ def probe_strategies(world: int) -> dict[str, Strategy]:
     :data:`~planner.calibrate.microbench.PROBE_MICRO_BATCH` sequences a step: data
     parallel and FSDP over every rank; with an even ``world``, tensor parallel (with and
     without sequence parallelism) and two-stage pipelines (1F1B over several micro-batches,
-    zero-bubble over one), each over pairs of ranks and data parallel over the pairs."""
+    zero-bubble over one), each over pairs of ranks and data parallel over the pairs
+    (FSDP2's ZeRO-1 under the pipelines, where DDP cannot run)."""
     per_rank = PROBE_MICRO_BATCH
     plans = {
         "DP": Strategy(dp=world, micro_batch_size=per_rank),
@@ -52,9 +60,7 @@ def probe_strategies(world: int) -> dict[str, Strategy]:
         return plans
     pairs = world // 2
     pipeline_batch = 2 * per_rank // PROBE_PIPELINE_MICROBATCHES
-    return plans | {
-        "TP": Strategy(dp=pairs, tp=2, micro_batch_size=2 * per_rank),
-        "TP+SP": Strategy(dp=pairs, tp=2, sequence_parallel=True, micro_batch_size=2 * per_rank),
+    pipelines = {
         "PP": Strategy(
             dp=pairs, pp=2, micro_batch_size=pipeline_batch,
             num_microbatches=PROBE_PIPELINE_MICROBATCHES, schedule=Schedule.ONE_F_ONE_B,
@@ -63,6 +69,24 @@ def probe_strategies(world: int) -> dict[str, Strategy]:
             dp=pairs, pp=2, micro_batch_size=2 * per_rank, schedule=Schedule.ZERO_BUBBLE,
         ),
     }  # fmt: skip
+    return (
+        plans
+        | {
+            "TP": Strategy(dp=pairs, tp=2, micro_batch_size=2 * per_rank),
+            "TP+SP": Strategy(
+                dp=pairs, tp=2, sequence_parallel=True, micro_batch_size=2 * per_rank
+            ),
+        }
+        | {name: _replicable(strategy) for name, strategy in pipelines.items()}
+    )
+
+
+def _replicable(strategy: Strategy) -> Strategy:
+    """``strategy``, its data parallelism FSDP2's ZeRO-1 where DDP cannot replicate it
+    (:meth:`~planner.parallel_dims.ParallelDims.ddp_blocker`: under a pipeline)."""
+    if ParallelDims.of(strategy).ddp_blocker(tied=False) is None:
+        return strategy
+    return Strategy.model_validate({**strategy.model_dump(), "zero": 1})
 
 
 def probe_plans(world: int, ranks_per_node: int, profile: str) -> list[Plan]:
@@ -84,12 +108,20 @@ def refit_to_probe_runs(
     DTensor parameter overhead on their optimizer phases
     (:func:`_with_dtensor_param_overhead`), then :data:`PROBE_PARAMETERS` on their step
     times (:func:`~planner.calibrate.refit.refit_profile`), and the fit's report (each
-    fitted field's value; RMS log error of the step times before and after)."""
+    fitted field's value; RMS log error of the step times before and after). Raises
+    :class:`CalibrationError` naming the runs when the fit does not converge."""
     profile = _with_dtensor_param_overhead(profile, runs, stamp)
-    fitted, report = refit_profile(
-        profile, runs, options=measured_run_options(profile), stamp=f"{stamp}: probe plans",
-        parameters=PROBE_PARAMETERS,
-    )  # fmt: skip
+    options = measured_run_options(profile)
+    try:
+        fitted, report = refit_profile(
+            profile, runs, options=options, stamp=f"{stamp}: probe plans",
+            parameters=parameters_shown(PROBE_PARAMETERS, profile, runs, options),
+        )  # fmt: skip
+    except CalibrationError as error:
+        raise CalibrationError(
+            f"the probe plans ({', '.join(r.plan.strategy.describe() for r in runs)}): {error}; "
+            "or skip them (plan calibrate --no-probe-runs)"
+        ) from error
     values = {"dtensor_param_overhead_us": profile.dtensor_param_overhead_us or 0.0}
     values |= report.fitted
     before = np.array([math.log(1 + e.error) for e in report.before])

@@ -55,6 +55,7 @@ __all__ = [
     "RunError",
     "RefitReport",
     "with_parameters",
+    "parameters_shown",
     "predict_plan",
     "predict_op_classes",
     "stage_indices",
@@ -193,6 +194,24 @@ def with_parameters(
         target[leaf] = value
         data["sources"][path] = source
     return HardwareProfile.model_validate(data)
+
+
+def parameters_shown(
+    parameters: Sequence[RefitParameter], profile: HardwareProfile,
+    runs: Sequence[MeasuredProfile], options: CostOptions,
+) -> tuple[RefitParameter, ...]:  # fmt: skip
+    """The ``parameters`` some run's priced step time depends on (halfway up its range):
+    a fit cannot place what no run shows (no tensor-parallel run, no DTensor dispatch)."""
+    priced = [PricedPlan(run.plan, options) for run in runs]
+    base = [plan.estimate(profile).step_time_s for plan in priced]
+
+    def moves(parameter: RefitParameter) -> bool:
+        starts = [_get(profile, path) for path in parameter.fields]
+        nudged = parameter.apply(parameter.limits(starts)[1] / 2, starts)
+        trial = with_parameters(profile, dict(zip(parameter.fields, nudged, strict=True)), "")
+        return any(p.estimate(trial).step_time_s != t for p, t in zip(priced, base, strict=True))
+
+    return tuple(parameter for parameter in parameters if moves(parameter))
 
 
 def predict_plan(plan: Plan, profile: HardwareProfile, options: CostOptions) -> Prediction:
