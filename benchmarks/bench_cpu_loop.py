@@ -101,7 +101,7 @@ def _run(command: list[str], *, torchrun: bool = False) -> str:
     result = subprocess.run(full, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     if result.returncode != 0:
-        tail = "\n".join(line for line in result.stderr.splitlines()[-20:] if "USDT" not in line)
+        tail = "\n".join(result.stderr.splitlines()[-20:])
         sys.exit(f"failed: {' '.join(full)}\n{tail}")
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING planner")]
     return "\n".join([result.stdout.rstrip(), *warnings])

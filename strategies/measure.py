@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import gc
 import logging
+import os
 import platform
 import re
 import time
@@ -164,6 +165,11 @@ def _timed_step(trainer: Trainer, batches: _Batches, step: int) -> float:
 def _profiled_phases(
     trainer: Trainer, batches: _Batches, step: int
 ) -> tuple[dict[str, float], float]:
+    # kineto (torch 2.13) logs a line on stderr at each profiler start and stop, which
+    # every measured plan would add to the user's terminal; level 6 silences its log (a
+    # failed profile still fails below: no forward measured). Read at kineto's first
+    # start; a level the user set stays.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with (
         _forward_labels(trainer.parallel),
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,

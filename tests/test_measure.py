@@ -113,6 +113,7 @@ def _measure_on_two_ranks(plan: Plan, tmp_path: Path, steps: int) -> tuple[Measu
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "profiler_start" not in result.stderr  # the profiled step says nothing of itself
     return load_document(MeasuredProfile, out), result.stdout
 
 
