@@ -27,9 +27,8 @@ from planner.calibrate.fit import CalibrationError, FitResult, rms
 from planner.calibrate.microbench import PROBE_MICRO_BATCH, PROBE_MODEL
 from planner.calibrate.options import measured_run_options
 from planner.calibrate.refit import (
-    PROBE_PARAMETERS,
+    RefitParameter,
     parameters_shown,
-    predict_plan,
     refit_profile,
     with_parameters,
 )
@@ -37,11 +36,34 @@ from planner.hardware import HardwareProfile
 from planner.measured import MeasuredProfile
 from planner.models import resolve_model
 from planner.parallel_dims import ParallelDims
+from planner.priced_plan import PricedPlan
 from planner.spec import Cluster, DType, Plan, Schedule, Strategy, Training
 
-__all__ = ["PROBE_PIPELINE_MICROBATCHES", "probe_strategies", "probe_plans", "refit_to_probe_runs"]
+__all__ = [
+    "PROBE_PIPELINE_MICROBATCHES", "PROBE_PARAMETERS", "probe_strategies", "probe_plans",
+    "refit_to_probe_runs",
+]  # fmt: skip
 
 PROBE_PIPELINE_MICROBATCHES = 4  # a pipeline's micro-batches per step (its bubble shows)
+
+# What only the runtime's distributed wrappers and its training loop pay, which a DDP
+# step never shows (milliseconds per call in a CPU's eager Python: 2 ranks on 2 cores,
+# tiny-llama under tp 2 took 5x its DDP step, under FSDP 3x): the probe plans fit them,
+# and the per-operator overhead the eager step measured within a factor of two of it
+# (their DDP plan times the same step again, over more repeats); their tiny messages
+# leave the sweep's bandwidth and latency as they were
+PROBE_PARAMETERS: tuple[RefitParameter, ...] = (
+    RefitParameter("framework overhead per operator scale", ("op_overhead_us",), "scale",
+                   0.5, 2.0),
+    RefitParameter("DTensor overhead per sharded operator (us)", ("dtensor_op_overhead_us",),
+                   "add", 0.0, 2000.0),
+    RefitParameter("FSDP2 overhead per unit call (us)", ("fsdp_call_overhead_us",),
+                   "add", 0.0, 5000.0),
+    RefitParameter("training loop overhead per step (us)", ("step_overhead_us",),
+                   "add", 0.0, 20_000.0),
+    RefitParameter("pipeline schedule overhead per run (us)", ("pipeline_step_overhead_us",),
+                   "add", 0.0, 50_000.0),
+)  # fmt: skip
 
 
 def probe_strategies(world: int) -> dict[str, Strategy]:
@@ -59,26 +81,18 @@ def probe_strategies(world: int) -> dict[str, Strategy]:
     if world % 2:
         return plans
     pairs = world // 2
-    pipeline_batch = 2 * per_rank // PROBE_PIPELINE_MICROBATCHES
-    pipelines = {
-        "PP": Strategy(
-            dp=pairs, pp=2, micro_batch_size=pipeline_batch,
+    split = 2 * per_rank  # sequences a pair of ranks trains
+    return plans | {
+        "TP": Strategy(dp=pairs, tp=2, micro_batch_size=split),
+        "TP+SP": Strategy(dp=pairs, tp=2, sequence_parallel=True, micro_batch_size=split),
+        "PP": _replicable(Strategy(
+            dp=pairs, pp=2, micro_batch_size=split // PROBE_PIPELINE_MICROBATCHES,
             num_microbatches=PROBE_PIPELINE_MICROBATCHES, schedule=Schedule.ONE_F_ONE_B,
-        ),
-        "PP ZB x1": Strategy(
-            dp=pairs, pp=2, micro_batch_size=2 * per_rank, schedule=Schedule.ZERO_BUBBLE,
-        ),
+        )),
+        "PP ZB x1": _replicable(Strategy(
+            dp=pairs, pp=2, micro_batch_size=split, schedule=Schedule.ZERO_BUBBLE,
+        )),
     }  # fmt: skip
-    return (
-        plans
-        | {
-            "TP": Strategy(dp=pairs, tp=2, micro_batch_size=2 * per_rank),
-            "TP+SP": Strategy(
-                dp=pairs, tp=2, sequence_parallel=True, micro_batch_size=2 * per_rank
-            ),
-        }
-        | {name: _replicable(strategy) for name, strategy in pipelines.items()}
-    )
 
 
 def _replicable(strategy: Strategy) -> Strategy:
@@ -137,14 +151,15 @@ def _with_dtensor_param_overhead(
     parameter tensor (a step-time fit sees totals, not where they go)."""
     options = measured_run_options(profile)
 
-    def optimizer_s(run: MeasuredProfile, overhead_us: float) -> float:
+    def optimizer_s(priced: PricedPlan, overhead_us: float) -> float:
         trial = profile.model_copy(update={"dtensor_param_overhead_us": overhead_us})
-        return predict_plan(run.plan, trial, options).breakdown_s["optimizer"]
+        return priced.estimate(trial).breakdown_s["optimizer"]
 
     per_us = []
     for run in runs:
-        bare = optimizer_s(run, 0.0)
-        slope = optimizer_s(run, 1.0) - bare
+        priced = PricedPlan(run.plan, options)
+        bare = optimizer_s(priced, 0.0)
+        slope = optimizer_s(priced, 1.0) - bare
         if slope > 0 and "optimizer" in run.phases_s:
             per_us.append(max(run.phases_s["optimizer"] - bare, 0.0) / slope)
     if not per_us:

@@ -50,7 +50,6 @@ from planner.spec import Plan, Prediction
 
 __all__ = [
     "REFIT_PARAMETERS",
-    "PROBE_PARAMETERS",
     "RefitParameter",
     "RunError",
     "RefitReport",
@@ -106,26 +105,6 @@ class RefitParameter:
         """A change in comparable units: the log multiplier, or the share of the range."""
         return variable if self.mode == "scale" else variable / self.high
 
-
-# What only the runtime's distributed wrappers and its training loop pay, which a DDP
-# step never shows (milliseconds per call in a CPU's eager Python: 2 ranks on 2 cores,
-# tiny-llama under tp 2 took 5x its DDP step, under FSDP 3x): plan calibrate's probe
-# plans (planner.calibrate.probes) fit them, and the per-operator overhead the eager step
-# measured within a factor of two of it (its DDP plan times the same step again, over
-# more repeats); the probes' tiny messages leave the sweep's bandwidth and latency as
-# they were
-PROBE_PARAMETERS: tuple[RefitParameter, ...] = (
-    RefitParameter("framework overhead per operator scale", ("op_overhead_us",), "scale",
-                   0.5, 2.0),
-    RefitParameter("DTensor overhead per sharded operator (us)", ("dtensor_op_overhead_us",),
-                   "add", 0.0, 2000.0),
-    RefitParameter("FSDP2 overhead per unit call (us)", ("fsdp_call_overhead_us",),
-                   "add", 0.0, 5000.0),
-    RefitParameter("training loop overhead per step (us)", ("step_overhead_us",),
-                   "add", 0.0, 20_000.0),
-    RefitParameter("pipeline schedule overhead per run (us)", ("pipeline_step_overhead_us",),
-                   "add", 0.0, 50_000.0),
-)  # fmt: skip
 
 REFIT_PARAMETERS: tuple[RefitParameter, ...] = (
     RefitParameter("framework overhead per operator", ("op_overhead_us",), "add", 0.0, 100.0),
