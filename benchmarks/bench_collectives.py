@@ -9,7 +9,8 @@ Each row of ``benchmarks/data/nccl_tests.csv`` is one line of an nccl-tests outp
 (out-of-place time) published with its source. A row is priced on its GPU's profile
 with ``planner.cost.communication``: the group spans the row's nodes, the network of a
 node is its NICs (``nics_per_node x nic_gbps``) shared by its GPUs, and a run that forced
-``NCCL_ALGO=Ring`` is priced as a ring. ``role`` says whether a row was used to fit the
+``NCCL_ALGO=Ring`` is priced as a ring. A row whose ``profile`` is a cluster profile
+(``aws-p5``) is priced on that cluster's GPU profile with its network's latency. ``role`` says whether a row was used to fit the
 profiles' protocol parameters (``--fit``), is held out, or is an outlier of its own
 table (printed, not scored); the target (within 15% mean per table) is judged on the
 held-out rows.
@@ -38,8 +39,10 @@ from planner.calibrate.links import (  # noqa: E402
     table_error,
     with_link,
 )
+from planner.clusters import list_clusters, load_cluster  # noqa: E402
 from planner.cost.communication import Algorithm, Collective  # noqa: E402
 from planner.hardware import HardwareProfile, load_profile  # noqa: E402
+from planner.spec import Cluster  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "nccl_tests.csv"
 TARGET = 0.15  # mean |error| per held-out table
@@ -51,22 +54,24 @@ TIERS: tuple[Tier, ...] = ("intra_node", "inter_node")
 class Row:
     """One nccl-tests line: ``size`` bytes of ``kind`` over ``ranks`` GPUs took ``measured_s``."""
 
-    profile: str
+    profile: str  # the GPU profile
     ranks: int
     per_node: int
     network_GBps: float | None  # a node's NICs per GPU, one direction (None: one node)
+    network_latency_us: float | None  # a cluster profile's network step (None: the GPU's)
     kind: Collective
     algorithm: Algorithm | None
     size: int
     measured_s: float
     role: str
     source: str
+    shown: str  # the profile column: the GPU profile, or the cluster profile it sits in
 
     @property
     def sample(self) -> LinkSample:
         return LinkSample(
             self.kind, self.ranks, self.per_node, self.size, self.measured_s,
-            self.algorithm, self.network_GBps,
+            self.algorithm, self.network_GBps, self.network_latency_us,
         )  # fmt: skip
 
     @property
@@ -76,7 +81,7 @@ class Row:
     @property
     def table(self) -> tuple[str, int, str, str, str]:
         algorithm = self.algorithm.value if self.algorithm else "default"
-        return (self.profile, self.ranks, self.kind.value, algorithm, self.source)
+        return (self.shown, self.ranks, self.kind.value, algorithm, self.source)
 
 
 def _network(row: dict[str, str]) -> float | None:
@@ -86,14 +91,21 @@ def _network(row: dict[str, str]) -> float | None:
     return node_GBps / int(row["gpus_per_node"])
 
 
+def _cluster(name: str) -> Cluster | None:
+    """The cluster profile a row names in place of a GPU profile (None: a GPU profile)."""
+    return load_cluster(name) if name in list_clusters() else None
+
+
 def load_rows(path: Path = DATA) -> list[Row]:
     with path.open(newline="") as handle:
         return [
             Row(
-                profile=r["profile"],
+                profile=cluster.gpu if cluster else r["profile"],
+                shown=r["profile"],
                 ranks=int(r["n_gpus"]),
                 per_node=int(r["gpus_per_node"]),
                 network_GBps=_network(r),
+                network_latency_us=cluster.inter_node_latency_us if cluster else None,
                 kind=Collective(r["collective"]),
                 algorithm=None if r["algo"] == "default" else Algorithm(r["algo"]),
                 size=int(r["size_bytes"]),
@@ -102,6 +114,7 @@ def load_rows(path: Path = DATA) -> list[Row]:
                 source=r["source_url"],
             )
             for r in csv.DictReader(handle)
+            for cluster in [_cluster(r["profile"])]
         ]
 
 
@@ -211,7 +224,7 @@ def calibrate_report(rows: Sequence[Row], profiles: dict[str, HardwareProfile]) 
         chosen = sorted(chosen, key=lambda r: r.size)
         seen, unseen = chosen[::2], chosen[1::2]
         tier = chosen[0].tier
-        base = profiles[profile]
+        base = profiles[chosen[0].profile]
         link, _ = fit_link([r.sample for r in seen], base, tier)
         calibrated = with_link(base, tier, link)
         before = table_error([r.sample for r in unseen], base)

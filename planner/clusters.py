@@ -1,7 +1,8 @@
 """Clusters: a GPU profile and a GPU count, or a shipped cluster profile with its links.
 
 Shipped cluster profiles (``profiles/clusters/*.json``) describe networks beyond one
-GPU profile's defaults: several sites joined by slow links, commodity Ethernet. A
+GPU profile's defaults: several sites joined by slow links, commodity Ethernet, a cloud's
+fabric (AWS EFA). A
 name that is not a cluster profile is a GPU profile (``plan profiles``), which needs
 the number of GPUs.
 """
@@ -86,13 +87,19 @@ def _profile_beside(cluster: Cluster, path: Path) -> Cluster:
 
 
 def _fixed(cluster: Cluster, source: str, num_gpus: int | None) -> Cluster:
-    """``cluster`` as described: its GPU count and links go together."""
-    if num_gpus is not None and num_gpus != cluster.num_gpus:
+    """``cluster`` as described, or with ``num_gpus`` where its links are per node (no
+    extra tiers): the GPU count of sites joined by shared uplinks goes with those links."""
+    if num_gpus is None or num_gpus == cluster.num_gpus:
+        return cluster
+    if cluster.extra_tiers:
         raise SpecError(
             f"--gpus {num_gpus} with cluster {source!r}, which has num_gpus = "
-            f"{cluster.num_gpus}: drop --gpus, or copy the cluster JSON and change its num_gpus"
+            f"{cluster.num_gpus} over {len(cluster.extra_tiers)} link tier(s) sized for it: "
+            "drop --gpus, or copy the cluster JSON and change its num_gpus and tiers"
         )
-    return cluster
+    return load_document(
+        Cluster, {**cluster.model_dump(), "num_gpus": num_gpus}, f"--gpus {num_gpus}"
+    )
 
 
 def _names() -> list[str]:

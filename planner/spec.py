@@ -583,7 +583,9 @@ class Cluster(_Doc):
     """GPUs of one profile, ``gpus_per_node`` to a node.
 
     Link bandwidths and latencies default to the GPU profile's; the ``*_GBps`` and
-    ``*_us`` fields override them for this cluster.
+    ``*_us`` fields override them for this cluster. ``inter_node_latency_us`` is the
+    network's step (a fabric that is not the profile's InfiniBand: AWS EFA, TCP): every
+    protocol's step across nodes takes at least that long.
     """
 
     schema_version: Literal[1] = SCHEMA_VERSION

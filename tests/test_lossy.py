@@ -222,6 +222,16 @@ def test_cluster_profiles_load_and_refuse_a_different_size():
     assert resolve_cluster("h100-sxm-80gb", num_gpus=16).num_gpus == 16
 
 
+def test_a_cluster_profile_without_tiers_takes_any_whole_node_count():
+    """A cluster profile whose links are per node (a cloud's fabric) sizes like a GPU
+    profile; one whose sites share uplinks keeps the size its tiers describe."""
+    p5 = resolve_cluster("aws-p5", num_gpus=256)
+    assert (p5.num_gpus, p5.gpu, p5.inter_node_latency_us) == (256, "h100-sxm-80gb", 23)
+    assert resolve_cluster("aws-p5") == load_cluster("aws-p5")
+    with pytest.raises(SpecError, match=r"num_gpus \(12\) must be a multiple of gpus_per_node"):
+        resolve_cluster("aws-p5", num_gpus=12)
+
+
 def test_a_hardware_profile_file_is_a_gpu_profile(tmp_path):
     """What ``plan calibrate`` writes names the GPU (with --gpus), as a profile name does."""
     profile = tmp_path / "my-gpu.json"

@@ -71,7 +71,8 @@ _PROTOCOL_CAPS = {"LL": (50.0, 0.5), "LL128": (100.0, 120 / 128)}
 class LinkSample:
     """``size_bytes`` (the whole array) of ``kind`` over ``ranks`` GPUs, ``per_node`` to a
     node, took ``seconds``; ``algorithm``: the one the run forced (``NCCL_ALGO``);
-    ``network_GBps``: a node's network per GPU where it differs from the profile's."""
+    ``network_GBps`` and ``network_latency_us``: a node's network per GPU and its step
+    latency where they differ from the profile's (a cluster profile's, as AWS EFA's)."""
 
     kind: Collective
     ranks: int
@@ -80,6 +81,7 @@ class LinkSample:
     seconds: float
     algorithm: Algorithm | None = None
     network_GBps: float | None = None
+    network_latency_us: float | None = None
 
     @property
     def tier(self) -> Tier:
@@ -91,7 +93,7 @@ def price(sample: LinkSample, profile: HardwareProfile) -> float:
     as expert parallelism prices it: ``size_bytes`` sent by each rank)."""
     cluster = Cluster(
         gpu=profile.name, num_gpus=sample.ranks, gpus_per_node=sample.per_node,
-        inter_node_GBps=sample.network_GBps,
+        inter_node_GBps=sample.network_GBps, inter_node_latency_us=sample.network_latency_us,
     )  # fmt: skip
     if sample.kind is Collective.ALL_TO_ALL:
         return alltoall_time(sample.size_bytes, sample.ranks, cluster, profile)

@@ -27,7 +27,9 @@ most the scale-up rate). An axis wider than an extra tier's domain (a site) also
 crosses that tier: each group's ring leaves each domain once, and the groups with
 members in a domain (``min(stride, domain_size)`` of them, all reducing at once) share
 its uplink, so a group gets ``uplink / min(stride, domain_size)``, at most what the
-node network gives it; the slowest tier crossed decides.
+node network gives it; the slowest tier crossed decides. A network slower than the
+profile's (a cluster's ``inter_node_latency_us``, a tier's ``latency_us``) slows every
+protocol's step across it, the low-latency ones' too.
 """
 
 from __future__ import annotations
@@ -155,6 +157,14 @@ class LinkModel:
         """Bulk bus bandwidth of ``kind`` on this link (bytes/s)."""
         return self.busbw_Bps * self.factors.get(kind.value, 1.0)
 
+    def network_at_least(self, latency_s: float) -> LinkModel:
+        """This link where a step between nodes takes at least ``latency_s`` on every
+        protocol (a network slower than the profile's: TCP, EFA, a WAN between sites)."""
+        protocols = tuple(
+            replace(p, remote_hop_s=max(p.remote_hop_s, latency_s)) for p in self.protocols
+        )
+        return replace(self, latency_s=max(self.latency_s, latency_s), protocols=protocols)
+
     def bulk(self, kind: Collective) -> ProtocolModel:
         """The bulk protocol for ``kind``, its bandwidth share relative to ``busbw_Bps``."""
         local = self.latency_s if self.local_latency_s is None else self.local_latency_s
@@ -271,6 +281,8 @@ def _intra(cluster: Cluster, profile: HardwareProfile) -> LinkModel:
 
 
 def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) -> LinkModel:
+    """The network; a cluster's own ``inter_node_latency_us`` is its bulk protocol's
+    step and the least any protocol's step across it takes."""
     link = profile.links.inter_node
     bandwidth = (cluster.inter_node_GBps or link.bandwidth_GBps) * 1e9 * link.busbw_efficiency
     latency = (
@@ -279,7 +291,10 @@ def _inter(cluster: Cluster, profile: HardwareProfile, members_per_node: int) ->
     intra = _intra(cluster, profile)
     busbw = min(members_per_node * bandwidth, intra.busbw_Bps)
     within = (profile.links.intra_node, intra)
-    return _link_model("inter_node", link, busbw, latency, within, members_per_node)
+    model = _link_model("inter_node", link, busbw, latency, within, members_per_node)
+    if cluster.inter_node_latency_us is None:
+        return model
+    return model.network_at_least(model.latency_s)
 
 
 def alltoall_time(
@@ -324,8 +339,8 @@ def link_for_axis(size: int, stride: int, cluster: Cluster, profile: HardwarePro
             continue
         share = tier.uplink_GBps * 1e9 / min(stride, tier.domain_size)
         if share < link.busbw_Bps:
-            latency = max(link.latency_s, tier.latency_us * 1e-6)
-            link = replace(link, name=tier.name, busbw_Bps=share, latency_s=latency)
+            link = replace(link, name=tier.name, busbw_Bps=share)
+            link = link.network_at_least(tier.latency_us * 1e-6)
     return link
 
 
