@@ -202,8 +202,10 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     @property
     def current(self) -> int:
-        """Bytes of the live storages now."""
-        return sum(storage.nbytes() for ref in self._storages.values() if (storage := ref()))
+        """Bytes of the live storages now. Read from a copy: another thread (gloo's, the
+        autograd engine's) frees storages, whose callbacks drop them from the map."""
+        refs = list(self._storages.values())
+        return sum(storage.nbytes() for ref in refs if (storage := ref()))
 
     def add(self, tensor: object) -> None:
         if not isinstance(tensor, torch.Tensor):

@@ -10,6 +10,7 @@ ranks sees the same data as a run on one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -235,6 +236,11 @@ def process_group_from_env() -> Iterator[int]:
 
     NCCL when CUDA is available, gloo otherwise. A single process (no ``WORLD_SIZE``
     or 1) runs without a process group and is rank 0.
+
+    The run's garbage is collected before the group is destroyed: FSDP2 modules, device
+    meshes and DTensors form reference cycles that hold the group's backend, which would
+    otherwise be freed during interpreter finalisation, where gloo's threads can abort
+    the process (pytorch/pytorch#179291).
     """
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         yield dist.get_rank() if dist.is_initialized() else 0
@@ -246,4 +252,5 @@ def process_group_from_env() -> Iterator[int]:
         yield dist.get_rank()
         dist.barrier()  # no rank tears gloo down while another still has work in flight
     finally:
+        gc.collect()
         dist.destroy_process_group()

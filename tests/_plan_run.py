@@ -9,8 +9,9 @@ import sys
 import warnings
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-# A gloo rank now and then aborts in C++ teardown after its work is done (a joinable
-# std::thread destroyed at exit; not understood; the README's loop notes it).
+# A gloo rank now and then aborts ("terminate called without an active exception", a
+# joinable std::thread destroyed) on a loaded machine, at exit or, rarely, mid-run; not
+# understood (pytorch/pytorch#179291 describes one way at exit).
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 

@@ -141,6 +141,39 @@ def test_the_memory_tracker_counts_each_storage_at_its_current_size() -> None:
     assert tracker.peak == 4096 + 8192
 
 
+def test_the_memory_tracker_reads_while_another_thread_frees_storages() -> None:
+    """Gloo's and the autograd engine's threads free storages while the step's thread
+    sums them: the sum must not fail ("dictionary changed size during iteration", seen
+    in plan measure of ZeRO-2 on a loaded machine)."""
+    import threading
+    import time
+
+    import torch
+
+    from strategies.measure import TensorMemoryTracker
+
+    tracker = TensorMemoryTracker()
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for tensor in [torch.empty(16) for _ in range(200)]:
+                tracker.add(tensor)
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        kept = [torch.empty(16) for _ in range(2000)]
+        for tensor in kept:
+            tracker.add(tensor)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert tracker.current >= 2000 * 16 * 4
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
 def test_the_optimizer_steps_temporaries_are_what_the_memory_model_prices(impl: str) -> None:
     """torch's AdamW step, counted by the tracker of ``plan measure``, allocates what
