@@ -269,7 +269,9 @@ def test_cli_allows_lossy_compression_only_when_asked(tmp_path, capsys):
     exact, lossy = tmp_path / "exact.json", tmp_path / "lossy.json"
     assert main([*base, "-o", str(exact)]) == 0
     assert main([*base, "--allow-lossy-compression", "powersgd:2", "-o", str(lossy)]) == 0
-    assert "trade-off" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "trade-off" in printed
+    assert "on 128 x a100-sxm-80gb in a100-25gbe" in " ".join(printed.split())  # its links
     assert Plan.from_json(exact.read_text()).strategy.compression.kind is CompressionKind.NONE
     chosen = Plan.from_json(lossy.read_text())
     assert chosen.strategy.compression == Compression(kind="powersgd", rank=2, warmup_steps=1000)

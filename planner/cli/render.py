@@ -177,8 +177,9 @@ def render_plan(plan: Plan, console: Console) -> None:
     """Print the plan as tables: strategy, prediction, breakdown, runners-up, solver."""
     cluster, training = plan.cluster, plan.training
     pure = ", states in bf16" if training.param_dtype is DType.BF16 else ""
+    where = f" in {cluster.name}" if cluster.name else ""  # a cluster profile's links
     title = (
-        f"Plan for {plan.model_name} on {cluster.num_gpus} x {cluster.gpu} "
+        f"Plan for {plan.model_name} on {cluster.num_gpus} x {cluster.gpu}{where} "
         f"(global batch {training.global_batch_size}, {training.dtype.value}{pure})"
     )
     console.print(_two_columns(title, _strategy_rows(plan.strategy)))
