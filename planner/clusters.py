@@ -2,9 +2,8 @@
 
 Shipped cluster profiles (``profiles/clusters/*.json``) describe networks beyond one
 GPU profile's defaults: several sites joined by slow links, commodity Ethernet, a cloud's
-fabric (AWS EFA). A
-name that is not a cluster profile is a GPU profile (``plan profiles``), which needs
-the number of GPUs.
+fabric (AWS EFA). A name that is not a cluster profile is a GPU profile (``plan
+profiles``), which needs the number of GPUs.
 """
 
 from __future__ import annotations
