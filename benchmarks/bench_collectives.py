@@ -10,10 +10,10 @@ Each row of ``benchmarks/data/nccl_tests.csv`` is one line of an nccl-tests outp
 with ``planner.cost.communication``: the group spans the row's nodes, the network of a
 node is its NICs (``nics_per_node x nic_gbps``) shared by its GPUs, and a run that forced
 ``NCCL_ALGO=Ring`` is priced as a ring. A row whose ``profile`` is a cluster profile
-(``aws-p5``) is priced on that cluster's GPU profile with its network's latency. ``role`` says whether a row was used to fit the
-profiles' protocol parameters (``--fit``), is held out, or is an outlier of its own
-table (printed, not scored); the target (within 15% mean per table) is judged on the
-held-out rows.
+(``aws-p5``) is priced on that cluster's GPU profile with its network's latency.
+``role`` says whether a row was used to fit the profiles' protocol parameters
+(``--fit``), is held out, or is an outlier of its own table (printed, not scored); the
+target (within 15% mean per table) is judged on the held-out rows.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Row:
     """One nccl-tests line: ``size`` bytes of ``kind`` over ``ranks`` GPUs took ``measured_s``."""
 
     profile: str  # the GPU profile
+    shown: str  # the profile column: the GPU profile, or the cluster profile it sits in
     ranks: int
     per_node: int
     network_GBps: float | None  # a node's NICs per GPU, one direction (None: one node)
@@ -65,7 +66,6 @@ class Row:
     measured_s: float
     role: str
     source: str
-    shown: str  # the profile column: the GPU profile, or the cluster profile it sits in
 
     @property
     def sample(self) -> LinkSample:
