@@ -21,12 +21,3 @@ def _deterministic_torch():
 @pytest.fixture(autouse=True)
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, as the README and ``.ci/run`` run
-    it), the tests that spawn ranks run one after another on one worker, each with the
-    machine's cores, while the other worker runs the single-process tests beside them."""
-    for item in items:
-        if item.get_closest_marker("distributed") is not None:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
