@@ -1,8 +1,10 @@
-"""Tracing speed and memory: Llama-3.1-405B at seq 8192 and a few other presets.
+"""Tracing speed and memory: Llama-3.1-405B at seq 8192, a few other presets, and a
+Hugging Face Llama-3.1-8B ``config.json`` (traced whole by ``torch.export``).
 
 Each model is traced in a fresh Python process, so the peak RSS (``ru_maxrss``) is
 that model's alone; times exclude the interpreter start but include importing torch
-and the planner, building the model on meta and tracing it.
+and the planner (and transformers for the Hugging Face config), building the model on
+meta and tracing it.
 
     python benchmarks/bench_trace.py            # all cases
     python benchmarks/bench_trace.py --one llama3.1-405b 8192   # one case, JSON line
@@ -15,7 +17,9 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 CASES = (
     ("llama3.1-405b", 8192),
@@ -23,7 +27,17 @@ CASES = (
     ("llama3-8b", 8192),
     ("gpt3-175b", 2048),
     ("gpt2", 1024),
+    ("hf-llama3.1-8b", 8192),
 )
+# Hugging Face configs, written to a temporary directory (meta-llama/Llama-3.1-8B's)
+HF_CONFIGS = {
+    "hf-llama3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
 LIMITS = {"llama3.1-405b": (30.0, 2048.0)}  # seconds, MiB: the issue's targets
 
 
@@ -33,8 +47,15 @@ def measure(name: str, seq_len: int) -> dict[str, float | str | int]:
     from planner.models import resolve_model
     from planner.tracing import trace
 
+    if name in HF_CONFIGS:
+        from planner.hf import resolve_hf_config
     imported = time.perf_counter()
-    handle = resolve_model(name, seq_len=seq_len)
+    if name in HF_CONFIGS:
+        with tempfile.TemporaryDirectory() as directory:
+            (Path(directory) / "config.json").write_text(json.dumps(HF_CONFIGS[name]))
+            handle = resolve_hf_config(directory)
+    else:
+        handle = resolve_model(name, seq_len=seq_len)
     built = time.perf_counter()
     graph = trace(handle, seq_len=seq_len)
     done = time.perf_counter()

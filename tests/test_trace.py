@@ -249,6 +249,22 @@ def test_fx_failure_falls_back_to_export(caplog):
     assert [graph.segment_type(s).kind for s in graph.segments] == ["block"] * 3 + ["head"]
 
 
+def test_export_skips_node_stack_traces_and_prices_the_same(monkeypatch):
+    """torch.export runs without recording each node's stack trace (nothing reads them)
+    and leaves torch's setting as it was; the graph is the one a traced run with stack
+    traces prices."""
+    import contextlib
+
+    import planner.tracing.fx as fx
+
+    handle = _user_handle(_Branchy(), 16)
+    fast = trace(handle, batch_size=2)
+    assert fast.tracer == "export"
+    assert torch.fx.config.do_not_emit_stack_traces is False
+    monkeypatch.setattr(fx, "_no_stack_traces", contextlib.nullcontext)
+    assert trace(handle, batch_size=2).digest == fast.digest
+
+
 def test_a_list_of_bare_layers_is_not_a_list_of_blocks():
     """Blocks are made of modules (what tensor parallelism lays out); a ModuleList of
     equal nn.Linear layers is the model's layers, traced as one segment."""

@@ -452,11 +452,26 @@ def _quiet_torch_logs() -> Iterator[None]:
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Trace without a Python stack trace per graph node (``node.meta["stack_trace"]``,
+    which nothing here reads): a sixth less time to export an 8B Llama config."""
+    config = torch.fx.config
+    kept = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = kept
+
+
 def _export(root: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, str]:
-    """``torch.export`` non-strict, then ``draft_export``; returns (program, tracer name)."""
+    """``torch.export`` non-strict, then ``draft_export`` (with the stack traces its report
+    of what failed points at); returns (program, tracer name)."""
     with _quiet_torch_logs():
         try:
-            return torch.export.export(root, inputs, strict=False), "export"
+            with _no_stack_traces():
+                return torch.export.export(root, inputs, strict=False), "export"
         except Exception as exc:  # any failure sends us to the next front end
             logger.warning(
                 "non-strict torch.export failed (%s); trying draft_export", error_summary(exc)
