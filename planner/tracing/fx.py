@@ -455,7 +455,8 @@ def _quiet_torch_logs() -> Iterator[None]:
 @contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """Trace without a Python stack trace per graph node (``node.meta["stack_trace"]``,
-    which nothing here reads): a sixth less time to export an 8B Llama config."""
+    which nothing here reads): about a quarter less time to export the Hugging Face
+    configs of ``benchmarks/bench_trace.py``."""
     config = torch.fx.config
     kept = config.do_not_emit_stack_traces
     config.do_not_emit_stack_traces = True
