@@ -6,7 +6,10 @@ Speed (each whole search in a fresh process, tracing included):
 - Llama-3.1-405B on 16,384 H100s, seq 8192, global batch 2048 (target < 10 s);
 - mixture of experts, expert parallelism searched with every other dimension:
   DeepSeek-V3 (671B, 256 experts) on 2048 H100s, seq 4096, global batch 15360, and
-  Mixtral 8x22B on 256 H100s, seq 4096, global batch 1024 (target < 10 s).
+  Mixtral 8x22B on 256 H100s, seq 4096, global batch 1024 (target < 10 s);
+- a model as users bring it: Llama-3.1-405B's Hugging Face ``config.json`` (traced whole
+  by ``torch.export``, each tensor-parallel layout rehearsed on the model's own code) on
+  1024 H100s, seq 8192, global batch 1024 (target < 30 s).
 
 Quality: for every run in ``published_runs.csv`` with a global batch, the search on the
 same model, GPUs, global batch and software options must contain the published
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 from bench_accuracy import DEFAULT_CSV, Case, load_cases
+from bench_trace import HF_CONFIGS
 
 from planner.cost import CostModel, RunConfig, graph_from_spec
 from planner.frameworks import PLANNER, Target, parse_target, training_refusal
@@ -50,17 +54,28 @@ SPEED_CASES = {
     "mixtral-8x22b on 256 x h100-sxm-80gb, seq 4096, gbs 1024 (target < 10 s)": (
         "mixtral-8x22b", "h100-sxm-80gb", 256, 1024, 4096,
     ),
+    "Llama-3.1-405B's Hugging Face config on 1024 x h100-sxm-80gb, seq 8192, gbs 1024 "
+    "(target < 30 s)": ("hf-llama3.1-405b", "h100-sxm-80gb", 1024, 1024, 8192),
 }  # fmt: skip
 
 # Run in a fresh process: build the model on meta, trace, search, stage DP, ILP, and
 # report the planning time apart from the interpreter's start and imports.
+# A Hugging Face case writes bench_trace's config to a temporary directory first.
 _TIMED = """
-import json, sys, time
+import json, pathlib, sys, tempfile, time
 started = time.perf_counter()
 import planner, planner.planning, planner.tracing  # planner's own names load lazily
-imported = time.perf_counter()
 model, gpu, gpus, batch, seq = json.loads(sys.argv[1])
-handle = planner.resolve_model(model, seq_len=seq)
+config = json.loads(sys.argv[2]).get(model)
+if config is not None:
+    import planner.hf
+imported = time.perf_counter()
+if config is None:
+    handle = planner.resolve_model(model, seq_len=seq)
+else:
+    with tempfile.TemporaryDirectory() as directory:
+        (pathlib.Path(directory) / "config.json").write_text(json.dumps(config))
+        handle = planner.hf.resolve_hf_config(directory)
 plan = planner.make_plan(
     handle, planner.Cluster(gpu=gpu, num_gpus=gpus),
     planner.Training(global_batch_size=batch, seq_len=seq),
@@ -76,7 +91,7 @@ def speed() -> None:
     for label, case in SPEED_CASES.items():
         started = time.perf_counter()
         result = subprocess.run(
-            [sys.executable, "-c", _TIMED, json.dumps(case)],
+            [sys.executable, "-c", _TIMED, json.dumps(case), json.dumps(HF_CONFIGS)],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         wall = time.perf_counter() - started

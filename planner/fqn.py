@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from functools import lru_cache
 from typing import TypeVar
 
 __all__ = ["fqn_matches", "match_fqns", "expand_patterns", "under_pattern"]
@@ -12,6 +13,7 @@ __all__ = ["fqn_matches", "match_fqns", "expand_patterns", "under_pattern"]
 T = TypeVar("T")
 
 
+@lru_cache(maxsize=1 << 16)  # the layout ILP asks about each block's modules per pattern
 def fqn_matches(pattern: str, fqn: str) -> bool:
     """Whether ``fqn`` is one of the modules ``pattern`` names."""
     parts, names = pattern.split("."), fqn.split(".")

@@ -12,23 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from planner.assemble import assemble_plan
 from planner.cost import CostModel, graph_from_spec
 from planner.cost.tp import megatron_assignment
 from planner.errors import PlannerError, SpecError
-from planner.fqn import fqn_matches
+from planner.fqn import expand_patterns, fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout, module_info
 from planner.models import get_preset, handle_for_module, resolve_model
 from planner.planning import make_plan
+from planner.rehearse import rehearse
 from planner.solve.layout import LayoutConstraints, Roofline
 from planner.solve.program import solve_tp_layout
 from planner.solve.search import Pins
 from planner.spec import Cluster, ModelSpec, ModuleTP, Strategy, TPStyle, Training
 from planner.tracing import trace_for_training
 from tests.devices import write_tp_pays
-from tests.user_models import GPT, SEQ, VOCAB
+from tests.user_models import GPT, SEQ, VOCAB, Block
 
 pytest.importorskip("transformers")
 from planner.hf import resolve_hf_config
@@ -242,6 +244,62 @@ def test_tensor_parallelism_that_splits_kv_heads_is_refused_at_plan_time(tmp_pat
         r"num_attention_heads and num_key_value_heads\); use tp in \[1, 2\]",
     ):
         make_plan(handle, H100, TRAINING, pins=Pins(tp=4))
+
+
+class _PeeksAtLastBlock(GPT):
+    """Reads its last block's tensor outside that block's forward."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) + self.transformer.h[-1].ln_2.bias.sum() * 0
+
+
+def _rehearsed_block_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records each run of a nanoGPT block on fake tensors (a rehearsal's, not a trace's)."""
+    runs: list[int] = []
+    forward = Block.forward
+
+    def counted(self: Block, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, FakeTensor):
+            runs.append(1)
+        return forward(self, x)
+
+    monkeypatch.setattr(Block, "forward", counted)
+    return runs
+
+
+def test_rehearsal_runs_one_block_of_each_kind(monkeypatch):
+    """Blocks of one traced type under one layout run the same code on the same shapes:
+    the rehearsal runs the first and hands its output on; a block the layout places
+    differently is a kind of its own."""
+    handle = handle_for_module(GPT(n_layer=4))
+    graph = trace_for_training(handle, TRAINING)
+    layout = ModelLayouts(handle, graph, SLOW).layout(2, False)
+    assert layout is not None
+    runs = _rehearsed_block_runs(monkeypatch)
+    assert rehearse(handle, graph, layout.modules, tp=2) is None
+    assert len(runs) == 1
+    names = [name for name, _ in handle.module.named_modules() if name]
+    last_whole = {
+        fqn: how
+        for fqn, how in expand_patterns(layout.modules, names).items()
+        if not fqn.startswith("transformer.h.3.")
+    }
+    runs.clear()
+    assert rehearse(handle, graph, last_whole, tp=2) is None
+    assert len(runs) == 2
+
+
+def test_a_rehearsal_failure_with_blocks_not_run_is_confirmed_by_running_them_all(monkeypatch):
+    """A block not run keeps its tensors on meta: the model's own code reading one outside
+    the block fails that short rehearsal, and the rehearsal of every block, which runs,
+    is the answer."""
+    handle = handle_for_module(_PeeksAtLastBlock(n_layer=4))
+    graph = trace_for_training(handle, TRAINING)
+    layout = ModelLayouts(handle, graph, SLOW).layout(2, False)
+    assert layout is not None
+    runs = _rehearsed_block_runs(monkeypatch)
+    assert rehearse(handle, graph, layout.modules, tp=2) is None
+    assert len(runs) == 1 + 4
 
 
 def test_sequence_parallelism_ends_where_the_models_own_code_needs_the_whole_sequence(
