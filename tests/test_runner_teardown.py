@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     with process_group_from_env() as rank:
         train_one_step(rank)
     alive = sorted({type(o).__name__ for o in gc.get_objects() if type(o).__name__.startswith("FSDP")})
-    print("alive after the group:", alive, flush=True)
+    print(f"alive after the group: {alive}", flush=True)  # one write: the ranks share stdout
     """
 )
 
