@@ -63,9 +63,20 @@ def _config_file(path: str | Path) -> Path:
         file = file / "config.json"
     if not file.is_file():
         raise SpecError(
-            f"hf-config {str(path)!r}: no such file; give a config.json or a directory holding one"
+            f"hf-config {str(path)!r}: no such file; give a config.json or a directory "
+            f"holding one{_hub_hint(path)}"
         )
     return file
+
+
+def _hub_hint(path: str | Path) -> str:
+    """What a missing ``owner/name`` most likely is: a Hub id, never downloaded here."""
+    if Path(path).is_absolute() or str(path).count("/") != 1:
+        return ""
+    return (
+        " (a Hugging Face Hub id is not downloaded here: fetch its config with "
+        f"'hf download {path} config.json --local-dir DIR' and give DIR)"
+    )
 
 
 def _read_config(file: Path) -> dict[str, Any]:

@@ -107,8 +107,17 @@ def test_config_file_path_is_accepted(tmp_path):
 
 
 def test_missing_config_names_the_path(tmp_path):
-    with pytest.raises(SpecError, match=r"no such file; give a config\.json"):
+    with pytest.raises(SpecError, match=r"no such file; give a config\.json") as missing:
         resolve_hf_config(tmp_path / "nowhere")
+    assert "Hub id" not in str(missing.value)
+
+
+def test_a_hub_id_is_not_downloaded_and_the_error_says_how_to_fetch_its_config(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError, match=r"Hub id is not downloaded here.*config\.json"):
+        resolve_hf_config("meta-llama/Llama-3.1-8B")
 
 
 def test_config_without_model_type(tmp_path):
