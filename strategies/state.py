@@ -49,7 +49,13 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from planner.errors import SpecError
 from planner.io import dumps_json, parse_json, write_text_atomic
-from planner.models.hf_layout import ExpertTensors, hf_aliases, hf_names_for, per_expert_layouts
+from planner.models.hf_layout import (
+    ExpertTensors,
+    check_hf_config,
+    hf_aliases,
+    hf_names_for,
+    per_expert_layouts,
+)
 from strategies.data_parallel import as_shard_of
 
 __all__ = [
@@ -469,6 +475,7 @@ def weight_source(path: str | Path, model: nn.Module) -> WeightSource:
     metadata = source.reader().read_metadata()
     saved = metadata.state_dict_metadata
     rename = hf_names_for(model)
+    check_hf_config(model, path)
     names = {fqn: _saved_name(rename(fqn), saved) for fqn in tensors}
     names = _tied_names(model, names, metadata)
     experts = _per_expert_sources(path, tensors, names, saved)

@@ -203,6 +203,33 @@ def test_hugging_face_llama_weights_load_into_the_zoo_llama(tmp_path: Path, tied
         assert torch.equal(zoo(tokens), hf(tokens).logits)
 
 
+def test_weights_whose_config_computes_otherwise_are_refused_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    """Llama 3.1's config scales the rotary frequencies (``rope_type`` llama3), which the
+    zoo Llama does not: its weights fit the zoo model by name and shape, and would train
+    another model. The load is refused, naming the setting and the way to train it."""
+    spec = get_preset("tiny-llama")
+    llama31 = {"rope_type": "llama3", "rope_theta": spec.rope_theta, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
+    config = transformers.LlamaConfig(**hf_llama_config(spec) | {"rope_parameters": llama31})
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    scaled = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    plain = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path, config=transformers.LlamaConfig(**hf_llama_config(spec))
+    ).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, SEQ))
+    with torch.no_grad():  # the same weights, another model
+        assert not torch.allclose(scaled(tokens).logits, plain(tokens).logits)
+    model = build(spec, device="meta")
+    with pytest.raises(
+        SpecError, match=r"rope_type = 'llama3', where the zoo model .* 'default'.*--hf-config"
+    ):
+        parallelize(model, _one_process_plan(model), weights=tmp_path)
+
+
 def test_a_meta_hugging_face_model_loads_its_safetensors(tmp_path: Path) -> None:
     directory = hf_llama_dir(tmp_path, get_preset("tiny-llama"))
     hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()

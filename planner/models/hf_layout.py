@@ -22,18 +22,21 @@ they have no Hugging Face layout here.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from planner.errors import SpecError
+from planner.io import read_json
 from planner.models.transformer import Transformer
 from planner.spec import Family, ModelSpec
 
 __all__ = [
     "check_hf_layout",
+    "check_hf_config",
     "hf_name",
     "zoo_name",
     "hf_names_for",
@@ -134,6 +137,44 @@ def hf_names_for(model: nn.Module) -> Callable[[str], str]:
         return lambda fqn: fqn
     check_hf_layout(model.spec)
     return hf_name
+
+
+def check_hf_config(model: nn.Module, directory: Path) -> None:
+    """Raise when the ``config.json`` beside Hugging Face safetensors (if there is one)
+    describes maths the zoo model of ``model`` does not compute (Llama 3.1's scaled
+    rotary frequencies, another norm epsilon, a sliding window): its weights would load
+    by name and shape into a model that computes otherwise."""
+    file = directory / "config.json"
+    if not isinstance(model, Transformer) or not file.is_file():
+        return
+    theirs = _maths(read_json(file, what="config", finite=False))
+    ours = _maths(hf_llama_config(model.spec))
+    for setting, value in theirs.items():
+        if value != ours[setting]:
+            raise SpecError(
+                f"weights {str(directory)!r}: its config.json has {setting} = {value!r}, "
+                f"where the zoo model {model.spec.name!r} has {ours[setting]!r}, so the "
+                "weights would train a model that computes otherwise; train Hugging Face's "
+                f"model of that config (plan --hf-config {str(directory)!r}, "
+                "planner.hf.resolve_hf_config) or a zoo model whose settings match"
+            )
+
+
+def _maths(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Llama-style ``config.json`` says beyond the tensors' shapes, read as
+    transformers reads it (rotary settings under ``rope_parameters`` from version 5,
+    ``rope_theta`` and ``rope_scaling`` before)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    windowed = config.get("use_sliding_window", True)
+    return {
+        "rope_type": rope.get("rope_type", rope.get("type", "default")),
+        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "hidden_act": config.get("hidden_act", "silu"),
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "mlp_bias": bool(config.get("mlp_bias", False)),
+        "sliding_window": config.get("sliding_window") if windowed else None,
+    }
 
 
 def hf_llama_config(spec: ModelSpec, *, dtype: str = "float32") -> dict[str, Any]:
