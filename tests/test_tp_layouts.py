@@ -21,7 +21,7 @@ from planner.errors import PlannerError, SpecError
 from planner.fqn import expand_patterns, fqn_matches
 from planner.graph import OpGraph, OpKind
 from planner.layouts import FIXED_STYLE_PRICER, ModelLayouts, check_plan_layout, module_info
-from planner.models import get_preset, handle_for_module, resolve_model
+from planner.models import ModelHandle, get_preset, handle_for_module, resolve_model
 from planner.planning import make_plan
 from planner.rehearse import rehearse
 from planner.solve.layout import LayoutConstraints, Roofline
@@ -253,6 +253,15 @@ class _PeeksAtLastBlock(GPT):
         return super().forward(idx) + self.transformer.h[-1].ln_2.bias.sum() * 0
 
 
+def _tp2_layout(model: GPT) -> tuple[ModelHandle, OpGraph, dict[str, ModuleTP]]:
+    """The module's handle, trace and tensor-parallel layout at tp 2."""
+    handle = handle_for_module(model)
+    graph = trace_for_training(handle, TRAINING)
+    layout = ModelLayouts(handle, graph, SLOW).layout(2, False)
+    assert layout is not None
+    return handle, graph, layout.modules
+
+
 def _rehearsed_block_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records each run of a nanoGPT block on fake tensors (a rehearsal's, not a trace's)."""
     runs: list[int] = []
@@ -271,17 +280,14 @@ def test_rehearsal_runs_one_block_of_each_kind(monkeypatch):
     """Blocks of one traced type under one layout run the same code on the same shapes:
     the rehearsal runs the first and hands its output on; a block the layout places
     differently is a kind of its own."""
-    handle = handle_for_module(GPT(n_layer=4))
-    graph = trace_for_training(handle, TRAINING)
-    layout = ModelLayouts(handle, graph, SLOW).layout(2, False)
-    assert layout is not None
+    handle, graph, layout = _tp2_layout(GPT(n_layer=4))
     runs = _rehearsed_block_runs(monkeypatch)
-    assert rehearse(handle, graph, layout.modules, tp=2) is None
+    assert rehearse(handle, graph, layout, tp=2) is None
     assert len(runs) == 1
     names = [name for name, _ in handle.module.named_modules() if name]
     last_whole = {
         fqn: how
-        for fqn, how in expand_patterns(layout.modules, names).items()
+        for fqn, how in expand_patterns(layout, names).items()
         if not fqn.startswith("transformer.h.3.")
     }
     runs.clear()
@@ -293,12 +299,9 @@ def test_a_rehearsal_failure_with_blocks_not_run_is_confirmed_by_running_them_al
     """A block not run keeps its tensors on meta: the model's own code reading one outside
     the block fails that short rehearsal, and the rehearsal of every block, which runs,
     is the answer."""
-    handle = handle_for_module(_PeeksAtLastBlock(n_layer=4))
-    graph = trace_for_training(handle, TRAINING)
-    layout = ModelLayouts(handle, graph, SLOW).layout(2, False)
-    assert layout is not None
+    handle, graph, layout = _tp2_layout(_PeeksAtLastBlock(n_layer=4))
     runs = _rehearsed_block_runs(monkeypatch)
-    assert rehearse(handle, graph, layout.modules, tp=2) is None
+    assert rehearse(handle, graph, layout, tp=2) is None
     assert len(runs) == 1 + 4
 
 
