@@ -21,7 +21,12 @@ def plan_run_losses(command: list[str]) -> list[float]:
 
 
 def run_printing(command: list[str], printed: str) -> str:
-    """The stdout of ``command``, which must succeed.
+    """The stdout of ``command``, which must succeed (:func:`run_to_completion`)."""
+    return run_to_completion(command, printed).stdout
+
+
+def run_to_completion(command: list[str], printed: str) -> subprocess.CompletedProcess[str]:
+    """``command``'s completed process, which must succeed.
 
     A run whose stdout holds ``printed`` (its results) and that then died of the teardown
     abort alone is run once more (with a warning): any other failure, or the abort
@@ -37,7 +42,7 @@ def run_printing(command: list[str], printed: str) -> str:
             f"gloo teardown abort after the run finished; rerunning: {command}", stacklevel=2
         )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return done
 
 
 def loss_falls(losses: list[float]) -> bool:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _plan_run import run_to_completion
 
 from planner.assemble import assemble_plan
 from planner.errors import PlanMismatchError, SpecError
@@ -110,9 +109,7 @@ def _measure_on_two_ranks(plan: Plan, tmp_path: Path, steps: int) -> tuple[Measu
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "-m", "planner", "measure", str(plan_path), "-o", str(out), "--steps", str(steps),
                "--warmup", "1"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_to_completion(command, f"wrote {out}")
     assert "profiler_start" not in result.stderr  # the profiled step says nothing of itself
     return load_document(MeasuredProfile, out), result.stdout
 
