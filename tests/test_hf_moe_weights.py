@@ -144,6 +144,23 @@ def test_the_zoo_moe_exports_mixtral_names_and_loads_back(tmp_path: Path) -> Non
     assert parameter_digests(loaded) == parameter_digests(expected)
 
 
+def test_a_zoo_moe_with_shared_experts_loads_beside_a_config_of_its_maths(
+    tmp_path: Path,
+) -> None:
+    """A config.json beside the safetensors is read for the maths beyond shapes; a zoo
+    MoE no Hugging Face config class describes (shared experts, a dense first block)
+    is compared on those alone."""
+    spec = get_preset("tiny-moe")
+    out = zoo_moe_dir(tmp_path, spec)
+    config = {"rope_theta": spec.rope_theta, "rms_norm_eps": spec.norm_eps, "hidden_act": "silu"}
+    (out / "config.json").write_text(json.dumps(config))
+    model = build(spec, device="meta")
+    parallelize(model, _one_process_plan(model), weights=out)
+    (out / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-6}))
+    with pytest.raises(SpecError, match=r"rms_norm_eps = 1e-06"):
+        parallelize(build(spec, device="meta"), _one_process_plan(model), weights=out)
+
+
 def test_a_mixtral_shaped_zoo_moe_is_transformers_mixtral(tmp_path: Path) -> None:
     out = zoo_moe_dir(tmp_path, MIXTRAL_ZOO)
     hf = transformers.MixtralForCausalLM.from_pretrained(out).eval()

@@ -148,7 +148,7 @@ def check_hf_config(model: nn.Module, directory: Path) -> None:
     if not isinstance(model, Transformer) or not file.is_file():
         return
     theirs = _maths(read_json(file, what="config", finite=False))
-    ours = _maths(hf_llama_config(model.spec))
+    ours = _maths(_llama_config(model.spec, dtype="float32"))  # any zoo Llama, experts too
     for setting, value in theirs.items():
         if value != ours[setting]:
             raise SpecError(
